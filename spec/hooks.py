@@ -1,0 +1,27 @@
+"""The vLLM 0.33.0 connector hooks of reference section 2, and how the tables cover them.
+
+A lifecycle hook changes request or job state, so some table transition must name it. A
+query hook changes no state (reference 2.8); it is listed so that the implementation offers
+it and the coverage test can tell an omission from a choice.
+"""
+
+from __future__ import annotations
+
+LIFECYCLE_HOOKS: dict[str, str] = {
+    "on_new_request": "S:1197-1208",
+    "get_num_new_matched_tokens": "S:1210-1277",
+    "update_state_after_alloc": "S:1351-1500",
+    "build_connector_meta": "S:2103-2196",
+    "update_connector_output": "S:2218-2310",
+    "request_finished": "S:2336-2376",
+    "reset_cache": "S:2401-2459",
+    "update_from_output": "CS:3566-3578 (finished_recving, core side)",
+}
+
+QUERY_HOOKS: dict[str, str] = {
+    "has_pending_push_work": "S:2198-2216",
+    "take_events": "S:2378-2399",
+    "get_stats": "S:2312-2334",
+    "get_external_cache_hit_sources": "S:1304-1349",
+    "shutdown": "S:2461-2462",
+}

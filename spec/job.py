@@ -1,0 +1,174 @@
+"""The transfer-job lifecycle, scheduler view (reference sections 3.4, 3.5, 6.3-6.4).
+
+A job is live while it is in the global job table ``_jobs``. It leaves the table in exactly
+three ways, and each of them removes it from its owner's ``transfer_jobs`` in the same step
+(INV-1 and INV-2 cannot break):
+- its last worker report arrives (COMPLETED, or FAILED if any worker reported a failure);
+- the job timeout expires (TIMED_OUT: the job moves to the timeout quarantine);
+- ``reset_cache`` (STALE: the job moves to the reset fence).
+Reports for jobs that left the table are matched against the quarantine and the reset fence
+and counted; anything else is an unknown job (typed error).
+"""
+
+from __future__ import annotations
+
+from spec.schema import BEYOND_VLLM, SAME, Effect, Guard, MachineSpec, Path, State, Transition
+
+UNALLOCATED = "UNALLOCATED"
+CREATED = "CREATED"
+SHIPPED = "SHIPPED"
+PARTIALLY_ACKED = "PARTIALLY_ACKED"
+FLUSH_REQUESTED = "FLUSH_REQUESTED"
+FAILING = "FAILING"
+COMPLETED = "COMPLETED"
+FAILED = "FAILED"
+TIMED_OUT = "TIMED_OUT"
+TIMED_OUT_DRAINED = "TIMED_OUT_DRAINED"
+STALE = "STALE"
+STALE_DRAINED = "STALE_DRAINED"
+
+STATES = (
+    State(UNALLOCATED, "the id is not yet handed out", "id >= _job_counter"),
+    State(CREATED, "created in this step's schedule, not yet shipped to the workers",
+          "id in _jobs and in _current_batch_load_jobs or the local store_jobs of "
+          "build_connector_meta"),
+    State(SHIPPED, "sent to the workers in a step's metadata; no report yet",
+          "id in _jobs, pending_count == num_workers"),
+    State(PARTIALLY_ACKED, "some workers acked, others have not reported",
+          "id in _jobs, 0 < pending_count < num_workers"),
+    State(FLUSH_REQUESTED, "live, and the workers were told to finish it before the step's "
+          "loads and forward pass (owner preempted, fenced block re-allocated, or reset)",
+          "id in _current_batch_jobs_to_flush, or shipped in meta.jobs_to_flush, and in _jobs"),
+    State(FAILING, "a worker reported the copy failed; waiting for the other workers' reports "
+          "before anything is released", "no vLLM predicate: a failure asserts (W:299-301)",
+          beyond_vllm=True),
+    State(COMPLETED, "every worker acked: complete_store/complete_load called, removed from "
+          "_jobs, transfer_jobs and the fence map", "id < _job_counter, not in _jobs, "
+          "not stale"),
+    State(FAILED, "every worker reported and one failed: a store rolled back "
+          "(complete_store(success=False)), a load unpinned and its request sent to recompute",
+          "no vLLM predicate", beyond_vllm=True),
+    State(TIMED_OUT, "not acked by every worker within job_timeout_steps: out of _jobs and "
+          "transfer_jobs; its chunks and blocks held in quarantine until the late reports",
+          "no vLLM predicate: vLLM has no timeout (reference 7, H1)", beyond_vllm=True),
+    State(TIMED_OUT_DRAINED, "every late report of a timed-out job arrived; its quarantine "
+          "released", "no vLLM predicate", beyond_vllm=True),
+    State(STALE, "alive at a reset: out of _jobs and transfer_jobs, in the reset fence until "
+          "every worker reported", "id < _stale_job_threshold and id in _reset_fence"),
+    State(STALE_DRAINED, "every report of a stale job arrived", "id < _stale_job_threshold, "
+          "id not in _reset_fence"),
+)
+
+LIVE = (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED, FAILING)
+
+GUARDS = (
+    Guard("owner_has_no_jobs", "the owning request's transfer_jobs is empty (S:1487)"),
+    Guard("reports_complete", "with this report, every worker has reported the job"),
+)
+
+EFFECTS = (
+    Effect("allocate_job_id", "id = _job_counter; _job_counter += 1 (S:750-753)"),
+    Effect("pin_load_chunks", "manager.prepare_load: ref_cnt += 1 on each key"),
+    Effect("protect_store_chunks", "manager.prepare_store: keys write-pending (ref_cnt -1)"),
+    Effect("enter_job_table", "_jobs[id] = status(pending_count = num_workers); id into the "
+           "owner's transfer_jobs"),
+    Effect("register_store_fences", "sliding-window / boundary sources into the block fence "
+           "map; deferred sources too if the owner is finished"),
+    Effect("put_in_metadata", "into meta.load_jobs or meta.store_jobs"),
+    Effect("add_to_jobs_to_flush", "into _current_batch_jobs_to_flush"),
+    Effect("count_report", "pending_count -= count"),
+    Effect("mark_failed", "remember that a worker failed the copy"),
+    Effect("complete_in_manager", "complete_store(success=True) / complete_load; "
+           "_chunks_being_loaded -= keys"),
+    Effect("roll_back_in_manager", "store: complete_store(success=False); load: "
+           "complete_load; _chunks_being_loaded -= keys"),
+    Effect("leave_job_table", "remove from _jobs, the owner's transfer_jobs and the fence map; "
+           "the owner's ending trigger fires"),
+    Effect("enter_timeout_quarantine", "remaining reports recorded; store keys dropped from the "
+           "index but their slots kept; load pins kept"),
+    Effect("release_quarantine", "free the quarantined slots and pins"),
+    Effect("enter_reset_fence", "_reset_fence[id] = remaining reports (S:2437-2441)"),
+    Effect("count_stale_report", "_reset_fence[id] -= count; counted as a stale ack"),
+    Effect("leave_reset_fence", "delete the fence entry; on_reset_flushed if the fence empties"),
+)
+
+_ACK = "update_connector_output"
+_REPORTING = (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED)
+
+TRANSITIONS = (
+    Transition("create_load", (UNALLOCATED,), CREATED, "update_state_after_alloc",
+               "S:1474-1495", guards=("owner_has_no_jobs",),
+               effects=("allocate_job_id", "pin_load_chunks", "enter_job_table")),
+    Transition("create_store", (UNALLOCATED,), CREATED, "build_connector_meta",
+               "S:2058-2080, S:1593-1602, S:1739-1749",
+               effects=("allocate_job_id", "protect_store_chunks", "enter_job_table",
+                        "register_store_fences")),
+    Transition("ship", (CREATED,), SHIPPED, "build_connector_meta", "S:2169-2173",
+               effects=("put_in_metadata",)),
+    Transition("ship", (FLUSH_REQUESTED,), SAME, "build_connector_meta", "S:2094-2099",
+               effects=("put_in_metadata",), path=Path.PREEMPT,
+               note="a final store whose deferred block was re-allocated this very step"),
+    Transition("flush", (CREATED, SHIPPED, PARTIALLY_ACKED), FLUSH_REQUESTED,
+               "build_connector_meta", "S:2136-2165, S:2094-2099",
+               effects=("add_to_jobs_to_flush",), path=Path.PREEMPT),
+    Transition("flush", (FLUSH_REQUESTED, FAILING), SAME, "build_connector_meta",
+               "S:2136-2165", effects=("add_to_jobs_to_flush",), path=Path.PREEMPT,
+               note="already flushed, or failing: the flush demand is idempotent"),
+    Transition("ack", (SHIPPED, PARTIALLY_ACKED), PARTIALLY_ACKED, _ACK, "S:2283-2286",
+               guards=("!reports_complete",), effects=("count_report",)),
+    Transition("ack", (FLUSH_REQUESTED, FAILING), SAME, _ACK, "S:2283-2286",
+               guards=("!reports_complete",), effects=("count_report",)),
+    Transition("ack", (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED), COMPLETED, _ACK,
+               "S:2287-2310", guards=("reports_complete",),
+               effects=("count_report", "complete_in_manager", "leave_job_table")),
+    Transition("ack", (FAILING,), FAILED, _ACK, BEYOND_VLLM, guards=("reports_complete",),
+               effects=("count_report", "roll_back_in_manager", "leave_job_table"),
+               path=Path.FAILURE),
+    Transition("fail", (*_REPORTING, FAILING), FAILING, _ACK, BEYOND_VLLM,
+               guards=("!reports_complete",), effects=("count_report", "mark_failed"),
+               path=Path.FAILURE),
+    Transition("fail", (*_REPORTING, FAILING), FAILED, _ACK, BEYOND_VLLM,
+               guards=("reports_complete",),
+               effects=("count_report", "mark_failed", "roll_back_in_manager",
+                        "leave_job_table"), path=Path.FAILURE),
+    Transition("poison", _REPORTING, FAILING, _ACK, BEYOND_VLLM, effects=("mark_failed",),
+               path=Path.FAILURE, note="a store of a request whose sync load failed: the KV it "
+               "reads was computed from bad data, so it must not become loadable"),
+    Transition("time_out", LIVE, TIMED_OUT, "build_connector_meta", BEYOND_VLLM,
+               effects=("leave_job_table", "enter_timeout_quarantine"), path=Path.TIMEOUT),
+    *(Transition(trig, (TIMED_OUT,), SAME, _ACK, BEYOND_VLLM, guards=("!reports_complete",),
+                 effects=("count_report",), path=Path.TIMEOUT) for trig in ("ack", "fail")),
+    *(Transition(trig, (TIMED_OUT,), TIMED_OUT_DRAINED, _ACK, BEYOND_VLLM,
+                 guards=("reports_complete",), effects=("count_report", "release_quarantine"),
+                 path=Path.TIMEOUT) for trig in ("ack", "fail")),
+    Transition("reset", (*LIVE, TIMED_OUT), STALE, "reset_cache", "S:2417, S:2436-2450",
+               effects=("add_to_jobs_to_flush", "leave_job_table", "enter_reset_fence"),
+               path=Path.RESET, note="a timed-out job's quarantine is dropped with the "
+               "manager's reset; its late reports now drain the reset fence"),
+    *(Transition(trig, (STALE,), SAME, _ACK, "S:2266-2268", guards=("!reports_complete",),
+                 effects=("count_stale_report",), path=Path.RESET) for trig in ("ack", "fail")),
+    *(Transition(trig, (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",
+                 guards=("reports_complete",),
+                 effects=("count_stale_report", "leave_reset_fence"), path=Path.RESET)
+      for trig in ("ack", "fail")),
+)
+
+JOB_MACHINE = MachineSpec(
+    name="job",
+    title="Transfer-job lifecycle (scheduler view)",
+    subject="job",
+    states=STATES,
+    transitions=TRANSITIONS,
+    initial=UNALLOCATED,
+    finals=(COMPLETED, FAILED, TIMED_OUT_DRAINED, STALE_DRAINED),
+    guards=GUARDS,
+    effects=EFFECTS,
+    ignored=(
+        ("a report for a STALE_DRAINED id (below the stale threshold, not in the fence)",
+         "counted as ignored_stale_reports (S:2277-2282 logs it)"),
+        ("a report for a COMPLETED, FAILED or TIMED_OUT_DRAINED id, or an id never allocated",
+         "typed error UnknownJob; vLLM raises KeyError (S:2283)"),
+        ("a report whose count exceeds the reports still due",
+         "typed error OverAck, nothing changed; vLLM asserts (S:2287)"),
+    ),
+)

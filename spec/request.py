@@ -1,0 +1,283 @@
+"""The request lifecycle, connector view (reference sections 2 and 6.1-6.2).
+
+vLLM 0.33.0 keeps no state enum for a request: its state is implied by membership in
+``_req_status``, the contents of ``transfer_jobs``, ``finished_signaled`` and the core
+scheduler's status. Each state below names one such combination; ``vllm_predicate`` says
+which. Job endings reach the request as one of four triggers (``store_ended``,
+``load_ended``, ``load_failed``, ``load_timed_out``); the job machine (``spec.job``) decides
+which one fires.
+"""
+
+from __future__ import annotations
+
+from spec.schema import BEYOND_VLLM, SAME, Effect, Guard, MachineSpec, Path, State, Transition
+
+ABSENT = "ABSENT"
+IDLE = "IDLE"
+LOOKUP_DEFERRED = "LOOKUP_DEFERRED"
+LOADING_ASYNC = "LOADING_ASYNC"
+LOADING_SYNC = "LOADING_SYNC"
+RUNNING = "RUNNING"
+STORING = "STORING"
+PREEMPTED_FLUSHING = "PREEMPTED_FLUSHING"
+ORPHANED_LOAD = "ORPHANED_LOAD"
+RECOMPUTE = "RECOMPUTE"
+TIMED_OUT = "TIMED_OUT"
+FINISHED_PENDING_FINAL = "FINISHED_PENDING_FINAL"
+FINISHED_DRAINING = "FINISHED_DRAINING"
+
+STATES = (
+    State(ABSENT, "not tracked: never added, or finished and cleaned up",
+          "req_id not in _req_status"),
+    State(IDLE, "tracked and unfinished, holds no job; waits to be looked up or scheduled",
+          "tracked, not req.is_finished(), transfer_jobs == {}, not scheduled since admission"),
+    State(LOOKUP_DEFERRED, "the last lookup answered None (backend RETRY/HIT_PENDING, or a hit "
+          "chunk is being loaded by another request); retried next step",
+          "transfer_jobs == {} and deferred_lookup_start_time is not None"),
+    State(LOADING_ASYNC, "one asynchronous load in flight; the core waits for finished_recving",
+          "transfer_jobs == {L}, not _jobs[L].is_store, not _jobs[L].is_sync_load; "
+          "core status WAITING_FOR_REMOTE_KVS"),
+    State(LOADING_SYNC, "a synchronous load in flight, waited on before this step's forward "
+          "pass; store jobs may sit beside it",
+          "some j in transfer_jobs with _jobs[j].is_sync_load; core status RUNNING"),
+    State(RUNNING, "scheduled, holds no job", "scheduled, transfer_jobs == {}"),
+    State(STORING, "scheduled, one or more store jobs in flight",
+          "scheduled, transfer_jobs != {}, every _jobs[j].is_store"),
+    State(PREEMPTED_FLUSHING, "preempted while holding jobs; every job was flushed and the "
+          "request is not looked up again until they end",
+          "in preempted_req_ids (this step or earlier), transfer_jobs != {}; core PREEMPTED"),
+    State(ORPHANED_LOAD, "a reset made its async load stale: the connector holds no job, the "
+          "core still waits for that load's finished_recving",
+          "transfer_jobs == {} after reset_cache; core status WAITING_FOR_REMOTE_KVS"),
+    State(RECOMPUTE, "a load of this request failed: the loaded tokens are invalid; the next "
+          "lookup bypasses the offload tier and the request recomputes from its local prefix",
+          "no vLLM predicate: vLLM asserts on a failed transfer (W:299-301)", beyond_vllm=True),
+    State(TIMED_OUT, "a load of this request was given up after the job timeout: like "
+          "RECOMPUTE, and the load's destination GPU blocks stay quarantined until its late "
+          "acks arrive", "no vLLM predicate: vLLM has no job timeout (reference 7, H1)",
+          beyond_vllm=True),
+    State(FINISHED_PENDING_FINAL, "request_finished was called; the final store decision and "
+          "on_request_finished happen at the next build_connector_meta",
+          "req.is_finished() and not finished_signaled"),
+    State(FINISHED_DRAINING, "finished and signaled; waits for its last jobs to end",
+          "finished_signaled and transfer_jobs != {}"),
+)
+
+UNFINISHED_TRACKED = (IDLE, LOOKUP_DEFERRED, LOADING_ASYNC, LOADING_SYNC, RUNNING, STORING,
+                      PREEMPTED_FLUSHING, ORPHANED_LOAD, RECOMPUTE, TIMED_OUT)
+FINISHED = (FINISHED_PENDING_FINAL, FINISHED_DRAINING)
+# States in which the request may still hold a load job in the table.
+HOLDS_LOAD = (LOADING_ASYNC, LOADING_SYNC, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
+              FINISHED_DRAINING)
+
+GUARDS = (
+    Guard("other_jobs_remain", "after the ending job leaves, the request still holds a job"),
+    Guard("has_transfer_jobs", "the request holds at least one job"),
+    Guard("load_invalid", "a load of this request failed or timed out since it was last "
+          "admitted: its loaded tokens must be recomputed"),
+)
+
+EFFECTS = (
+    Effect("create_request_status", "create the request's status; manager.on_new_request"),
+    Effect("restart_from_token_zero", "clear block_ids, store cursor to 0 (S:1242-1245)"),
+    Effect("start_deferral_timer", "set deferred_lookup_start_time if unset"),
+    Effect("record_lookup_hit", "num_hit_chunks; reserve the sync-load budget if it fits"),
+    Effect("bypass_offload_lookup", "answer 0 without asking the manager; clear load_invalid"),
+    Effect("create_load_job", "prepare_load (pins), new job id, pending_count = num_workers, "
+           "id into transfer_jobs and _jobs"),
+    Effect("mark_chunks_being_loaded", "add the load's keys to _chunks_being_loaded"),
+    Effect("record_block_ids", "append the allocated GPU blocks to the request's block table"),
+    Effect("create_store_job", "prepare_store; new job id into transfer_jobs and _jobs; fence "
+           "sliding-window sources; advance the store cursor"),
+    Effect("count_allocation_failure", "ALLOCATION_FAILURE counter; store cursor kept"),
+    Effect("flush_request_jobs", "every job of the request into jobs_to_flush"),
+    Effect("register_deferred_fences", "register each job's deferred source blocks in the "
+           "block fence map: the blocks are about to be freed"),
+    Effect("signal_request_finished", "finished_signaled = True; manager.on_request_finished"),
+    Effect("delete_request_status", "remove the request from _req_status"),
+    Effect("reset_store_cursor", "store cursors to 0, partial-tail boundary cleared"),
+    Effect("drop_request_jobs", "the request's jobs leave _jobs and transfer_jobs together "
+           "and enter the reset fence (the job machine's reset)"),
+    Effect("mark_load_invalid", "remember that the loaded tokens must be recomputed"),
+    Effect("poison_request_stores", "the request's live stores read KV computed from the "
+           "failed load: they end as failed and are rolled back"),
+    Effect("quarantine_load_blocks", "the timed-out load's destination GPU blocks are held "
+           "out of the free pool until its late acks arrive"),
+    Effect("promote_after_recving", "core: the stale load's finished_recving moves the "
+           "request back to WAITING (CS:3569-3575)"),
+)
+
+_ENDING_STORE = "update_connector_output"
+
+TRANSITIONS = (
+    # --- admission and lookup -------------------------------------------------------
+    Transition("add", (ABSENT,), IDLE, "on_new_request", "S:1197-1208",
+               effects=("create_request_status",)),
+    Transition("lookup_deferred", (IDLE, LOOKUP_DEFERRED), LOOKUP_DEFERRED,
+               "get_num_new_matched_tokens", "S:1262-1269",
+               effects=("restart_from_token_zero", "start_deferral_timer"),
+               note="backend RETRY/HIT_PENDING or a hit chunk in _chunks_being_loaded"),
+    Transition("lookup_resolved", (IDLE, LOOKUP_DEFERRED), IDLE,
+               "get_num_new_matched_tokens", "S:1272-1277",
+               effects=("restart_from_token_zero", "record_lookup_hit"),
+               note="hit of n >= 0 tokens; n > 0 is followed by update_state_after_alloc "
+               "unless allocate_slots fails (then the request simply stays IDLE)"),
+    Transition("lookup_resolved", (RECOMPUTE, TIMED_OUT), IDLE,
+               "get_num_new_matched_tokens", BEYOND_VLLM,
+               effects=("restart_from_token_zero", "bypass_offload_lookup"),
+               path=Path.FAILURE, note="after a failed or timed-out load the hit is 0"),
+    Transition("lookup_blocked", (PREEMPTED_FLUSHING,), SAME,
+               "get_num_new_matched_tokens", "S:1247-1252",
+               effects=("restart_from_token_zero",), path=Path.PREEMPT,
+               note="transfer_jobs non-empty: answer None, no lookup (issue #46014)"),
+    Transition("load_async", (IDLE,), LOADING_ASYNC, "update_state_after_alloc",
+               "S:1351-1499", guards=("!has_transfer_jobs",),
+               effects=("create_load_job", "mark_chunks_being_loaded")),
+    Transition("load_sync", (IDLE,), LOADING_SYNC, "update_state_after_alloc",
+               "S:1371, S:1484-1495", guards=("!has_transfer_jobs",),
+               effects=("create_load_job",)),
+    Transition("schedule", (IDLE,), RUNNING, "build_connector_meta", "S:1502-1552",
+               effects=("record_block_ids",), note="_update_req_states for a scheduled request"),
+    # --- stores ---------------------------------------------------------------------
+    Transition("store", (RUNNING, STORING), STORING, "build_connector_meta", "S:1815-2101",
+               effects=("create_store_job",)),
+    Transition("store", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, "build_connector_meta",
+               "S:1815-2101, S:2094-2099", effects=("create_store_job",),
+               note="beside a sync load; or the final store of a finished request"),
+    Transition("store_alloc_failed", (RUNNING, STORING, LOADING_SYNC, FINISHED_PENDING_FINAL),
+               SAME, "build_connector_meta", "S:1988-1996",
+               effects=("count_allocation_failure",), note="prepare_store returned None"),
+    # --- job endings ----------------------------------------------------------------
+    Transition("store_ended", (STORING,), SAME, _ENDING_STORE, "S:2283-2308",
+               guards=("other_jobs_remain",)),
+    Transition("store_ended", (STORING,), RUNNING, _ENDING_STORE, "S:2283-2308",
+               guards=("!other_jobs_remain",)),
+    Transition("store_ended", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, _ENDING_STORE,
+               "S:2283-2308", note="the sync load, or the pending finalisation, remains"),
+    Transition("load_ended", (LOADING_ASYNC,), IDLE, _ENDING_STORE, "S:2283-2308, CS:3569-3575",
+               note="then finished_recving: the core re-queues it with the loaded tokens"),
+    Transition("load_ended", (LOADING_SYNC,), STORING, _ENDING_STORE, "S:2283-2308",
+               guards=("other_jobs_remain",)),
+    Transition("load_ended", (LOADING_SYNC,), RUNNING, _ENDING_STORE, "S:2283-2308",
+               guards=("!other_jobs_remain",)),
+    Transition("load_ended", (FINISHED_PENDING_FINAL,), SAME, _ENDING_STORE, "S:2283-2308"),
+    *(Transition(trig, (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, "S:2307-2308",
+                 guards=("other_jobs_remain",), path=Path.PREEMPT)
+      for trig in ("store_ended", "load_ended")),
+    *(Transition(trig, (PREEMPTED_FLUSHING,), IDLE, _ENDING_STORE, "S:2307-2308",
+                 guards=("!other_jobs_remain", "!load_invalid"), path=Path.PREEMPT)
+      for trig in ("store_ended", "load_ended")),
+    *(Transition(trig, (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+                 guards=("!other_jobs_remain", "load_invalid"), path=Path.FAILURE)
+      for trig in ("store_ended", "load_ended")),
+    *(Transition(trig, (FINISHED_DRAINING,), SAME, _ENDING_STORE, "S:2283-2308",
+                 guards=("other_jobs_remain",), path=Path.FINISH)
+      for trig in ("store_ended", "load_ended")),
+    *(Transition(trig, (FINISHED_DRAINING,), ABSENT, _ENDING_STORE, "S:2309-2310",
+                 guards=("!other_jobs_remain",), effects=("delete_request_status",),
+                 path=Path.FINISH)
+      for trig in ("store_ended", "load_ended")),
+    # --- preemption -----------------------------------------------------------------
+    Transition("preempt", (RUNNING,), IDLE, "build_connector_meta", "CS:1799-1843",
+               path=Path.PREEMPT, note="no job to flush"),
+    Transition("preempt", (STORING, LOADING_SYNC), PREEMPTED_FLUSHING, "build_connector_meta",
+               "S:2136-2151", effects=("flush_request_jobs",), path=Path.PREEMPT),
+    # --- finish (and abort, legal in every state) -------------------------------------
+    Transition("finish", UNFINISHED_TRACKED, FINISHED_PENDING_FINAL, "request_finished",
+               "S:2361-2376, CS:3017-3027", effects=("register_deferred_fences",),
+               path=Path.FINISH, note="finish or abort; an abort while loading keeps its "
+               "blocks until finished_recving"),
+    Transition("finish_untracked", (ABSENT,), SAME, "request_finished", "S:2352-2359",
+               path=Path.FINISH, note="manager.on_new_request then on_request_finished"),
+    Transition("finalize", (FINISHED_PENDING_FINAL,), ABSENT, "build_connector_meta",
+               "S:2177-2184", guards=("!has_transfer_jobs",),
+               effects=("signal_request_finished", "delete_request_status"), path=Path.FINISH),
+    Transition("finalize", (FINISHED_PENDING_FINAL,), FINISHED_DRAINING, "build_connector_meta",
+               "S:2177-2184", guards=("has_transfer_jobs",),
+               effects=("signal_request_finished",), path=Path.FINISH),
+    # --- reset_cache ---------------------------------------------------------------
+    Transition("reset", FINISHED, ABSENT, "reset_cache", "S:2419-2423",
+               effects=("drop_request_jobs", "signal_request_finished",
+                        "delete_request_status"), path=Path.RESET),
+    Transition("reset", (IDLE, LOOKUP_DEFERRED, RECOMPUTE, TIMED_OUT), SAME, "reset_cache",
+               "S:2429-2433", effects=("reset_store_cursor",), path=Path.RESET),
+    Transition("reset", (RUNNING, STORING, LOADING_SYNC), RUNNING, "reset_cache",
+               "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
+               path=Path.RESET, note="the #48102 fix: transfer_jobs cleared with _jobs"),
+    Transition("reset", (PREEMPTED_FLUSHING,), IDLE, "reset_cache", "S:2429-2433",
+               guards=("!load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               path=Path.RESET),
+    Transition("reset", (PREEMPTED_FLUSHING,), RECOMPUTE, "reset_cache", BEYOND_VLLM,
+               guards=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               path=Path.RESET),
+    Transition("reset", (LOADING_ASYNC, ORPHANED_LOAD), ORPHANED_LOAD, "reset_cache",
+               "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
+               path=Path.RESET, note="the flushed load still reports finished_recving"),
+    Transition("load_recving", (ORPHANED_LOAD,), IDLE, "update_from_output",
+               "S:2266-2282, CS:3569-3575", effects=("promote_after_recving",),
+               path=Path.RESET, note="the stale ack is filtered; the core still promotes"),
+    # --- failures and timeouts (beyond vLLM) -----------------------------------------
+    Transition("load_failed", (LOADING_ASYNC,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+               effects=("mark_load_invalid",), path=Path.FAILURE),
+    Transition("load_failed", (LOADING_SYNC,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+               guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               path=Path.FAILURE),
+    Transition("load_failed", (LOADING_SYNC,), PREEMPTED_FLUSHING, _ENDING_STORE, BEYOND_VLLM,
+               guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "poison_request_stores", "flush_request_jobs"),
+               path=Path.FAILURE, note="its stores read KV computed from the failed load"),
+    Transition("load_failed", (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, BEYOND_VLLM,
+               guards=("other_jobs_remain",), effects=("mark_load_invalid",),
+               path=Path.FAILURE),
+    Transition("load_failed", (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+               guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               path=Path.FAILURE),
+    Transition("load_failed", (FINISHED_PENDING_FINAL,), SAME, _ENDING_STORE, BEYOND_VLLM,
+               path=Path.FAILURE),
+    Transition("load_failed", (FINISHED_DRAINING,), SAME, _ENDING_STORE, BEYOND_VLLM,
+               guards=("other_jobs_remain",), path=Path.FAILURE),
+    Transition("load_failed", (FINISHED_DRAINING,), ABSENT, _ENDING_STORE, BEYOND_VLLM,
+               guards=("!other_jobs_remain",), effects=("delete_request_status",),
+               path=Path.FAILURE),
+    Transition("load_timed_out", (LOADING_ASYNC,), TIMED_OUT, "build_connector_meta",
+               BEYOND_VLLM, effects=("mark_load_invalid", "quarantine_load_blocks"),
+               path=Path.TIMEOUT),
+    Transition("load_timed_out", (LOADING_SYNC,), TIMED_OUT, "build_connector_meta",
+               BEYOND_VLLM, guards=("!other_jobs_remain",),
+               effects=("mark_load_invalid", "quarantine_load_blocks"), path=Path.TIMEOUT),
+    Transition("load_timed_out", (LOADING_SYNC,), PREEMPTED_FLUSHING, "build_connector_meta",
+               BEYOND_VLLM, guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores",
+                        "flush_request_jobs"), path=Path.TIMEOUT),
+    Transition("load_timed_out", (PREEMPTED_FLUSHING,), SAME, "build_connector_meta",
+               BEYOND_VLLM, guards=("other_jobs_remain",), effects=("mark_load_invalid",),
+               path=Path.TIMEOUT),
+    Transition("load_timed_out", (PREEMPTED_FLUSHING,), RECOMPUTE, "build_connector_meta",
+               BEYOND_VLLM, guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               path=Path.TIMEOUT, note="preempted: its blocks were already freed behind the "
+               "flush"),
+    Transition("load_timed_out", (FINISHED_PENDING_FINAL,), SAME, "build_connector_meta",
+               BEYOND_VLLM, effects=("quarantine_load_blocks",), path=Path.TIMEOUT),
+    Transition("load_timed_out", (FINISHED_DRAINING,), SAME, "build_connector_meta",
+               BEYOND_VLLM, guards=("other_jobs_remain",), effects=("quarantine_load_blocks",),
+               path=Path.TIMEOUT),
+    Transition("load_timed_out", (FINISHED_DRAINING,), ABSENT, "build_connector_meta",
+               BEYOND_VLLM, guards=("!other_jobs_remain",),
+               effects=("quarantine_load_blocks", "delete_request_status"), path=Path.TIMEOUT),
+)
+
+REQUEST_MACHINE = MachineSpec(
+    name="request",
+    title="Request lifecycle (connector view)",
+    subject="request",
+    states=STATES,
+    transitions=TRANSITIONS,
+    initial=ABSENT,
+    finals=(ABSENT,),
+    guards=GUARDS,
+    effects=EFFECTS,
+    ignored=(
+        ("any hook for a request in ABSENT other than add and finish",
+         "typed error UnknownRequest; vLLM raises KeyError (S:1241, 1369, 1510)"),
+    ),
+)

@@ -1,0 +1,137 @@
+"""The vocabulary of the tables: states, transitions, machines.
+
+A table is plain, immutable data. Nothing here executes a transition; the implementation
+(`statemachine`) builds `transitions` machines from these objects, the diagrams are drawn
+from them, and the abstract model's action set is derived from them.
+
+Conventions:
+- A guard is a name. A leading ``!`` negates it (``"!other_jobs_remain"``). Two transitions
+  that leave the same state on the same trigger must be told apart by a guard that one
+  requires and the other negates (checked by the well-formedness tests).
+- ``dest == SAME`` means the transition stays in its source state (a reflexive transition;
+  ``transitions`` spells it ``"="``). It lets one row list several sources.
+- ``vllm_ref`` is a ``file:line`` reference into vLLM 0.33.0 (abbreviations of the reference
+  document, section 0), or ``BEYOND_VLLM`` for behaviour vLLM 0.33.0 lacks.
+- ``path`` classifies the edge for people: the happy path, reset handling, failure and
+  timeout handling, abort/finish, or a counted ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+SAME = "="
+BEYOND_VLLM = "beyond vLLM"
+
+
+class Path(StrEnum):
+    """Which kind of path an edge belongs to; the diagrams style each kind apart."""
+
+    HAPPY = "happy"
+    PREEMPT = "preempt"
+    FINISH = "finish"
+    RESET = "reset"
+    FAILURE = "failure"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class State:
+    name: str
+    meaning: str
+    vllm_predicate: str
+    beyond_vllm: bool = False
+
+
+@dataclass(frozen=True)
+class Transition:
+    trigger: str
+    sources: tuple[str, ...]
+    dest: str
+    hook: str
+    vllm_ref: str
+    guards: tuple[str, ...] = ()
+    effects: tuple[str, ...] = ()
+    path: Path = Path.HAPPY
+    note: str = ""
+
+    @property
+    def beyond_vllm(self) -> bool:
+        return self.vllm_ref == BEYOND_VLLM
+
+    def dest_from(self, source: str) -> str:
+        return source if self.dest == SAME else self.dest
+
+
+def guard_name(guard: str) -> str:
+    """The guard's predicate name without its negation mark."""
+    return guard[1:] if guard.startswith("!") else guard
+
+
+def guard_negated(guard: str) -> bool:
+    return guard.startswith("!")
+
+
+@dataclass(frozen=True)
+class Guard:
+    name: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class Effect:
+    name: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """One lifecycle: its states, transitions, guards and effects, all as data."""
+
+    name: str
+    title: str
+    subject: str
+    states: tuple[State, ...]
+    transitions: tuple[Transition, ...]
+    initial: str
+    finals: tuple[str, ...]
+    guards: tuple[Guard, ...]
+    effects: tuple[Effect, ...]
+    ignored: tuple[tuple[str, str], ...] = field(default=())
+    """Inputs that are not transitions but documented, counted ignores: (input, rule)."""
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states)
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for t in self.transitions:
+            seen.setdefault(t.trigger, None)
+        return tuple(seen)
+
+    @property
+    def guard_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.guards)
+
+    @property
+    def effect_names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.effects)
+
+    def state(self, name: str) -> State:
+        for s in self.states:
+            if s.name == name:
+                return s
+        raise KeyError(f"{self.name}: no state {name!r}")
+
+    def edges(self) -> list[tuple[str, str, Transition]]:
+        """Every (source, destination, transition) triple, reflexive rows expanded."""
+        return [(src, t.dest_from(src), t) for t in self.transitions for src in t.sources]
+
+    def outgoing(self, state: str, trigger: str) -> list[Transition]:
+        return [t for t in self.transitions if t.trigger == trigger and state in t.sources]
+
+    def enabled_triggers(self, state: str) -> tuple[str, ...]:
+        return tuple(trig for trig in self.triggers if self.outgoing(state, trig))

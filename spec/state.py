@@ -1,0 +1,148 @@
+"""The abstract state: what the invariants are written over.
+
+Immutable and hashable, so the model checker can store it in a set, and small enough to
+compare whole: the implementation's ``abstract_state()`` projects its live objects onto it
+(the refinement check compares the two after every step). Collections are sorted tuples or
+frozensets so that equal states are equal values.
+
+Names follow vLLM's fields (reference 1.2-1.3): ``transfer_jobs``, ``pending_count``,
+``stale_threshold``, ``reset_fence``, ``chunks_being_loaded``, ``block_fence``
+(``_block_id_to_pending_jobs``), ``jobs_to_flush``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+JobKind = Literal["load", "store"]
+
+
+@dataclass(frozen=True, order=True)
+class JobRecord:
+    """One live job of the global job table ``_jobs`` (TransferJobStatus, S:77-93)."""
+
+    id: int
+    kind: JobKind
+    owner: str
+    state: str
+    pending_count: int
+    sync: bool = False
+    failed: bool = False
+    keys: frozenset[int] = frozenset()
+    blocks: frozenset[int] = frozenset()
+    """GPU blocks the job reads (store) or writes (load)."""
+    fenced_blocks: frozenset[int] = frozenset()
+    deferred_fence_blocks: frozenset[int] = frozenset()
+    age: int = 0
+    """Steps since the job was shipped; the timeout compares it with job_timeout_steps."""
+
+
+@dataclass(frozen=True, order=True)
+class RequestRecord:
+    """One tracked request (RequestOffloadState, S:348-493) plus the core's view of it."""
+
+    id: str
+    state: str
+    transfer_jobs: frozenset[int] = frozenset()
+    finished: bool = False
+    finished_signaled: bool = False
+    load_invalid: bool = False
+    lookup_hit_pending: bool = False
+    """A lookup answered a hit this step that no update_state_after_alloc consumed yet."""
+    gpu_blocks: tuple[int, ...] = ()
+    """GPU blocks the core scheduler has allocated to the request, in order."""
+
+
+@dataclass(frozen=True, order=True)
+class HeldJob:
+    """A job that left the table but is still due worker reports (reset fence, quarantine)."""
+
+    id: int
+    kind: JobKind
+    reports_due: int
+    keys: frozenset[int] = frozenset()
+    blocks: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class AbstractState:
+    num_workers: int
+    requests: tuple[RequestRecord, ...] = ()
+    jobs: tuple[JobRecord, ...] = ()
+    job_counter: int = 0
+    stale_threshold: int = 0
+    reset_fence: tuple[HeldJob, ...] = ()
+    quarantine: tuple[HeldJob, ...] = ()
+    """Timed-out jobs awaiting their late reports (beyond vLLM)."""
+    chunks_being_loaded: frozenset[int] = frozenset()
+    chunk_ref_cnt: tuple[tuple[int, int], ...] = ()
+    """The manager's chunks: (key, ref_cnt); -1 is write-pending, n >= 0 is n readers."""
+    block_fence: tuple[tuple[int, frozenset[int]], ...] = ()
+    jobs_to_flush: frozenset[int] = frozenset()
+    step_open: bool = False
+    reset_since_last_step: bool = False
+    finished_signals: tuple[tuple[str, int], ...] = ()
+    """How often manager.on_request_finished was called, per request id."""
+    stores_after_signal: tuple[str, ...] = ()
+    """Requests that got a prepare_store after on_request_finished (must stay empty)."""
+    extra: tuple[tuple[str, int], ...] = field(default=())
+    """Counters that do not take part in invariants (ignored reports, ...)."""
+
+    # -- lookups -------------------------------------------------------------------
+    def job(self, job_id: int) -> JobRecord | None:
+        for j in self.jobs:
+            if j.id == job_id:
+                return j
+        return None
+
+    def request(self, req_id: str) -> RequestRecord | None:
+        for r in self.requests:
+            if r.id == req_id:
+                return r
+        return None
+
+    @property
+    def live_job_ids(self) -> frozenset[int]:
+        return frozenset(j.id for j in self.jobs)
+
+    @property
+    def fence_ids(self) -> frozenset[int]:
+        return frozenset(h.id for h in self.reset_fence)
+
+    @property
+    def quarantine_ids(self) -> frozenset[int]:
+        return frozenset(h.id for h in self.quarantine)
+
+    def ref_cnt(self, key: int) -> int | None:
+        for k, n in self.chunk_ref_cnt:
+            if k == key:
+                return n
+        return None
+
+    def is_quiescent(self) -> bool:
+        """Nothing in flight: no job, no fence, no quarantine; every request idle or gone."""
+        from spec.request import IDLE, RECOMPUTE, RUNNING, TIMED_OUT
+
+        return (
+            not self.jobs
+            and not self.reset_fence
+            and not self.quarantine
+            and not self.step_open
+            and all(r.state in (IDLE, RUNNING, RECOMPUTE, TIMED_OUT) for r in self.requests)
+        )
+
+    def canonical(self) -> AbstractState:
+        """The same state with every collection sorted (projections build them in any order)."""
+        return replace(
+            self,
+            requests=tuple(sorted(self.requests)),
+            jobs=tuple(sorted(self.jobs)),
+            reset_fence=tuple(sorted(self.reset_fence)),
+            quarantine=tuple(sorted(self.quarantine)),
+            chunk_ref_cnt=tuple(sorted(self.chunk_ref_cnt)),
+            block_fence=tuple(sorted(self.block_fence, key=lambda e: e[0])),
+            finished_signals=tuple(sorted(self.finished_signals)),
+            stores_after_signal=tuple(sorted(self.stores_after_signal)),
+            extra=tuple(sorted(self.extra)),
+        )

@@ -1,0 +1,140 @@
+"""`transitions` machines built from the tables of `spec`, and nothing else.
+
+One `Lifecycle` per table and per owner (a scheduler): a single shared `transitions.Machine`
+to which subjects (requests, jobs) are added and from which they are removed, because a
+Machine per request costs far more than `add_model`. `auto_transitions=False`, so the only
+moves are the table's. `fire` is the one way to move a subject: a trigger the table does not
+allow in the current state, or one whose guards all fail, raises `IllegalTransition` (plain
+`transitions` would return False and change nothing, silently).
+
+Guards are methods of the subject (`def other_jobs_remain(self, event) -> bool`); effects are
+methods of the host (`def create_load_job(self, subject, **kwargs) -> None`), run after the
+state changed, in table order. Both are resolved when the machine is built: a table naming
+something the implementation lacks fails at once with `SpecMismatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transitions import EventData, Machine, MachineError
+
+from spec.schema import SAME, MachineSpec, guard_name, guard_negated
+from statemachine.errors import IllegalTransition, SpecMismatch
+
+
+class Subject(Protocol):
+    state: str
+
+    @property
+    def key(self) -> object: ...
+
+
+@dataclass(frozen=True)
+class Fired:
+    """A completed transition, as observers see it."""
+
+    machine: str
+    key: object
+    trigger: str
+    source: str
+    dest: str
+    depth: int
+    """0 for a transition fired from outside any other transition's effects."""
+
+
+@dataclass
+class Nesting:
+    """Shared by the lifecycles of one owner: how deep in nested effects we are."""
+
+    depth: int = 0
+    observers: list[Callable[[Fired], None]] = field(default_factory=list)
+
+
+class Lifecycle:
+    def __init__(self, spec: MachineSpec, subject_cls: type, host: object,
+                 nesting: Nesting | None = None) -> None:
+        self.spec = spec
+        self.host = host
+        self.nesting = nesting or Nesting()
+        self._check_resolves(subject_cls)
+        self.machine = Machine(
+            model=None,
+            states=list(spec.state_names),
+            initial=spec.initial,
+            auto_transitions=False,
+            send_event=True,
+            ignore_invalid_triggers=False,
+        )
+        for t in spec.transitions:
+            self.machine.add_transition(
+                t.trigger,
+                list(t.sources),
+                "=" if t.dest == SAME else t.dest,
+                conditions=[g for g in t.guards if not guard_negated(g)],
+                unless=[guard_name(g) for g in t.guards if guard_negated(g)],
+                after=[self._effect(e) for e in t.effects],
+            )
+
+    def _check_resolves(self, subject_cls: type) -> None:
+        problems = [f"guard {g!r} is not a method of {subject_cls.__name__}"
+                    for g in self.spec.guard_names if not callable(getattr(subject_cls, g, None))]
+        problems += [f"effect {e!r} is not a method of {type(self.host).__name__}"
+                     for e in self.spec.effect_names if not callable(getattr(self.host, e, None))]
+        problems += [f"{subject_cls.__name__}.{t} would shadow the trigger {t!r}"
+                     for t in self.spec.triggers if hasattr(subject_cls, t)]
+        if problems:
+            raise SpecMismatch(f"{self.spec.name} table does not resolve: " + "; ".join(problems))
+
+    def _effect(self, name: str) -> Callable[[EventData], None]:
+        method = getattr(self.host, name)
+
+        def run(event: EventData) -> None:
+            method(event.model, **event.kwargs)
+
+        run.__name__ = name
+        return run
+
+    # -- subjects -------------------------------------------------------------------
+    def add(self, subject: Subject, state: str | None = None) -> None:
+        self.machine.add_model(subject, initial=state or self.spec.initial)
+
+    def remove(self, subject: Subject) -> None:
+        self.machine.remove_model(subject)
+
+    def allowed(self, state: str) -> tuple[str, ...]:
+        return self.spec.enabled_triggers(state)
+
+    def fire(self, subject: Subject, trigger: str, **kwargs: Any) -> str:
+        """Move `subject` by `trigger`; returns the new state or raises IllegalTransition."""
+        source = subject.state
+        rows = self.spec.outgoing(source, trigger)
+        if not rows:
+            raise IllegalTransition(self.spec.name, subject.key, source, trigger,
+                                    self.allowed(source))
+        self.nesting.depth += 1
+        try:
+            done = self.machine.events[trigger].trigger(subject, **kwargs)
+        except MachineError as exc:  # pragma: no cover - rows checked above
+            raise IllegalTransition(self.spec.name, subject.key, source, trigger,
+                                    self.allowed(source), str(exc)) from exc
+        finally:
+            self.nesting.depth -= 1
+        if not done:
+            guards = sorted({g for r in rows for g in r.guards})
+            names = sorted({guard_name(g) for g in guards})
+            values = ", ".join(f"{g}={self._guard_value(subject, g, kwargs)}" for g in names)
+            raise IllegalTransition(self.spec.name, subject.key, source, trigger,
+                                    self.allowed(source), f"no guard combination holds ({values})")
+        fired = Fired(self.spec.name, subject.key, trigger, source, subject.state,
+                      self.nesting.depth)
+        for observer in self.nesting.observers:
+            observer(fired)
+        return subject.state
+
+    def _guard_value(self, subject: Subject, guard: str, kwargs: dict[str, Any]) -> bool:
+        event = EventData(self.machine.get_state(subject.state), None, self.machine, subject,
+                          args=(), kwargs=kwargs)
+        return bool(getattr(subject, guard)(event))

@@ -1,0 +1,123 @@
+"""The subjects the lifecycles move: a request's offload state, a job's status, the fence.
+
+Their fields mirror vLLM 0.33.0's `RequestOffloadState` (S:348-493) and
+`TransferJobStatus` (S:77-93) for one full-attention KV group. Their guard methods are the
+guards named in the tables; `transitions` calls them with the event. They hold data and
+answer guards; they never change state themselves (only `Lifecycle.fire` does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from transitions import EventData
+
+from spec import fence as F
+from spec import job as J
+from spec import request as R
+
+JobKind = Literal["load", "store"]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One tracked request (vLLM's RequestOffloadState, connector view)."""
+
+    req_id: str
+    request: Any = None
+    """The engine's request object (prompt, tokens, hashes); the connector reads it."""
+    state: str = R.ABSENT
+    transfer_jobs: set[int] = field(default_factory=set)
+    is_finished: bool = False
+    finished_signaled: bool = False
+    loaded_tokens_invalid: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    next_stored_chunk_idx: int = 0
+    num_hit_chunks: int = 0
+    num_locally_computed_tokens: int = 0
+    lookup_hit_tokens: int | None = None
+    """Set by a lookup that hit; consumed by update_state_after_alloc or dropped at step end."""
+    sync_load_reserved: bool = False
+    deferred_lookup_since_step: int | None = None
+    loaded_from_offload: bool = False
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+
+    @property
+    def key(self) -> str:
+        return self.req_id
+
+    # -- guards (spec.request.GUARDS) --------------------------------------------------
+    def other_jobs_remain(self, event: EventData) -> bool:
+        return bool(self.transfer_jobs)
+
+    def has_transfer_jobs(self, event: EventData) -> bool:
+        return bool(self.transfer_jobs)
+
+    def load_invalid(self, event: EventData) -> bool:
+        return self.loaded_tokens_invalid
+
+
+@dataclass(eq=False)
+class JobStatus:
+    """One transfer job (vLLM's TransferJobStatus plus the state the tables give it)."""
+
+    job_id: int
+    owner: RequestState
+    kind: JobKind
+    num_workers: int
+    sync: bool = False
+    keys: tuple[int, ...] = ()
+    """Chunk keys, in transfer order."""
+    gpu_block_ids: tuple[int, ...] = ()
+    """GPU blocks the job reads (store) or writes (load), in transfer order."""
+    cpu_chunk_ids: tuple[int, ...] = ()
+    first_block_index: int = 0
+    fenced_block_ids: frozenset[int] = frozenset()
+    deferred_fence_block_ids: frozenset[int] = frozenset()
+    state: str = J.UNALLOCATED
+    pending_count: int = 0
+    """Reports still due: from the workers while live, late ones once fenced or quarantined."""
+    failed: bool = False
+    shipped_step: int | None = None
+    flush_requested: bool = False
+
+    def __post_init__(self) -> None:
+        self.pending_count = self.num_workers
+
+    @property
+    def key(self) -> int:
+        return self.job_id
+
+    @property
+    def is_store(self) -> bool:
+        return self.kind == "store"
+
+    # -- guards (spec.job.GUARDS) -------------------------------------------------------
+    def owner_has_no_jobs(self, event: EventData) -> bool:
+        return not self.owner.transfer_jobs
+
+    def reports_complete(self, event: EventData) -> bool:
+        count = int(event.kwargs.get("count", 1))
+        return count >= self.pending_count
+
+
+@dataclass(eq=False)
+class ResetFence:
+    """`_reset_fence`: stale job id -> reports still due; one per scheduler."""
+
+    state: str = F.FENCE_IDLE
+    entries: dict[int, int] = field(default_factory=dict)
+    since_step: int | None = None
+
+    @property
+    def key(self) -> str:
+        return "reset_fence"
+
+    # -- guards (spec.fence.GUARDS) ------------------------------------------------------
+    def has_live_jobs(self, event: EventData) -> bool:
+        return int(event.kwargs.get("live_jobs", 0)) > 0
+
+    def fence_empties(self, event: EventData) -> bool:
+        return not self.entries

@@ -1,0 +1,110 @@
+"""Diagrams and generated tables: derived from the tables, readable, and never stale."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import spec
+from spec import render
+from statemachine import artifacts, cli
+from statemachine.diagrams import EDGE_STYLE, to_graphviz, to_mermaid
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' missing")
+
+
+@needs_dot
+def test_committed_artifacts_are_up_to_date() -> None:
+    assert [str(p.relative_to(ROOT)) for p in artifacts.stale(ROOT)] == []
+
+
+@needs_dot
+def test_check_fails_on_a_stale_diagram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    for sub in ("diagrams", "spec"):
+        shutil.copytree(ROOT / sub, tmp_path / sub)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 0
+    (tmp_path / "diagrams" / "job.mmd").write_text("stateDiagram-v2\n")
+    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 1
+    assert "stale: diagrams/job.mmd" in capsys.readouterr().err
+    assert cli.main(["diagrams", "--root", str(tmp_path)]) == 0
+    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("m", spec.MACHINES, ids=lambda m: m.name)
+def test_dot_has_every_state_guarded_edges_styles_and_a_legend(m: spec.MachineSpec) -> None:
+    dot = to_graphviz(m).source
+    for s in m.state_names:
+        assert f"\t{s} [" in dot
+    assert "Legend" in dot
+    guarded = [t for t in m.transitions if t.guards]
+    for t in guarded:
+        label = f"{t.trigger} [" + " &amp; ".join(
+            [g for g in t.guards if not g.startswith("!")]
+            + [g for g in t.guards if g.startswith("!")])
+        assert label.replace("&amp;", "&") in dot.replace("&amp;", "&"), label
+    for path in {t.path for t in m.transitions if t.sources != (t.dest,)}:
+        if any(src != t.dest_from(src) for t in m.transitions if t.path == path
+               for src in t.sources):
+            assert f'color={EDGE_STYLE[path]["color"]}' in dot, path
+
+
+def test_beyond_vllm_states_are_drawn_apart() -> None:
+    dot = to_graphviz(spec.REQUEST_MACHINE).source
+    line = next(x for x in dot.splitlines() if x.strip().startswith("RECOMPUTE ["))
+    assert "dashed" in line and "lightyellow" in line
+
+
+@needs_dot
+def test_svg_renders_every_state() -> None:
+    svg = to_graphviz(spec.JOB_MACHINE).pipe(format="svg").decode()
+    for s in spec.JOB_MACHINE.state_names:
+        assert f">{s}</text>" in svg
+    assert ">Legend</text>" in svg
+
+
+def test_mermaid_lists_every_state_and_edge() -> None:
+    text = to_mermaid(spec.REQUEST_MACHINE)
+    assert text.splitlines()[3] == "stateDiagram-v2"
+    for s in spec.REQUEST_MACHINE.state_names:
+        assert f'state "{s}" as {s}' in text
+    for src, dst, _ in spec.REQUEST_MACHINE.edges():
+        assert f"{src} --> {dst}:" in text
+    assert "class RECOMPUTE beyond" in text
+    assert "Class " not in text  # no leftover active-state marks
+
+
+def test_spec_md_holds_every_generated_block() -> None:
+    names = render.block_names((ROOT / "spec" / "SPEC.md").read_text())
+    for m in spec.MACHINES:
+        for part in ("states", "transitions", "guards"):
+            assert f"{m.name}.{part}" in names
+    assert {"invariants", "progress"} <= set(names)
+
+
+def test_splice_replaces_only_block_bodies() -> None:
+    doc = "intro\n<!-- BEGIN GENERATED: x -->\nold\n<!-- END GENERATED: x -->\noutro\n"
+    out = render.splice(doc, {"x": lambda: "new"})
+    assert out == "intro\n<!-- BEGIN GENERATED: x -->\nnew\n<!-- END GENERATED: x -->\noutro\n"
+    with pytest.raises(KeyError):
+        render.splice(doc, {})
+
+
+def test_transitions_table_lists_every_row_with_its_reference() -> None:
+    table = render.transitions_table(spec.JOB_MACHINE)
+    assert len(table.splitlines()) == 2 + len(spec.JOB_MACHINE.transitions)
+    assert "S:2283-2286" in table and "beyond vLLM" in table
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[0] == "```sh"
+    assert lines[1].startswith("make demo")
+    assert lines[2].startswith("make test")
+    assert lines[3] == "```"
+    assert "```mermaid" in (ROOT / "README.md").read_text()

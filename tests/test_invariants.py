@@ -1,0 +1,119 @@
+"""Each safety invariant holds on a healthy state and names the culprit on a broken one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import spec
+from spec import job as J
+from spec import request as R
+from spec.invariants import by_id, check
+from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
+
+W = 2
+
+
+def healthy() -> AbstractState:
+    """Two requests: r1 storing chunks 10, 11 from blocks 0, 1; r2 loading chunk 20 async."""
+    store = JobRecord(5, "store", "r1", J.SHIPPED, W, keys=frozenset({10, 11}),
+                      blocks=frozenset({0, 1}))
+    load = JobRecord(6, "load", "r2", J.PARTIALLY_ACKED, 1, keys=frozenset({20}),
+                     blocks=frozenset({4}))
+    return AbstractState(
+        num_workers=W,
+        requests=(RequestRecord("r1", R.STORING, frozenset({5}), gpu_blocks=(0, 1)),
+                  RequestRecord("r2", R.LOADING_ASYNC, frozenset({6}), gpu_blocks=(4,))),
+        jobs=(store, load),
+        job_counter=7,
+        stale_threshold=3,
+        reset_fence=(HeldJob(1, "store", 1),),
+        chunks_being_loaded=frozenset({20}),
+        chunk_ref_cnt=((10, -1), (11, -1), (20, 1), (30, 0)),
+    )
+
+
+def ids(state: AbstractState) -> set[str]:
+    return {v.invariant for v in check(state)}
+
+
+def test_the_healthy_state_satisfies_every_invariant() -> None:
+    assert check(healthy()) == []
+
+
+def test_inv1_the_48102_state() -> None:
+    s = healthy()
+    r1 = replace(s.requests[0], transfer_jobs=frozenset({5, 2}))
+    bad = replace(s, requests=(r1, s.requests[1]))
+    v = [x for x in check(bad) if x.invariant == "INV-1"]
+    assert len(v) == 1 and v[0].request == "r1" and v[0].jobs == (2,)
+    assert "INV-1" in str(v[0]) and "'r1'" in str(v[0]) and "job 2" in str(v[0])
+
+
+def _break(name: str) -> AbstractState:
+    s = healthy()
+    store, load = s.jobs
+    r1, r2 = s.requests
+    cases = {
+        "INV-2": replace(s, requests=(replace(r1, transfer_jobs=frozenset()), r2)),
+        "INV-3": replace(s, requests=(r1, replace(r2, transfer_jobs=frozenset({5, 6})))),
+        "INV-4": replace(s, jobs=(replace(store, id=2), load),
+                         requests=(replace(r1, transfer_jobs=frozenset({2})), r2)),
+        "INV-5": replace(s, jobs=(replace(store, pending_count=3), load)),
+        "INV-6": replace(s, requests=(r1, replace(r2, transfer_jobs=frozenset({6, 5})))),
+        "INV-7": replace(s, block_fence=((0, frozenset({6})),)),
+        "INV-8": replace(s, chunks_being_loaded=frozenset({20, 21})),
+        "INV-9": replace(s, jobs=(replace(store, state=J.CREATED), load)),
+        "INV-10": replace(s, requests=(replace(r1, finished_signaled=True), r2)),
+        "INV-11": replace(s, finished_signals=(("r1", 2),)),
+        "INV-12": replace(s, chunk_ref_cnt=((10, -1), (11, 0), (20, 1), (30, 0))),
+        "INV-15": replace(s, requests=(replace(r1, gpu_blocks=(0,)),
+                                       replace(r2, gpu_blocks=(4, 1)))),
+        "INV-16": replace(s, jobs=(store, replace(load, keys=frozenset({10})))),
+        "INV-17": replace(s, reset_fence=(HeldJob(5, "store", 1),), stale_threshold=7),
+        "INV-18": replace(s, requests=(r1, replace(r2, lookup_hit_pending=True))),
+    }
+    return cases[name]
+
+
+SAFETY_IDS = [i.id for i in spec.SAFETY]
+
+
+@pytest.mark.parametrize("inv", [i for i in SAFETY_IDS if i != "INV-1"])
+def test_each_invariant_detects_its_violation(inv: str) -> None:
+    assert inv in ids(_break(inv))
+
+
+def test_every_invariant_of_reference_6_5_is_named() -> None:
+    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 19)]
+    progress = {i.id for i in spec.INVARIANTS if i.is_progress}
+    assert progress == {"INV-13", "INV-14"}
+    covered = {inv for p in spec.PROGRESS for inv in p.invariant.split(", ")}
+    assert progress <= covered
+
+
+def test_progress_goals_tell_quiescent_from_busy() -> None:
+    busy = healthy()
+    quiet = AbstractState(num_workers=W, requests=(RequestRecord("r1", R.IDLE),))
+    goals = {p.id: p.goal for p in spec.PROGRESS}
+    assert not goals["P-1"](busy) and goals["P-1"](quiet)
+    assert goals["P-3"](quiet) and not goals["P-3"](busy)
+
+
+def test_a_reallocated_fenced_block_must_be_flushed() -> None:
+    s = healthy()
+    store, load = s.jobs
+    r1, r2 = s.requests
+    fenced = replace(store, fenced_blocks=frozenset({1}))
+    moved = replace(s, jobs=(fenced, load), block_fence=((1, frozenset({5})),),
+                    requests=(replace(r1, gpu_blocks=(0,)), replace(r2, gpu_blocks=(4, 1))))
+    assert "INV-15" in ids(moved)
+    flushed = replace(moved, jobs=(replace(fenced, state=J.FLUSH_REQUESTED), load))
+    assert "INV-15" not in ids(flushed)
+
+
+def test_by_id_and_violation_text() -> None:
+    assert by_id("INV-1").name == "jobs-in-table"
+    with pytest.raises(KeyError):
+        by_id("INV-99")
