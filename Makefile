@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/kvspec demo
 
 test: $(STAMP)
-	$(BIN)/ruff check spec statemachine kernels tests bench
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider --cov=statemachine --cov=spec --cov-report=term:skip-covered
 	$(BIN)/kvspec diagrams --check
