@@ -1,0 +1,349 @@
+"""Eviction policies of the CPU offloading manager (reference §4.3).
+
+A policy orders the chunks the manager holds and picks eviction victims. It never decides
+whether a chunk is loadable or pinned: the manager owns the reference counts and hands the
+policy a ``ref_cnt`` lookup wherever that matters. ``ref_cnt(key) == 0`` means "stored,
+readable and not being loaded": the only chunks a policy may evict.
+
+Two policies:
+
+* `LRUPolicy`: least recently used first. Keys a request inserts share that request's rank
+  and, inside it, later positions (tails) go before earlier ones (heads).
+* `ARCPolicy`: adaptive replacement cache: T1 (seen once), T2 (seen again), ghost lists B1
+  and B2 of recently evicted keys, and an adaptive target size ``p`` for T1.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from typing import Literal, TypeAlias
+
+from statemachine.errors import ConfigError
+
+OffloadKey: TypeAlias = int
+"""One key names one offloaded chunk (the block hash at the chunk's last block)."""
+
+RefCount: TypeAlias = Callable[[OffloadKey], int]
+"""The manager's reference count of an indexed key: -1 write pending, >= 0 ready."""
+
+PolicyName: TypeAlias = Literal["lru", "arc"]
+
+__all__ = [
+    "ARCPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "OffloadKey",
+    "PolicyName",
+    "RefCount",
+    "make_policy",
+]
+
+
+class EvictionPolicy(ABC):
+    """What the manager needs from an eviction policy.
+
+    The policy tracks exactly the keys of the manager's index, each with its chunk slot.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
+               position: int | None = None) -> None:
+        """Start tracking a newly allocated (write-pending) chunk.
+
+        ``request`` and ``position`` say which request stored it and at which position of
+        that request's chunk sequence; a policy may use them or ignore them.
+        """
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Stop tracking ``key`` (a failed or quarantined store). No ghost entry is left."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey], ref_cnt: RefCount | None = None) -> None:
+        """Mark ``keys`` (head first) as just used. ``ref_cnt`` None means every key is ready."""
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        """``keys`` were offered for storing but are not held (called once per request)."""
+        del keys
+
+    @abstractmethod
+    def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
+                            reused: Collection[OffloadKey],
+                            request: Hashable | None = None) -> None:
+        """A request ended. ``keys_in_order`` are its held keys, head first; ``reused`` is the
+        subset it found already stored (loads and store reuses), the rest it inserted."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[OffloadKey],
+              ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:
+        """Choose and drop exactly ``n`` victims among keys with ``ref_cnt == 0`` that are not
+        in ``protected``; return ``(key, chunk_id)`` pairs, or None (and change nothing) when
+        fewer than ``n`` qualify."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget everything (cache reset)."""
+
+    @abstractmethod
+    def chunks(self) -> dict[OffloadKey, int]:
+        """Every tracked key and its chunk slot (a copy; for consistency checks)."""
+
+    def check_consistency(self) -> list[str]:
+        """Internal problems of the policy's own structures; empty when sound."""
+        return []
+
+    def __len__(self) -> int:
+        return len(self.chunks())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.chunks()
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first.
+
+    Every key has a rank ``(major, minor)``; the smallest rank is evicted first. A monotonic
+    clock hands out majors. A key stored by a request gets ``(request_rank, -position)``,
+    the request's rank being fixed at its first insert, so within one request the tail is
+    older than the head. `touch` and `on_request_finished` hand out fresh ranks from the
+    tail to the head, so the head ends up the most recent.
+    """
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._chunks: dict[OffloadKey, int] = {}
+        self._rank: dict[OffloadKey, tuple[int, int]] = {}
+        self._request_rank: dict[Hashable, int] = {}
+        self._clock = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def rank(self, key: OffloadKey) -> tuple[int, int]:
+        """The key's current rank (smaller is older)."""
+        return self._rank[key]
+
+    def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
+               position: int | None = None) -> None:
+        self._chunks[key] = chunk_id
+        if request is not None and position is not None:
+            major = self._request_rank.get(request)
+            if major is None:
+                major = self._request_rank[request] = self._tick()
+            self._rank[key] = (major, -position)
+        else:
+            self._rank[key] = (self._tick(), 0)
+
+    def remove(self, key: OffloadKey) -> None:
+        self._chunks.pop(key, None)
+        self._rank.pop(key, None)
+
+    def _refresh(self, keys: Sequence[OffloadKey]) -> None:
+        for key in reversed(keys):
+            if key in self._chunks:
+                self._rank[key] = (self._tick(), 0)
+
+    def touch(self, keys: Sequence[OffloadKey], ref_cnt: RefCount | None = None) -> None:
+        del ref_cnt
+        self._refresh(keys)
+
+    def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
+                            reused: Collection[OffloadKey],
+                            request: Hashable | None = None) -> None:
+        del reused
+        self._refresh(keys_in_order)
+        if request is not None:
+            self._request_rank.pop(request, None)
+
+    def evict(self, n: int, protected: Collection[OffloadKey],
+              ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:
+        if n <= 0:
+            return []
+        eligible = [k for k in self._chunks if k not in protected and ref_cnt(k) == 0]
+        if len(eligible) < n:
+            return None
+        victims = heapq.nsmallest(n, eligible, key=self._rank.__getitem__)
+        out = [(k, self._chunks[k]) for k in victims]
+        for k in victims:
+            self.remove(k)
+        return out
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._rank.clear()
+        self._request_rank.clear()
+
+    def chunks(self) -> dict[OffloadKey, int]:
+        return dict(self._chunks)
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._chunks
+
+    def check_consistency(self) -> list[str]:
+        if set(self._rank) != set(self._chunks):
+            return [f"LRU: ranked keys {sorted(set(self._rank) ^ set(self._chunks))} "
+                    "differ from tracked keys"]
+        return []
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive replacement cache.
+
+    * T1 holds keys seen once, T2 keys used again; each is ordered LRU first.
+    * B1/B2 remember keys recently evicted from T1/T2 (keys only, at most ``capacity`` each).
+    * A ghost hit in B1 grows the target ``p`` of T1, one in B2 shrinks it.
+    * `evict` takes from T1 while ``|T1| >= int(p)``, else from T2, falling back to the other
+      list when the preferred one has no eligible key.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.p: float = 0.0
+        self.t1: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
+               position: int | None = None) -> None:
+        del request, position
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+        self.t2.pop(key, None)
+        self.t1[key] = chunk_id
+        self.t1.move_to_end(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
+
+    def _ghost_hit(self, key: OffloadKey) -> None:
+        if key in self.b1:
+            self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), float(self.capacity))
+        elif key in self.b2:
+            self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
+
+    def _promote(self, key: OffloadKey) -> None:
+        self.t2[key] = self.t1.pop(key)
+
+    def touch(self, keys: Sequence[OffloadKey], ref_cnt: RefCount | None = None) -> None:
+        for key in reversed(keys):
+            if key in self.t1:
+                if ref_cnt is None or ref_cnt(key) >= 0:
+                    self._promote(key)
+                else:
+                    self.t1.move_to_end(key)
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+            else:
+                self._ghost_hit(key)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            self._ghost_hit(key)
+
+    def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
+                            reused: Collection[OffloadKey],
+                            request: Hashable | None = None) -> None:
+        del request
+        for key in reversed(keys_in_order):
+            if key in self.t1:
+                if key in reused:
+                    self._promote(key)
+                else:
+                    self.t1.move_to_end(key)
+            elif key in self.t2:
+                self.t2.move_to_end(key)
+
+    def evict(self, n: int, protected: Collection[OffloadKey],
+              ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:
+        if n <= 0:
+            return []
+
+        def eligible(lst: OrderedDict[OffloadKey, int]) -> Iterator[OffloadKey]:
+            return (k for k in lst if k not in protected and ref_cnt(k) == 0)
+
+        # Simulate the choices first; commit only when all n victims were found.
+        from_t1, from_t2 = eligible(self.t1), eligible(self.t2)
+        chosen: list[tuple[OffloadKey, bool]] = []   # (key, taken from T1)
+        t1_size = len(self.t1)
+        for _ in range(n):
+            prefer_t1 = t1_size >= int(self.p)
+            order = ((from_t1, True), (from_t2, False))
+            if not prefer_t1:
+                order = order[::-1]
+            for source, is_t1 in order:
+                key = next(source, None)
+                if key is not None:
+                    chosen.append((key, is_t1))
+                    if is_t1:
+                        t1_size -= 1
+                    break
+            else:
+                return None
+        out: list[tuple[OffloadKey, int]] = []
+        for key, is_t1 in chosen:
+            if is_t1:
+                out.append((key, self.t1.pop(key)))
+                self.b1[key] = None
+            else:
+                out.append((key, self.t2.pop(key)))
+                self.b2[key] = None
+        for ghost in (self.b1, self.b2):
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return out
+
+    def clear(self) -> None:
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self.p = 0.0
+
+    def chunks(self) -> dict[OffloadKey, int]:
+        return {**self.t1, **self.t2}
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.t1 or key in self.t2
+
+    def check_consistency(self) -> list[str]:
+        problems: list[str] = []
+        live = self.t1.keys() | self.t2.keys()
+        if both := self.t1.keys() & self.t2.keys():
+            problems.append(f"ARC: keys {sorted(both)} in both T1 and T2")
+        if ghosts := (self.b1.keys() | self.b2.keys()) & live:
+            problems.append(f"ARC: keys {sorted(ghosts)} are both live and ghosts")
+        if len(self.b1) > self.capacity or len(self.b2) > self.capacity:
+            problems.append(f"ARC: ghost lists |B1|={len(self.b1)} |B2|={len(self.b2)} exceed "
+                            f"capacity {self.capacity}")
+        if not 0.0 <= self.p <= self.capacity:
+            problems.append(f"ARC: target p={self.p} outside [0, {self.capacity}]")
+        return problems
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """The policy called ``name`` ("lru" or "arc") for a cache of ``capacity`` chunks.
+
+    Raises `ConfigError` for any other name.
+    """
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ConfigError(f"unknown eviction policy {name!r}; expected 'lru' or 'arc'")
