@@ -226,12 +226,12 @@ def _inv15(s: AbstractState) -> Iterator[Violation]:
                     yield Violation("INV-15", f"load destination block {b} is held by "
                                     f"{holder!r}, not by the loading request", j.owner, (j.id,))
                 continue
-            if holder == j.owner:
-                continue
+            if holder == j.owner or j.flush_requested or j.failed:
+                continue  # still held; or finished before any reuse; or its bytes are void
             if j.id not in fence.get(b, frozenset()):
                 yield Violation("INV-15", f"store source block {b} left its owner without a "
-                                "fence entry", j.owner, (j.id,))
-            elif holder is not None and j.state != J.FLUSH_REQUESTED and not s.step_open:
+                                "fence entry or a flush", j.owner, (j.id,))
+            elif holder is not None and not s.step_open:
                 yield Violation("INV-15", f"store source block {b} re-allocated to "
                                 f"{holder!r} without flushing the store", j.owner, (j.id,))
 
@@ -314,8 +314,10 @@ INVARIANTS: tuple[Invariant, ...] = (
               "S:2213-2214, CS:3177", None),
     Invariant("INV-14", "no-permanent-wait", "no unfinished request stays PREEMPTED_FLUSHING or "
               "LOOKUP_DEFERRED forever", "S:1247-1252", None),
-    Invariant("INV-15", "gpu-data-safety", "a GPU block a live store reads is held by its owner "
-              "or fenced, and flushed in the step that re-allocates it; a live load's "
+    Invariant("INV-15", "gpu-data-safety", "a GPU block a live store reads is held by its owner, "
+              "or the store is flushed or failing (its bytes are rolled back), or the block is "
+              "fenced and the store flushed in the "
+              "step that re-allocates it; a live load's "
               "destination blocks are held by its request", "S:658-663, W:219-244", _inv15),
     Invariant("INV-16", "cpu-data-safety", "no chunk written by two live stores, or written "
               "while a live load reads it; pre-reset jobs flushed before new submissions",

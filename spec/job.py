@@ -69,7 +69,8 @@ GUARDS = (
 EFFECTS = (
     Effect("allocate_job_id", "id = _job_counter; _job_counter += 1 (S:750-753)"),
     Effect("pin_load_chunks", "manager.prepare_load: ref_cnt += 1 on each key"),
-    Effect("protect_store_chunks", "manager.prepare_store: keys write-pending (ref_cnt -1)"),
+    Effect("protect_store_chunks", "record the slots manager.prepare_store gave; the keys are "
+           "write-pending (ref_cnt -1) and protected from eviction until the job ends"),
     Effect("enter_job_table", "_jobs[id] = status(pending_count = num_workers); id into the "
            "owner's transfer_jobs"),
     Effect("register_store_fences", "sliding-window / boundary sources into the block fence "

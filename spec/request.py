@@ -103,6 +103,8 @@ EFFECTS = (
            "failed load: they end as failed and are rolled back"),
     Effect("quarantine_load_blocks", "the timed-out load's destination GPU blocks are held "
            "out of the free pool until its late acks arrive"),
+    Effect("signal_untracked_finished", "manager.on_new_request then on_request_finished for "
+           "a request the connector never tracked"),
     Effect("promote_after_recving", "core: the stale load's finished_recving moves the "
            "request back to WAITING (CS:3569-3575)"),
 )
@@ -188,7 +190,8 @@ TRANSITIONS = (
                path=Path.FINISH, note="finish or abort; an abort while loading keeps its "
                "blocks until finished_recving"),
     Transition("finish_untracked", (ABSENT,), SAME, "request_finished", "S:2352-2359",
-               path=Path.FINISH, note="manager.on_new_request then on_request_finished"),
+               effects=("signal_untracked_finished",), path=Path.FINISH,
+               note="the request was never tracked"),
     Transition("finalize", (FINISHED_PENDING_FINAL,), ABSENT, "build_connector_meta",
                "S:2177-2184", guards=("!has_transfer_jobs",),
                effects=("signal_request_finished", "delete_request_status"), path=Path.FINISH),
@@ -224,8 +227,9 @@ TRANSITIONS = (
                path=Path.FAILURE),
     Transition("load_failed", (LOADING_SYNC,), PREEMPTED_FLUSHING, _ENDING_STORE, BEYOND_VLLM,
                guards=("other_jobs_remain",),
-               effects=("mark_load_invalid", "poison_request_stores", "flush_request_jobs"),
-               path=Path.FAILURE, note="its stores read KV computed from the failed load"),
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
+               note="its stores read KV computed from the failed load: poisoned, they end "
+               "FAILED and are rolled back, so their source blocks need no fence"),
     Transition("load_failed", (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, BEYOND_VLLM,
                guards=("other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.FAILURE),
@@ -247,8 +251,8 @@ TRANSITIONS = (
                effects=("mark_load_invalid", "quarantine_load_blocks"), path=Path.TIMEOUT),
     Transition("load_timed_out", (LOADING_SYNC,), PREEMPTED_FLUSHING, "build_connector_meta",
                BEYOND_VLLM, guards=("other_jobs_remain",),
-               effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores",
-                        "flush_request_jobs"), path=Path.TIMEOUT),
+               effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
+               path=Path.TIMEOUT),
     Transition("load_timed_out", (PREEMPTED_FLUSHING,), SAME, "build_connector_meta",
                BEYOND_VLLM, guards=("other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.TIMEOUT),

@@ -36,6 +36,9 @@ class JobRecord:
     deferred_fence_blocks: frozenset[int] = frozenset()
     age: int = 0
     """Steps since the job was shipped; the timeout compares it with job_timeout_steps."""
+    flush_requested: bool = False
+    """The workers were (or will be, in this step's metadata) told to finish it before the
+    step's loads and forward pass."""
 
 
 @dataclass(frozen=True, order=True)

@@ -75,5 +75,14 @@ class MalformedMessage(KVSpecError):
     """A message from the workers (or to them) that does not have the documented shape."""
 
 
+class InvalidArgument(KVSpecError):
+    """A hook argument that contradicts the connector's state (a hit it never answered, a
+    block table too short, a token count out of range)."""
+
+
+class OutOfStep(KVSpecError):
+    """A hook called where the step protocol forbids it (reset_cache inside a step)."""
+
+
 class ConfigError(KVSpecError):
     """A configuration value outside its documented range."""

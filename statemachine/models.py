@@ -43,6 +43,8 @@ class RequestState:
     loaded_from_offload: bool = False
     max_load_tokens: int | None = None
     max_offload_tokens: int | None = None
+    ctx: Any = None
+    """The manager's per-request context (from manager.on_new_request)."""
 
     @property
     def key(self) -> str:
@@ -82,6 +84,8 @@ class JobStatus:
     failed: bool = False
     shipped_step: int | None = None
     flush_requested: bool = False
+    quarantined_slots: tuple[int, ...] = ()
+    """CPU slots of a timed-out store, held until its late reports arrive."""
 
     def __post_init__(self) -> None:
         self.pending_count = self.num_workers

@@ -109,7 +109,8 @@ def test_a_reallocated_fenced_block_must_be_flushed() -> None:
     moved = replace(s, jobs=(fenced, load), block_fence=((1, frozenset({5})),),
                     requests=(replace(r1, gpu_blocks=(0,)), replace(r2, gpu_blocks=(4, 1))))
     assert "INV-15" in ids(moved)
-    flushed = replace(moved, jobs=(replace(fenced, state=J.FLUSH_REQUESTED), load))
+    flushed = replace(moved, jobs=(replace(fenced, state=J.FLUSH_REQUESTED,
+                                           flush_requested=True), load))
     assert "INV-15" not in ids(flushed)
 
 

@@ -1,0 +1,524 @@
+"""The scheduler side of the offloading connector, with vLLM 0.33.0's API and semantics.
+
+One full-attention KV group, any `blocks_per_chunk >= 1`. Every state change of a request or
+a job is a trigger of its table's machine (`statemachine.lifecycle`); the effects the tables
+name are the methods of `statemachine.effects`. The hooks here only read, validate, decide
+which trigger fires, and fire it. A bad input is rejected with a typed error before anything
+changes.
+
+With `config.check_invariants` (the default), every invariant of `spec` is checked after
+every hook, on the projection `abstract_state()`; a violation raises `InvariantViolation`
+naming the invariant, the request, the job ids and the event (the hook and the transitions
+it fired). A hook is the unit of atomicity, as in vLLM, where each runs under the manager
+lock: inside one, a request and its job move one after the other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import spec
+from spec import job as J
+from spec import request as R
+from spec.state import AbstractState
+from statemachine.config import OffloadingConfig
+from statemachine.effects import SchedulerEffects
+from statemachine.errors import (
+    IllegalTransition,
+    InvalidArgument,
+    InvariantViolation,
+    MalformedMessage,
+    OutOfStep,
+    OverAck,
+    UnknownJob,
+    UnknownRequest,
+)
+from statemachine.job_table import JobClass, JobTable
+from statemachine.lifecycle import Fired, Lifecycle, Nesting
+from statemachine.manager import CPUOffloadingManager, LookupResult
+from statemachine.messages import (
+    KVConnectorOutput,
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+    TransferJob,
+)
+from statemachine.models import JobStatus, RequestState, ResetFence
+
+SCHEDULED = (R.RUNNING, R.STORING, R.LOADING_SYNC)
+STORE_CANDIDATES = (R.RUNNING, R.STORING, R.LOADING_SYNC, R.FINISHED_PENDING_FINAL)
+
+
+class OffloadingScheduler(SchedulerEffects):
+    def __init__(self, config: OffloadingConfig,
+                 manager: CPUOffloadingManager | None = None) -> None:
+        self.config = config
+        self.manager = manager or CPUOffloadingManager(config.num_cpu_chunks,
+                                                       config.eviction_policy)  # type: ignore[arg-type]
+        self.jobs = JobTable()
+        self.fence = ResetFence()
+        self._req_status: dict[str, RequestState] = {}
+        self.chunks_being_loaded: set[int] = set()
+        self.block_fence: dict[int, set[int]] = {}
+        """`_block_id_to_pending_jobs`: GPU block -> store jobs that still read it."""
+        self.jobs_to_flush: set[int] = set()
+        self._batch_load_jobs: set[int] = set()
+        self._batch_store_jobs: set[int] = set()
+        self._batch_allocated_blocks: set[int] = set()
+        self._batch_sync_load_bytes = 0
+        self._meta_load_jobs: dict[int, TransferJob] = {}
+        self._meta_store_jobs: dict[int, TransferJob] = {}
+        self._fenced_jobs: dict[int, JobStatus] = {}
+        self._preempted_early: set[str] = set()
+        self._retired: list[RequestState] = []
+        self.quarantined_gpu_blocks: dict[int, tuple[int, ...]] = {}
+        """Beyond vLLM: destination blocks of timed-out loads, held until their late reports."""
+        self.released_gpu_blocks: list[int] = []
+        """Quarantined GPU blocks whose late reports arrived; the engine may free them."""
+        self.step_index = 0
+        self.step_open = False
+        self.reset_since_last_step = False
+        self.stats: Counter[str] = Counter()
+        self._fired: list[Fired] = []
+        nesting = Nesting(observers=[self._fired.append])
+        self._requests_life = Lifecycle(spec.REQUEST_MACHINE, RequestState, self, nesting)
+        self._jobs_life = Lifecycle(spec.JOB_MACHINE, JobStatus, self, nesting)
+        self._fence_life = Lifecycle(spec.FENCE_MACHINE, ResetFence, self, nesting)
+        self._fence_life.add(self.fence)
+
+    # ================================================================ the machinery
+    def _fire(self, life: Lifecycle, subject: Any, trigger: str, **kwargs: Any) -> str:
+        state = life.fire(subject, trigger, **kwargs)
+        done = (state in spec.JOB_MACHINE.finals if life is self._jobs_life
+                else state == R.ABSENT if life is self._requests_life else False)
+        if done:
+            life.remove(subject)
+        return state
+
+    def _require(self, life: Lifecycle, subject: Any, trigger: str) -> None:
+        """Raise IllegalTransition now, before any change, if `trigger` has no row."""
+        if not life.spec.outgoing(subject.state, trigger):
+            raise IllegalTransition(life.spec.name, subject.key, subject.state, trigger,
+                                    life.allowed(subject.state))
+
+    @contextmanager
+    def _hook(self, name: str) -> Iterator[None]:
+        self._fired.clear()
+        yield
+        self._retired.clear()
+        if self.config.check_invariants:
+            self.check_invariants(name)
+
+    def _tracked(self, req_id: str, hook: str) -> RequestState:
+        req = self._req_status.get(req_id)
+        if req is None:
+            raise UnknownRequest(req_id, hook)
+        return req
+
+    def _open_step(self) -> None:
+        self.step_open = True
+
+    def check_invariants(self, event: str = "check_invariants()") -> None:
+        """Raise InvariantViolation if any safety invariant of `spec` fails now."""
+        violations = spec.check(self.abstract_state())
+        if violations:
+            fired = "; ".join(f"{f.machine} {f.key!r}: {f.source} --{f.trigger}--> {f.dest}"
+                              for f in self._fired)
+            raise InvariantViolation(violations, f"{event}" + (f" [{fired}]" if fired else ""))
+
+    def abstract_state(self) -> AbstractState:
+        from statemachine.projection import project
+
+        return project(self)
+
+    # ============================================================ request lookups
+    def request_state(self, req_id: str) -> str:
+        req = self._req_status.get(req_id)
+        return R.ABSENT if req is None else req.state
+
+    def transfer_jobs(self, req_id: str) -> frozenset[int]:
+        req = self._req_status.get(req_id)
+        return frozenset() if req is None else frozenset(req.transfer_jobs)
+
+    def offload_keys(self, request: Request) -> list[int]:
+        """The chunk keys the request's hashes give so far: one per full chunk, the hash at
+        the chunk's last block (S:412-429)."""
+        bpc = self.config.blocks_per_chunk
+        hashes = request.block_hashes
+        return [hashes[(c + 1) * bpc - 1] for c in range(len(hashes) // bpc)]
+
+    # =================================================================== the hooks
+    def on_new_request(self, request: Request) -> None:
+        with self._hook(f"on_new_request({request.request_id!r})"):
+            req = self._req_status.get(request.request_id)
+            if req is not None:
+                self._require(self._requests_life, req, "add")
+            req = RequestState(request.request_id, request)
+            self._parse_transfer_params(req, request)
+            self._requests_life.add(req)
+            self._fire(self._requests_life, req, "add")
+
+    def _parse_transfer_params(self, req: RequestState, request: Request) -> None:
+        params = request.kv_transfer_params or {}
+        for name in ("max_load_tokens", "max_offload_tokens"):
+            if name not in params:
+                continue
+            value = params[name]
+            if type(value) is int and value >= 0:
+                setattr(req, name, value)
+            else:  # documented, counted ignore (vLLM warns and ignores, S:378-410)
+                self.stats["ignored_transfer_params"] += 1
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        hook = f"get_num_new_matched_tokens({request.request_id!r}, {num_computed_tokens})"
+        with self._hook(hook):
+            req = self._tracked(request.request_id, "get_num_new_matched_tokens")
+            n = num_computed_tokens
+            if type(n) is not int or not 0 <= n <= request.num_tokens \
+                    or n % self.config.block_size:
+                raise InvalidArgument(f"{hook}: num_computed_tokens must be a block-aligned "
+                                      f"int in [0, {request.num_tokens}]")
+            if req.state in SCHEDULED:
+                # a lookup for a scheduled request means the core preempted it (e.g. by
+                # reset_prefix_cache(reset_running_requests=True)); apply the preemption now,
+                # once: build_connector_meta will not apply it again.
+                self._fire(self._requests_life, req, "preempt")
+                self._preempted_early.add(req.req_id)
+            if req.state == R.PREEMPTED_FLUSHING:
+                self._open_step()
+                self._fire(self._requests_life, req, "lookup_blocked")
+                return None, False
+            self._require(self._requests_life, req, "lookup_resolved")
+            self._open_step()
+            if req.state in (R.RECOMPUTE, R.TIMED_OUT):
+                self._fire(self._requests_life, req, "lookup_resolved")
+                return 0, False
+            req.num_locally_computed_tokens = n
+            hit = self._lookup(req, request, n)
+            if hit is None:
+                self._fire(self._requests_life, req, "lookup_deferred")
+                return None, False
+            sync = self._sync_load_fits(request, n, hit)
+            self._fire(self._requests_life, req, "lookup_resolved", hit_tokens=hit, sync=sync)
+            return hit, bool(hit) and not sync
+
+    def _lookup(self, req: RequestState, request: Request, n: int) -> int | None:
+        """Prefix scan of the chunks after the local hit; None means defer (S:773-803)."""
+        if request.skip_reading_prefix_cache:
+            return 0
+        tpc = self.config.tokens_per_chunk
+        keys = self.offload_keys(request)
+        start = n // tpc
+        end_limit = min(len(keys), (request.num_tokens - 1) // tpc)
+        if req.max_load_tokens is not None:
+            end_limit = min(end_limit, (n + req.max_load_tokens) // tpc)
+        end, defer = start, False
+        for c in range(start, end_limit):
+            result = self.manager.lookup(keys[c], req.ctx)
+            if result == LookupResult.MISS:
+                break
+            if result == LookupResult.RETRY:
+                defer = True
+                break
+            if result == LookupResult.HIT_PENDING or keys[c] in self.chunks_being_loaded:
+                defer = True
+            end = c + 1
+        if defer:
+            return None
+        hit = end * tpc - n
+        return hit if hit >= tpc else 0
+
+    def _sync_load_fits(self, request: Request, n: int, hit: int) -> bool:
+        budget = self.config.sync_load_budget_bytes
+        return (budget > 0 and hit > 0 and n + hit < request.num_tokens
+                and self._batch_sync_load_bytes + hit * self.config.kv_bytes_per_token
+                <= budget)
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        hook = (f"update_state_after_alloc({request.request_id!r}, {len(block_ids)} blocks, "
+                f"{num_external_tokens})")
+        with self._hook(hook):
+            req = self._tracked(request.request_id, "update_state_after_alloc")
+            ext = num_external_tokens
+            if ext == 0:
+                self._batch_allocated_blocks.update(block_ids)
+                req.lookup_hit_tokens = None
+                return
+            trigger = "load_sync" if req.sync_load_reserved else "load_async"
+            self._require(self._requests_life, req, trigger)
+            if req.lookup_hit_tokens != ext:
+                raise InvalidArgument(f"{hook}: the last lookup of this request answered "
+                                      f"{req.lookup_hit_tokens} tokens in this step, not {ext}")
+            bs, bpc = self.config.block_size, self.config.blocks_per_chunk
+            first = req.num_locally_computed_tokens // bs
+            end = (req.num_locally_computed_tokens + ext) // bs
+            if len(block_ids) < end:
+                raise InvalidArgument(f"{hook}: {len(block_ids)} blocks cannot hold {end} "
+                                      "blocks of computed and loaded tokens")
+            keys = tuple(self.offload_keys(request)[first // bpc: end // bpc])
+            self._open_step()
+            self._batch_allocated_blocks.update(block_ids)
+            self._fire(self._requests_life, req, trigger, keys=keys,
+                       block_ids=tuple(block_ids[first:end]), first_block_index=first,
+                       sync=req.sync_load_reserved, block_table=tuple(block_ids))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> (
+            OffloadingConnectorMetadata):
+        with self._hook(f"build_connector_meta(step {self.step_index})"):
+            out = scheduler_output
+            unknown = [r for r in (*(d.req_id for d in out.scheduled_new_reqs),
+                                   *(d.req_id for d in out.scheduled_cached_reqs))
+                       if r not in self._req_status]
+            if unknown:
+                raise UnknownRequest(unknown[0], "build_connector_meta (scheduled)")
+            self._open_step()
+            self._time_out_jobs()
+            self._update_req_states(out)
+            for req_id in sorted(out.preempted_req_ids - self._preempted_early):
+                req = self._req_status.get(req_id)
+                if req is not None and req.state in SCHEDULED:
+                    self._fire(self._requests_life, req, "preempt")
+            for block in sorted(self._batch_allocated_blocks):
+                for job_id in sorted(self.block_fence.get(block, ())):
+                    job = self.jobs.get(job_id)
+                    if job is not None:
+                        self._fire(self._jobs_life, job, "flush")
+            for req_id in [*out.num_scheduled_tokens, *sorted(out.finished_req_ids)]:
+                req = self._req_status.get(req_id)
+                if req is not None and req.state in STORE_CANDIDATES:
+                    self._build_store_job(req, out.num_scheduled_tokens.get(req_id, 0))
+            for job_id in sorted(self._batch_load_jobs | self._batch_store_jobs):
+                job = self.jobs.get(job_id)
+                if job is not None and job.state in (J.CREATED, J.FLUSH_REQUESTED):
+                    self._fire(self._jobs_life, job, "ship")
+            meta = OffloadingConnectorMetadata(dict(self._meta_load_jobs),
+                                               dict(self._meta_store_jobs),
+                                               frozenset(self.jobs_to_flush))
+            for req_id in sorted(out.finished_req_ids):
+                req = self._req_status.get(req_id)
+                if req is not None and req.state == R.FINISHED_PENDING_FINAL:
+                    self._fire(self._requests_life, req, "finalize")
+            self._end_step()
+            return meta
+
+    def _time_out_jobs(self) -> None:
+        limit = self.config.job_timeout_steps
+        if limit is None:
+            return
+        for job in self.jobs:
+            if job.shipped_step is not None and self.step_index - job.shipped_step >= limit:
+                self._fire(self._jobs_life, job, "time_out")
+
+    def _update_req_states(self, out: SchedulerOutput) -> None:
+        for new in out.scheduled_new_reqs:
+            self._scheduled(self._req_status[new.req_id], new.block_ids, full=True)
+        for cached in out.scheduled_cached_reqs:
+            self._scheduled(self._req_status[cached.req_id], cached.new_block_ids,
+                            full=cached.resumed_from_preemption)
+
+    def _scheduled(self, req: RequestState, block_ids: tuple[int, ...], full: bool) -> None:
+        self._batch_allocated_blocks.update(block_ids)
+        table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
+        if req.state == R.IDLE:
+            self._fire(self._requests_life, req, "schedule", block_ids=table)
+        elif req.state in SCHEDULED:
+            req.block_ids[:] = table
+        else:
+            self._require(self._requests_life, req, "schedule")
+
+    def _build_store_job(self, req: RequestState, num_scheduled: int) -> None:
+        request: Request = req.request
+        cfg = self.config
+        if req.is_finished:
+            tokens = (request.num_computed_tokens
+                      if request.status == RequestStatus.FINISHED_ABORTED
+                      else max(request.num_prompt_tokens, request.num_tokens - 1))
+        else:
+            tokens = request.num_computed_tokens + num_scheduled
+        if req.max_offload_tokens is not None:
+            tokens = min(tokens, req.max_offload_tokens)
+        if cfg.offload_prompt_only:
+            tokens = min(tokens, request.num_prompt_tokens)
+        keys = self.offload_keys(request)
+        bpc = cfg.blocks_per_chunk
+        n_chunks = min(tokens // cfg.tokens_per_chunk, len(keys), len(req.block_ids) // bpc)
+        start = req.next_stored_chunk_idx
+        if start >= n_chunks:
+            return
+        offered = keys[start:n_chunks]
+        result = self.manager.prepare_store(offered, req.ctx)
+        if result is None:
+            self._fire(self._requests_life, req, "store_alloc_failed")
+            return
+        if not result.keys_to_store:
+            req.next_stored_chunk_idx = n_chunks
+            return
+        position = {k: start + i for i, k in enumerate(offered)}
+        chunks = [position[k] for k in result.keys_to_store]
+        blocks = tuple(b for c in chunks for b in req.block_ids[c * bpc:(c + 1) * bpc])
+        self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
+                   chunk_ids=tuple(result.chunk_ids), block_ids=blocks,
+                   first_block_index=chunks[0] * bpc, end_chunk=n_chunks)
+
+    def _end_step(self) -> None:
+        self._batch_load_jobs.clear()
+        self._batch_store_jobs.clear()
+        self._batch_allocated_blocks.clear()
+        self._batch_sync_load_bytes = 0
+        self._meta_load_jobs.clear()
+        self._meta_store_jobs.clear()
+        self._preempted_early.clear()
+        self.jobs_to_flush.clear()
+        for req in self._req_status.values():
+            req.lookup_hit_tokens = None
+            req.sync_load_reserved = False
+        self.manager.on_schedule_end()
+        self.reset_since_last_step = False
+        self.step_open = False
+        self.step_index += 1
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        with self._hook("update_connector_output"):
+            reports = self._validate_reports(output)
+            for job_id, (done, failed, cls) in sorted(reports.items()):
+                self._apply_reports(job_id, done, failed, cls)
+            for req_id in sorted(output.finished_recving):
+                req = self._req_status.get(req_id)
+                if req is not None and req.state == R.ORPHANED_LOAD:
+                    self._fire(self._requests_life, req, "load_recving")
+
+    def _validate_reports(self, output: KVConnectorOutput) -> (
+            dict[int, tuple[int, int, JobClass]]):
+        if not isinstance(output, KVConnectorOutput):
+            raise MalformedMessage(f"update_connector_output expects a KVConnectorOutput, got "
+                                   f"{type(output).__name__}")
+        recving = output.finished_recving
+        if not isinstance(recving, set) or not all(isinstance(r, str) for r in recving):
+            raise MalformedMessage("finished_recving must be a set of request ids")
+        meta = output.kv_connector_worker_meta
+        if meta is None:
+            return {}
+        if not isinstance(meta, OffloadingWorkerMetadata):
+            raise MalformedMessage(f"kv_connector_worker_meta must be OffloadingWorkerMetadata "
+                                   f"or None, got {type(meta).__name__}")
+        counts: dict[int, list[int]] = {}
+        for field_name, slot in (("completed_jobs", 0), ("failed_jobs", 1)):
+            table = getattr(meta, field_name)
+            if not isinstance(table, dict):
+                raise MalformedMessage(f"{field_name} must be a dict of job id -> count")
+            for job_id, count in table.items():
+                if type(job_id) is not int or type(count) is not int or count <= 0:
+                    raise MalformedMessage(f"{field_name}[{job_id!r}] = {count!r}: job ids and "
+                                           "counts must be ints, counts > 0")
+                counts.setdefault(job_id, [0, 0])[slot] += count
+        reports: dict[int, tuple[int, int, JobClass]] = {}
+        for job_id, (done, failed) in counts.items():
+            cls = self.jobs.classify(job_id, self.fence.entries)
+            if cls == JobClass.UNKNOWN:
+                raise UnknownJob(job_id, self._unknown_reason(job_id))
+            due = self._reports_due(job_id, cls)
+            if due is not None and done + failed > due:
+                state = self._reported_job(job_id, cls).state
+                raise OverAck(job_id, done + failed, due, state)
+            reports[job_id] = (done, failed, cls)
+        return reports
+
+    def _reported_job(self, job_id: int, cls: JobClass) -> JobStatus:
+        """The job model a report for `job_id` of class `cls` moves."""
+        table: dict[int, JobStatus] | JobTable = (
+            self.jobs if cls == JobClass.LIVE
+            else self.jobs.quarantine if cls == JobClass.QUARANTINED else self._fenced_jobs)
+        job = table.get(job_id)
+        assert job is not None, (job_id, cls)
+        return job
+
+    def _reports_due(self, job_id: int, cls: JobClass) -> int | None:
+        if cls == JobClass.FENCED:
+            return self.fence.entries[job_id]
+        if cls in (JobClass.LIVE, JobClass.QUARANTINED):
+            return self._reported_job(job_id, cls).pending_count
+        return None
+
+    def _unknown_reason(self, job_id: int) -> str:
+        if job_id >= self.jobs.job_counter or job_id < 0:
+            return (f"never allocated (the job counter is {self.jobs.job_counter}); "
+                    "nothing was changed")
+        return (f"reported after it ended (completed, failed, or a timed-out job that drained; "
+                f"ids below the stale threshold {self.jobs.stale_threshold} are filtered as "
+                "stale); a duplicate report? nothing was changed")
+
+    def _apply_reports(self, job_id: int, done: int, failed: int, cls: JobClass) -> None:
+        if cls == JobClass.STALE_DRAINED:
+            self._fire(self._fence_life, self.fence, "drained_report", count=done + failed)
+            return
+        job = self._reported_job(job_id, cls)
+        if done:
+            self._fire(self._jobs_life, job, "ack", count=done)
+        if failed:
+            self._fire(self._jobs_life, job, "fail", count=failed)
+        if cls == JobClass.FENCED:
+            self._fire(self._fence_life, self.fence, "stale_report")
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        with self._hook(f"request_finished({request.request_id!r})"):
+            req = self._req_status.get(request.request_id)
+            if req is None:
+                temp = RequestState(request.request_id, request)
+                self._requests_life.add(temp)
+                self._fire(self._requests_life, temp, "finish_untracked")  # removes temp
+                return False, None
+            self._require(self._requests_life, req, "finish")
+            req.is_finished = True
+            self._fire(self._requests_life, req, "finish")
+            return False, None
+
+    def reset_cache(self) -> bool:
+        with self._hook("reset_cache()"):
+            if self.step_open:
+                raise OutOfStep("reset_cache() called inside a step (after a lookup or "
+                                "allocation, before build_connector_meta); vLLM asserts "
+                                "the same (S:2403-2407)")
+            live = len(self.jobs) + len(self.jobs.quarantine)
+            for req_id in sorted(self._req_status):
+                self._fire(self._requests_life, self._req_status[req_id], "reset")
+            for job in list(self.jobs.quarantine.values()):
+                self._fire(self._jobs_life, job, "reset")
+            self.manager.reset_cache()
+            self.jobs.stale_threshold = self.jobs.job_counter
+            self._fire(self._fence_life, self.fence, "reset", live_jobs=live)
+            self.chunks_being_loaded.clear()
+            self.block_fence.clear()
+            self.reset_since_last_step = True
+            self.stats["resets"] += 1
+            return True
+
+    # ============================================================== queries (2.8)
+    def has_pending_work(self) -> bool:
+        return (bool(len(self.jobs)) or bool(self.fence.entries) or bool(self.jobs.quarantine)
+                or self.manager.has_pending_work())
+
+    has_pending_push_work = has_pending_work
+
+    def take_events(self) -> list[Any]:
+        return list(self.manager.take_events())
+
+    def get_stats(self) -> dict[str, int]:
+        return {**self.stats, **{f"manager_{k}": v for k, v in self.manager.stats.items()}}
+
+    def take_released_gpu_blocks(self) -> list[int]:
+        out, self.released_gpu_blocks = self.released_gpu_blocks, []
+        return out
+
+    def shutdown(self) -> None:
+        self.stats["shutdown"] += 1
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return dict(self._req_status)
