@@ -252,11 +252,11 @@ def _inv16(s: AbstractState) -> Iterator[Violation]:
             if both:
                 yield Violation("INV-16", f"chunks {both} read by a load while a store writes "
                                 "them", j.owner, (j.id,))
-    if s.reset_since_last_step:
-        unflushed = sorted(s.fence_ids - s.jobs_to_flush)
-        if unflushed and s.jobs_to_flush:
-            yield Violation("INV-16", "pre-reset jobs not flushed before new submissions",
-                            jobs=tuple(unflushed))
+    unflushed = sorted(h.id for h in s.reset_fence
+                       if not h.flushed and h.id not in s.jobs_to_flush)
+    if unflushed:
+        yield Violation("INV-16", "pre-reset jobs neither flushed nor due to be flushed "
+                        "before the next submissions", jobs=tuple(unflushed))
 
 
 def _inv17(s: AbstractState) -> Iterator[Violation]:

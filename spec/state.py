@@ -66,6 +66,8 @@ class HeldJob:
     reports_due: int
     keys: frozenset[int] = frozenset()
     blocks: frozenset[int] = frozenset()
+    flushed: bool = False
+    """A step's metadata already told the workers to finish it."""
 
 
 @dataclass(frozen=True)

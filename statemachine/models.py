@@ -84,6 +84,8 @@ class JobStatus:
     failed: bool = False
     shipped_step: int | None = None
     flush_requested: bool = False
+    flush_shipped: bool = False
+    """A step's metadata carried its flush (the workers finished it before that step)."""
     quarantined_slots: tuple[int, ...] = ()
     """CPU slots of a timed-out store, held until its late reports arrive."""
 

@@ -47,7 +47,8 @@ def _job_record(s: OffloadingScheduler, job: JobStatus) -> JobRecord:
 
 
 def _held(job: JobStatus, due: int) -> HeldJob:
-    return HeldJob(job.job_id, job.kind, due, frozenset(job.keys), frozenset(job.gpu_block_ids))
+    return HeldJob(job.job_id, job.kind, due, frozenset(job.keys), frozenset(job.gpu_block_ids),
+                   job.flush_shipped)
 
 
 def project(s: OffloadingScheduler) -> AbstractState:

@@ -375,6 +375,11 @@ class OffloadingScheduler(SchedulerEffects):
         self._meta_load_jobs.clear()
         self._meta_store_jobs.clear()
         self._preempted_early.clear()
+        for job_id in self.jobs_to_flush:
+            job = (self.jobs.get(job_id) or self._fenced_jobs.get(job_id)
+                   or self.jobs.quarantine.get(job_id))
+            if job is not None:
+                job.flush_shipped = True
         self.jobs_to_flush.clear()
         for req in self._req_status.values():
             req.lookup_hit_tokens = None

@@ -28,7 +28,7 @@ def healthy() -> AbstractState:
         jobs=(store, load),
         job_counter=7,
         stale_threshold=3,
-        reset_fence=(HeldJob(1, "store", 1),),
+        reset_fence=(HeldJob(1, "store", 1, flushed=True),),
         chunks_being_loaded=frozenset({20}),
         chunk_ref_cnt=((10, -1), (11, -1), (20, 1), (30, 0)),
     )
@@ -71,7 +71,9 @@ def _break(name: str) -> AbstractState:
         "INV-15": replace(s, requests=(replace(r1, gpu_blocks=(0,)),
                                        replace(r2, gpu_blocks=(4, 1)))),
         "INV-16": replace(s, jobs=(store, replace(load, keys=frozenset({10})))),
-        "INV-17": replace(s, reset_fence=(HeldJob(5, "store", 1),), stale_threshold=7),
+        "INV-16b": replace(s, reset_fence=(HeldJob(1, "store", 1),)),
+        "INV-17": replace(s, reset_fence=(HeldJob(5, "store", 1, flushed=True),),
+                          stale_threshold=7),
         "INV-18": replace(s, requests=(r1, replace(r2, lookup_hit_pending=True))),
     }
     return cases[name]
@@ -83,6 +85,10 @@ SAFETY_IDS = [i.id for i in spec.SAFETY]
 @pytest.mark.parametrize("inv", [i for i in SAFETY_IDS if i != "INV-1"])
 def test_each_invariant_detects_its_violation(inv: str) -> None:
     assert inv in ids(_break(inv))
+
+
+def test_an_unflushed_pre_reset_job_is_a_cpu_safety_violation() -> None:
+    assert "INV-16" in ids(_break("INV-16b"))
 
 
 def test_every_invariant_of_reference_6_5_is_named() -> None:
