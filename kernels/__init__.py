@@ -1,1 +1,43 @@
-"""placeholder"""
+"""Batched KV-cache block copies between GPU blocks and CPU chunks (vLLM's offloading layout).
+
+A standalone layer: it knows tensors, layouts and transfer jobs, nothing of the spec or the
+state machine. ``layout`` describes tensors and jobs, ``copy`` issues a job's batched copies,
+``engine`` runs jobs asynchronously (CUDA streams, or a CPU stand-in with the same API).
+"""
+
+from kernels.copy import (
+    CopyPolicy,
+    RowMapping,
+    Strategy,
+    choose_strategy,
+    copy_blocks_to_chunks,
+    copy_chunks_to_blocks,
+)
+from kernels.engine import CopyEngine, CopyResult, Direction, KernelStateError
+from kernels.layout import (
+    KernelSpecError,
+    KVLayout,
+    TransferSpec,
+    allocate_cpu_kv,
+    allocate_gpu_kv,
+    block_rows,
+)
+
+__all__ = [
+    "CopyEngine",
+    "CopyPolicy",
+    "CopyResult",
+    "Direction",
+    "KVLayout",
+    "KernelSpecError",
+    "KernelStateError",
+    "RowMapping",
+    "Strategy",
+    "TransferSpec",
+    "allocate_cpu_kv",
+    "allocate_gpu_kv",
+    "block_rows",
+    "choose_strategy",
+    "copy_blocks_to_chunks",
+    "copy_chunks_to_blocks",
+]

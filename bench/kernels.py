@@ -1,0 +1,413 @@
+"""Throughput of the kernels layer's store/load jobs against two baselines.
+
+For each GPU page size and job size (blocks per job), measured side by side in one run
+(repetitions interleaved, median of several):
+
+* ``job``: ``CopyEngine.submit_store/submit_load`` + completion (validation and planning
+  included), with random GPU block ids and random CPU chunk ids, as in a running server;
+* ``contig``: one ``copy_`` of the same number of bytes between contiguous buffers (the
+  memory-bandwidth limit; pinned host memory <-> device on CUDA);
+* ``loop``: one ``copy_`` per block from Python (``cpu[row].copy_(gpu[b])``; on CUDA issued
+  ``non_blocking`` on a stream, a stand-in for one cudaMemcpyAsync per block).
+
+Usage: ``python bench/kernels.py [--quick] [--json] [--bpc N] [--threads N] [--reps N]
+[--budget S] [--device cpu|cuda|all]``. The default grid takes well under a minute on an idle
+2-core machine (``--budget`` bounds it on a busy one); ``--quick`` a few seconds. Rows the host
+disturbed are flagged NOISY and left out of the targets. Timings are reported here only; tests
+never look at them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# This file is named like the package it measures: make ``import kernels`` find the package
+# (repository root), not this script (whose folder Python puts first on sys.path).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+
+from kernels import (  # noqa: E402
+    CopyEngine,
+    KVLayout,
+    RowMapping,
+    TransferSpec,
+    allocate_cpu_kv,
+    allocate_gpu_kv,
+    block_rows,
+    choose_strategy,
+)
+
+KIB = 1024
+MIB = 1024 * KIB
+PAGES = [4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB]
+BLOCKS = [1, 8, 64, 256, 512, 4096]
+QUICK_PAGES = [4 * KIB, 16 * KIB, 256 * KIB, 2 * MIB]
+QUICK_BLOCKS = [64, 512]
+BUFFER_CAP = 512 * MIB  # per buffer (GPU pool, CPU pool); pools hold 2x the job's blocks
+MIN_SAMPLE_S = 0.003  # small copies are repeated until one sample lasts at least this long
+# Targets are judged on jobs of at least TARGET_MIN_BLOCKS blocks (smaller jobs are dominated by
+# the fixed per-job cost of validation and planning); the bandwidth targets moreover on jobs of
+# at least TARGET_MIN_BYTES, larger than a last-level cache, since only then does the
+# contiguous copy measure memory bandwidth rather than cache bandwidth.
+TARGET_MIN_BLOCKS = 64
+TARGET_MIN_BYTES = 64 * MIB
+STALL_MS = 0.5  # a 1 MiB host copy slower than this means the thread pool is stalling
+NOISE_RATIO = 1.5  # a measurement whose median sample is this much slower than its best is noise
+
+
+@dataclass
+class Row:
+    device: str
+    page: int
+    blocks: int
+    job_mib: float
+    contig_store: float
+    contig_load: float
+    job_store: float
+    job_load: float
+    loop_store: float
+    loop_load: float
+    strategy_store: str
+    strategy_load: str
+    noisy: bool = False  # the host disturbed this measurement (see NOISE_RATIO): left out
+
+    @property
+    def vs_contig(self) -> tuple[float, float]:
+        return self.job_store / self.contig_store, self.job_load / self.contig_load
+
+    @property
+    def vs_loop(self) -> tuple[float, float]:
+        return self.job_store / self.loop_store, self.job_load / self.loop_load
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _calibrate(fn: Callable[[], None], device: torch.device) -> int:
+    """Repetitions per sample so that one sample lasts at least MIN_SAMPLE_S."""
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = time.perf_counter() - t0
+    return max(1, min(1000, math.ceil(MIN_SAMPLE_S / max(once, 1e-7))))
+
+
+def _measure(fns: dict[str, Callable[[], None]], nbytes: int, reps: int,
+             device: torch.device, deadline: float) -> tuple[dict[str, float], bool]:
+    """GB/s of each function (repetitions interleaved across functions, median of ``reps``),
+    and whether the run was noisy (some median sample > NOISE_RATIO x its best sample)."""
+    inner = {name: _calibrate(fn, device) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner[name]):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) / inner[name])
+        if time.perf_counter() > deadline:  # a disturbed host: stop with fewer samples
+            break
+    noisy = any(statistics.median(s) > NOISE_RATIO * min(s) for s in samples.values())
+    return {name: nbytes / statistics.median(s) / 1e9 for name, s in samples.items()}, noisy
+
+
+def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
+              seed: int, deadline: float) -> Row:
+    gen = torch.Generator().manual_seed(seed)
+    pool = 2 * n
+    num_chunks = math.ceil(pool / bpc) + 1
+    layout = KVLayout((page,), bpc)
+    gpu = allocate_gpu_kv(layout, pool, device)
+    cpu = allocate_cpu_kv(layout, num_chunks, pin=device.type == "cuda")
+    gpu[0].fill_(1)  # first touch, outside the timed region
+    cpu[0].fill_(2)
+    gpu_ids = torch.randperm(pool, generator=gen)[:n].tolist()
+    chunk_ids = torch.randperm(num_chunks, generator=gen)[:math.ceil(n / bpc)].tolist()
+    spec = TransferSpec(gpu_ids, chunk_ids, 0)
+    engine = CopyEngine(gpu, cpu, bpc, device)
+    job_ids = itertools.count()
+
+    def job(submit: Callable[[int, TransferSpec], None]) -> Callable[[], None]:
+        def run() -> None:
+            job_id = next(job_ids)
+            submit(job_id, spec)
+            engine.wait([job_id])
+            engine.poll()
+        return run
+
+    nbytes = n * page
+    gpu_flat, cpu_flat = gpu[0].view(-1)[:nbytes], cpu[0].view(-1)[:nbytes]
+    gpu_blocks, sub_rows = gpu[0], cpu[0].view(-1, page)
+    gpu_rows, cpu_rows = block_rows(spec, bpc, pool, num_chunks)
+    pairs = list(zip(gpu_ids, cpu_rows.tolist(), strict=True))
+    non_blocking = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def loop(store: bool) -> Callable[[], None]:
+        def run() -> None:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                if store:
+                    for b, r in pairs:
+                        sub_rows[r].copy_(gpu_blocks[b], non_blocking=non_blocking)
+                else:
+                    for b, r in pairs:
+                        gpu_blocks[b].copy_(sub_rows[r], non_blocking=non_blocking)
+        return run
+
+    def contig_store() -> None:
+        cpu_flat.copy_(gpu_flat, non_blocking=non_blocking)
+
+    def contig_load() -> None:
+        gpu_flat.copy_(cpu_flat, non_blocking=non_blocking)
+
+    fns: dict[str, Callable[[], None]] = {
+        "contig_store": contig_store,
+        "contig_load": contig_load,
+        "job_store": job(engine.submit_store),
+        "job_load": job(engine.submit_load),
+        "loop_store": loop(True),
+        "loop_load": loop(False),
+    }
+    gbps, noisy = _measure(fns, nbytes, reps, device, deadline)
+    # check (whatever the buffers hold now): after a store, every job block equals its sub-row
+    engine.submit_store(next(job_ids), spec)
+    engine.wait(engine.in_flight())
+    engine.poll()
+    _sync(device)
+    assert torch.equal(sub_rows[cpu_rows], gpu_blocks[gpu_rows.to(device)].cpu())
+    engine.shutdown()
+    store_map = RowMapping(gpu_rows, cpu_rows)
+    return Row(
+        device=device.type, page=page, blocks=n, job_mib=nbytes / MIB,
+        strategy_store=choose_strategy(store_map, page, engine.policy).value,
+        strategy_load=choose_strategy(store_map.inverse(), page, engine.policy).value,
+        noisy=noisy, **gbps,
+    )
+
+
+def _fmt_size(page: int) -> str:
+    return f"{page // MIB}M" if page >= MIB else f"{page // KIB}K"
+
+
+def print_table(rows: list[Row], skipped: list[tuple[int, int]],
+                no_time: list[tuple[int, int]]) -> None:
+    head = (f"{'page':>5} {'blocks':>6} {'MiB':>7} | {'contig S/L GB/s':>15} | "
+            f"{'job S/L GB/s':>13} | {'loop S/L GB/s':>13} | {'job/contig S/L':>14} | "
+            f"{'job/loop S/L':>13} | strategy S/L")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cs, cl = r.vs_contig
+        ls, ll = r.vs_loop
+        print(f"{_fmt_size(r.page):>5} {r.blocks:>6} {r.job_mib:>7.2f} | "
+              f"{r.contig_store:>7.2f} {r.contig_load:>7.2f} | "
+              f"{r.job_store:>6.2f} {r.job_load:>6.2f} | "
+              f"{r.loop_store:>6.2f} {r.loop_load:>6.2f} | "
+              f"{cs:>6.2f} {cl:>7.2f} | {ls:>6.1f}x {ll:>5.1f}x | "
+              f"{r.strategy_store}/{r.strategy_load}{'  NOISY' if r.noisy else ''}")
+    if any(r.noisy for r in rows):
+        print(f"NOISY: the host disturbed these measurements (some median sample > "
+              f"{NOISE_RATIO}x the best, or a 1 MiB copy right after took > {STALL_MS} ms: busy "
+              "CPUs, stalled threads); they are left out of the targets. Rerun on a quiet "
+              "machine (or with --threads 1).")
+    if skipped:
+        print("skipped (a pool of 2x the job's blocks would exceed "
+              f"{BUFFER_CAP // MIB} MiB per buffer): "
+              + ", ".join(f"{_fmt_size(p)}x{n}" for p, n in skipped))
+    if no_time:
+        print("not measured (time budget spent, or the host stalled; see --budget): "
+              + ", ".join(f"{_fmt_size(p)}x{n}" for p, n in no_time))
+
+
+@dataclass
+class Target:
+    device: str
+    name: str
+    met: bool | None  # None: not judged (no clean measurement of that kind)
+    detail: str
+
+
+def check_targets(device: str, rows: list[Row]) -> list[Target]:
+    big = [r for r in rows if r.blocks >= TARGET_MIN_BLOCKS and not r.noisy]
+    large = [r for r in big if r.job_mib * MIB >= TARGET_MIN_BYTES]
+    targets: list[Target] = []
+
+    def add(name: str, sel: list[Row], ok: Callable[[Row], bool],
+            show: Callable[[Row], str]) -> None:
+        if not sel:
+            targets.append(Target(device, name, None, "no clean measurement"))
+            return
+        detail = ", ".join(f"{_fmt_size(r.page)}x{r.blocks}: {show(r)}" for r in sel)
+        targets.append(Target(device, name, all(ok(r) for r in sel), detail))
+
+    def contig(r: Row) -> str:
+        return "S {:.2f} L {:.2f}".format(*r.vs_contig)
+
+    def loop(r: Row) -> str:
+        return "S {:.1f}x L {:.1f}x".format(*r.vs_loop)
+
+    if device == "cpu":
+        add(">= 0.8 of contiguous at >= 256 KiB", [r for r in large if r.page >= 256 * KIB],
+            lambda r: min(r.vs_contig) >= 0.8, contig)
+        add(">= 10x the per-block loop at 4 KiB", [r for r in big if r.page == 4 * KIB],
+            lambda r: min(r.vs_loop) >= 10.0, loop)
+    else:
+        add(">= 0.9 of contiguous pinned copy at 2 MiB",
+            [r for r in large if r.page == 2 * MIB],
+            lambda r: min(r.vs_contig) >= 0.9, contig)
+        add("faster than per-block copies at 16 KiB", [r for r in big if r.page == 16 * KIB],
+            lambda r: min(r.vs_loop) > 1.0, loop)
+    return targets
+
+
+def parallel_copy_ms() -> float:
+    """Time of a 1 MiB host copy (~0.03 ms normally; the worse of the median and a quarter of
+    the slowest of 21). On a busy machine, or a VM whose second vCPU is descheduled, every
+    intra-op parallel region can stall for milliseconds; timings taken then are noise."""
+    src = torch.ones(1 << 20, dtype=torch.int8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), max(times) / 4) * 1e3
+
+
+def _wait_for_quiet(deadline: float) -> bool:
+    """Whether the host's thread pool runs normally, waiting for it until ``deadline``."""
+    while parallel_copy_ms() > STALL_MS:
+        if time.perf_counter() + 1.0 > deadline:
+            return False
+        time.sleep(1.0)
+    return True
+
+
+def run_device(device: torch.device, pages: list[int], blocks: list[int], bpc: int,
+               reps: int, deadline: float, verbose: bool
+               ) -> tuple[list[Row], list[tuple[int, int]], list[tuple[int, int]]]:
+    """Rows measured, combinations over the buffer cap, combinations not measured (time budget
+    spent, or the host stalled until the deadline)."""
+    rows: list[Row] = []
+    over_cap: list[tuple[int, int]] = []
+    no_time: list[tuple[int, int]] = []
+    for page in pages:
+        for n in blocks:
+            if 2 * n * page > BUFFER_CAP:
+                over_cap.append((page, n))
+                continue
+            if time.perf_counter() > deadline:
+                no_time.append((page, n))
+                continue
+            if not _wait_for_quiet(deadline):  # measuring while stalled takes ages, for noise
+                no_time.append((page, n))
+                continue
+            row = bench_one(device, page, n, bpc, reps, seed=page + n,
+                            deadline=deadline + 10.0)
+            row.noisy = row.noisy or parallel_copy_ms() > STALL_MS
+            rows.append(row)
+            if verbose:
+                print(f"  measured {_fmt_size(page)} x {n}", file=sys.stderr, flush=True)
+    return rows, over_cap, no_time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid (< 30 s)")
+    parser.add_argument("--json", action="store_true", help="print JSON results only")
+    parser.add_argument("--bpc", type=int, default=1, help="GPU blocks per CPU chunk")
+    parser.add_argument("--reps", type=int, default=None, help="samples per measurement")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds after which no new measurement starts "
+                        "(default 150, --quick 20)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's default)")
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
+                        help="all: cpu, and cuda when available")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pages = QUICK_PAGES if args.quick else PAGES
+    blocks = QUICK_BLOCKS if args.quick else BLOCKS
+    reps = args.reps if args.reps is not None else (3 if args.quick else 7)
+    devices = [torch.device("cpu")] if args.device in ("cpu", "all") else []
+    if args.device in ("cuda", "all") and torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    if args.device == "cuda" and not devices:
+        print("no CUDA device", file=sys.stderr)
+        return 1
+
+    t0 = time.perf_counter()
+    stall_ms = parallel_copy_ms()
+    load = os.getloadavg()[0]
+    if not args.json:
+        if stall_ms > STALL_MS:
+            print(f"WARNING: a 1 MiB host copy takes {stall_ms:.1f} ms (expected ~0.03 ms): the "
+                  "CPUs are busy or the intra-op thread pool stalls; results will be noise. "
+                  "Rerun later (or with --threads 1).", file=sys.stderr)
+        if load > 0.5:
+            print(f"WARNING: load average {load:.1f} before the run: other processes compete "
+                  "for the CPUs and memory bandwidth.", file=sys.stderr)
+    report: dict[str, object] = {
+        "parallel_copy_ms": stall_ms,
+        "load_average": load,
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "bpc": args.bpc,
+        "reps": reps, "buffer_cap_mib": BUFFER_CAP // MIB,
+        "target_min_blocks": TARGET_MIN_BLOCKS, "target_min_mib": TARGET_MIN_BYTES // MIB,
+        "devices": {},
+    }
+    all_targets: list[Target] = []
+    for device in devices:
+        budget = args.budget if args.budget is not None else (20.0 if args.quick else 150.0)
+        deadline = t0 + budget * (devices.index(device) + 1) / len(devices)
+        rows, skipped, no_time = run_device(device, pages, blocks, args.bpc, reps, deadline,
+                                            not args.json)
+        targets = check_targets(device.type, rows)
+        all_targets += targets
+        report["devices"][device.type] = {  # type: ignore[index]
+            "rows": [asdict(r) | {"job_vs_contig": r.vs_contig, "job_vs_loop": r.vs_loop}
+                     for r in rows],
+            "skipped": [{"page": p, "blocks": n} for p, n in skipped],
+            "not_measured": [{"page": p, "blocks": n} for p, n in no_time],
+            "targets": [asdict(t) for t in targets],
+        }
+        if not args.json:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            print(f"\n== {device} ({name}), torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} threads, {args.bpc} blocks per chunk, "
+                  f"median of {reps}; S = store (GPU->CPU), L = load (CPU->GPU)")
+            print_table(rows, skipped, no_time)
+            print(f"targets (jobs of >= {TARGET_MIN_BLOCKS} blocks; bandwidth targets on jobs "
+                  f"of >= {TARGET_MIN_BYTES // MIB} MiB):")
+            for t in targets:
+                verdict = "n/a" if t.met is None else "met" if t.met else "NOT MET"
+                print(f"  [{verdict}] {t.name}: {t.detail}")
+    report["seconds"] = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"\ntotal {report['seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
