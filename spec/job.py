@@ -79,10 +79,10 @@ EFFECTS = (
     Effect("add_to_jobs_to_flush", "into _current_batch_jobs_to_flush"),
     Effect("count_report", "pending_count -= count"),
     Effect("mark_failed", "remember that a worker failed the copy"),
-    Effect("complete_in_manager", "complete_store(success=True) / complete_load; "
-           "_chunks_being_loaded -= keys"),
+    Effect("complete_in_manager", "complete_store(success=True) / complete_load; an async "
+           "load's keys leave _chunks_being_loaded"),
     Effect("roll_back_in_manager", "store: complete_store(success=False); load: "
-           "complete_load; _chunks_being_loaded -= keys"),
+           "complete_load; an async load's keys leave _chunks_being_loaded"),
     Effect("leave_job_table", "remove from _jobs, the owner's transfer_jobs and the fence map; "
            "the owner's ending trigger fires"),
     Effect("enter_timeout_quarantine", "remaining reports recorded; store keys dropped from the "

@@ -1,7 +1,8 @@
 """`kvspec`: the command line of kvoffload-spec.
 
 Exit status: 0 when everything asked for holds, 1 when a check fails (stale diagrams, an
-ill-formed table, ...), 2 on bad usage.
+ill-formed table, a simulation that leaves a request stuck, a resource leaked or a byte
+corrupted, ...), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -96,15 +97,44 @@ class _NoEffects:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from statemachine.models import JobStatus, RequestState, ResetFence
+    from statemachine.worker import WorkerJob
 
     print("kvoffload-spec demo: the lifecycle tables, built into transitions machines\n")
     for m, subject in ((spec.REQUEST_MACHINE, RequestState), (spec.JOB_MACHINE, JobStatus),
-                       (spec.FENCE_MACHINE, ResetFence)):
+                       (spec.FENCE_MACHINE, ResetFence), (spec.WORKER_MACHINE, WorkerJob)):
         Lifecycle(m, subject, _NoEffects())
     rc = cmd_summary(argparse.Namespace(json=False))
     print()
     rc |= cmd_diagrams(argparse.Namespace(root=args.root, check=False))
     return rc
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from statemachine import simulate
+
+    if args.steps < 1 or args.workers < 1 or (args.requests is not None and args.requests < 1):
+        print("kvspec simulate: --steps, --workers and --requests must be >= 1",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("kvspec simulate: --device cuda, but CUDA is not available here",
+                  file=sys.stderr)
+            return EXIT_USAGE
+    cfg = simulate.SimConfig(seed=args.seed, steps=args.steps, workers=args.workers,
+                             requests=args.requests, device=args.device,
+                             check_invariants=not args.no_invariants)
+    show = None if args.no_progress else simulate.progress_bar(sys.stderr)
+    result = simulate.run(cfg, show)
+    if show is not None:
+        show.close()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(simulate.render(result))
+    return EXIT_OK if result.ok else EXIT_FAIL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +150,26 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="the main job: build the machines, summarise, draw")
     m.add_argument("--root", help="project root (default: the current directory)")
     m.set_defaults(func=cmd_demo)
+    sim = sub.add_parser("simulate", help="a seeded workload through engine, connector, "
+                         "workers and copy kernels; exit 1 if a request is stuck, a resource "
+                         "leaked or a byte corrupted")
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--steps", type=int, default=240,
+                     help="steps during which requests arrive and faults strike (then drain)")
+    sim.add_argument("--workers", type=int, default=2, help="worker ranks (default 2)")
+    sim.add_argument("--requests", type=int, default=None,
+                     help="requests in the workload (default: steps / 2)")
+    sim.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the GPU KV lives (default cpu: the CPU stand-in, whose "
+                     "runs are a function of the seed)")
+    sim.add_argument("--json", action="store_true", help="the result as JSON on stdout")
+    sim.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    sim.add_argument("--no-invariants", action="store_true",
+                     help="do not check the invariants after every connector hook (faster)")
+    sim.set_defaults(func=cmd_simulate)
+    from statemachine import check_cli
+
+    check_cli.add_parsers(sub)
     return p
 
 

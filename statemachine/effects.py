@@ -222,7 +222,7 @@ class SchedulerEffects:
             self.manager.complete_store(job.keys, job.owner.ctx, success=True)
         else:
             self.manager.complete_load(job.keys, job.owner.ctx)
-            self.chunks_being_loaded.difference_update(job.keys)
+            self._unmark_chunks_being_loaded(job)
 
     def roll_back_in_manager(self, job: JobStatus, **_: Any) -> None:
         self.stats["failed_jobs"] += 1
@@ -230,7 +230,7 @@ class SchedulerEffects:
             self.manager.complete_store(job.keys, job.owner.ctx, success=False)
         else:
             self.manager.complete_load(job.keys, job.owner.ctx)
-            self.chunks_being_loaded.difference_update(job.keys)
+            self._unmark_chunks_being_loaded(job)
 
     def leave_job_table(self, job: JobStatus, **_: Any) -> None:
         if job.job_id not in self.jobs:
@@ -257,7 +257,7 @@ class SchedulerEffects:
         if job.is_store:
             job.quarantined_slots = self.manager.quarantine_store(job.keys)
         else:
-            self.chunks_being_loaded.difference_update(job.keys)
+            self._unmark_chunks_being_loaded(job)
 
     def release_quarantine(self, job: JobStatus, **_: Any) -> None:
         self.jobs.quarantine.pop(job.job_id, None)
@@ -296,6 +296,13 @@ class SchedulerEffects:
         self.stats["ignored_stale_reports"] += count
 
     # ================================================================== helpers
+    def _unmark_chunks_being_loaded(self, job: JobStatus) -> None:
+        """Only an async load marked its keys (mark_chunks_being_loaded): a sync load must not
+        unmark them, or an async load of the same chunks admitted after it in the same step
+        loses its marks (INV-8) and later lookups stop deferring behind it."""
+        if not job.sync:
+            self.chunks_being_loaded.difference_update(job.keys)
+
     def _release_gpu_quarantine(self, job_id: int) -> None:
         blocks = self.quarantined_gpu_blocks.pop(job_id, None)
         if blocks is not None:

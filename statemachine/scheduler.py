@@ -190,7 +190,7 @@ class OffloadingScheduler(SchedulerEffects):
                 # once: build_connector_meta will not apply it again.
                 self._fire(self._requests_life, req, "preempt")
                 self._preempted_early.add(req.req_id)
-            if req.state == R.PREEMPTED_FLUSHING:
+            if self._lookup_blocked(req):
                 self._open_step()
                 self._fire(self._requests_life, req, "lookup_blocked")
                 return None, False
@@ -279,17 +279,17 @@ class OffloadingScheduler(SchedulerEffects):
             if unknown:
                 raise UnknownRequest(unknown[0], "build_connector_meta (scheduled)")
             self._open_step()
-            self._time_out_jobs()
             self._update_req_states(out)
             for req_id in sorted(out.preempted_req_ids - self._preempted_early):
                 req = self._req_status.get(req_id)
                 if req is not None and req.state in SCHEDULED:
                     self._fire(self._requests_life, req, "preempt")
-            for block in sorted(self._batch_allocated_blocks):
-                for job_id in sorted(self.block_fence.get(block, ())):
-                    job = self.jobs.get(job_id)
-                    if job is not None:
-                        self._fire(self._jobs_life, job, "flush")
+            self._flush_reallocated_blocks()
+            # Timeouts last: the core already scheduled (or preempted) this step's requests,
+            # so a request whose sync load times out now is first updated as scheduled, and a
+            # preempted one is first flushed (its blocks were freed behind the flush, not
+            # quarantined).
+            self._time_out_jobs()
             for req_id in [*out.num_scheduled_tokens, *sorted(out.finished_req_ids)]:
                 req = self._req_status.get(req_id)
                 if req is not None and req.state in STORE_CANDIDATES:
@@ -307,6 +307,23 @@ class OffloadingScheduler(SchedulerEffects):
                     self._fire(self._requests_life, req, "finalize")
             self._end_step()
             return meta
+
+    def _lookup_blocked(self, req: RequestState) -> bool:
+        """S:1247-1252: a request that still holds jobs is not looked up (issue #46014)."""
+        return req.state == R.PREEMPTED_FLUSHING
+
+    def _flush_reallocated_blocks(self) -> None:
+        """The re-allocation fence (S:2153-2165): a store still reading a block given out
+        in this step is flushed before the step's loads and forward pass."""
+        for block in sorted(self._batch_allocated_blocks):
+            for job_id in sorted(self.block_fence.get(block, ())):
+                job = self.jobs.get(job_id)
+                if job is not None:
+                    self._fire(self._jobs_life, job, "flush")
+
+    def _advance_stale_threshold(self) -> None:
+        """Every id handed out so far is stale from now on (S:2436)."""
+        self.jobs.stale_threshold = self.jobs.job_counter
 
     def _time_out_jobs(self) -> None:
         limit = self.config.job_timeout_steps
@@ -496,7 +513,7 @@ class OffloadingScheduler(SchedulerEffects):
             for job in list(self.jobs.quarantine.values()):
                 self._fire(self._jobs_life, job, "reset")
             self.manager.reset_cache()
-            self.jobs.stale_threshold = self.jobs.job_counter
+            self._advance_stale_threshold()
             self._fire(self._fence_life, self.fence, "reset", live_jobs=live)
             self.chunks_being_loaded.clear()
             self.block_fence.clear()

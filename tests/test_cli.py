@@ -15,7 +15,8 @@ def test_summary_json_counts_the_tables(capsys: pytest.CaptureFixture[str]) -> N
     assert cli.main(["summary", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     by_name = {m["machine"]: m for m in data["machines"]}
-    assert set(by_name) == {"request", "job", "fence"}
+    assert set(by_name) == {"request", "job", "fence", "worker"}
+    assert by_name["worker"]["states"] == 6
     assert by_name["request"]["states"] == 13
     assert all(m["problems"] == 0 for m in data["machines"])
     assert data["invariants_total"] == 18

@@ -51,7 +51,7 @@ def test_every_lifecycle_hook_of_reference_section_2_has_a_transition() -> None:
     assert set(LIFECYCLE_HOOKS) <= used
 
 
-_REF = re.compile(r"^((S|CS|W|M|C|B|OC|KU):\d+(-\d+)?)(, (S|CS|W|M|C|B|OC|KU):\d+(-\d+)?)*$")
+_REF = re.compile(r"^((S|CS|W|GW|M|C|B|OC|KU):\d+(-\d+)?)(, (S|CS|W|GW|M|C|B|OC|KU):\d+(-\d+)?)*$")
 
 
 def test_every_transition_cites_vllm_code_or_says_beyond_vllm() -> None:

@@ -1,0 +1,749 @@
+"""A small core engine: vLLM's core scheduler, the workers and a forward-pass stand-in.
+
+`Engine` plays the part of vLLM's core scheduler (CS) around the connector
+(`OffloadingScheduler`) and the worker ranks (`statemachine.worker.Worker`): a GPU block pool
+(a FIFO free list; no GPU prefix cache), waiting and running queues, a token budget per step
+(chunked prefill), preemption when blocks run out (the newest running request is preempted:
+its blocks freed, `num_computed_tokens = 0`, re-queued at the front), finish (max_tokens)
+and abort, and `reset_prefix_cache`. One `step()` runs, in vLLM's order (reference 2 preamble
+and 3.1):
+
+1. schedule: running requests first (allocating, preempting the newest when blocks run
+   out), then, unless this step preempted, waiting ones: `get_num_new_matched_tokens` for a
+   request with no computed token (`None`: skipped this step), allocation,
+   `update_state_after_alloc` (an async hit makes the request WAITING_FOR_REMOTE_KVS, with
+   blocks for all its tokens, so that it can run as soon as its load lands);
+   then `build_connector_meta`;
+2. every worker: `handle_preemptions`, `start_kv_transfers`; the forward pass (the byte
+   stand-in); `prepare_store_kv`; `get_finished`;
+3. update from output: tokens advanced and sampled, stopped requests freed
+   (`request_finished`), then `update_connector_output` with the summed worker metadata
+   and the finished_recving of loads every rank finished, then those requests promoted.
+
+The engine follows the connector's answers: a request the connector moved to RECOMPUTE,
+TIMED_OUT or PREEMPTED_FLUSHING because its load failed or timed out is preempted (running)
+or has its load abandoned (waiting for it) and is recomputed; the destination blocks of a
+timed-out load stay out of the pool until `take_released_gpu_blocks` hands them back; a
+finished (e.g. aborted) request keeps the destination blocks of a load still in flight until
+that load ends. Beyond the connector: a load a reset made stale (ORPHANED_LOAD) whose copy
+failed on some rank is recomputed when its finished_recving arrives, not trusted (stale
+reports only drain the reset fence, so the connector cannot tell; the ranks' failed_jobs
+can).
+
+The forward stand-in writes into every GPU block it computes tokens of, in every layer of
+every rank, the bytes `oracle.kv_pattern` gives for the block's prefix hash. Every load (and,
+with `check_stores`, every store) is checked against them as soon as its copy is known
+complete (after a flush or sync wait, before the forward pass; else when polled), and with
+`verify_on_finish` every computed block of a finishing request is checked before its blocks
+are freed: any difference raises `CorruptedBytes`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spec import request as R
+from statemachine.config import OffloadingConfig
+from statemachine.errors import ConfigError, KVSpecError
+from statemachine.messages import (
+    CachedRequestData,
+    KVConnectorOutput,
+    NewRequestData,
+    OffloadingConnectorMetadata,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+from statemachine.oracle import CorruptedBytes, first_mismatch, first_mismatch_rows, pattern_for
+from statemachine.scheduler import OffloadingScheduler
+from statemachine.worker import Worker, WorkerJob, WorkerReport, aggregate, make_workers
+
+from kernels import KVLayout  # isort: skip
+
+_HASH_MASK = (1 << 61) - 1
+RECOMPUTE_STATES = (R.RECOMPUTE, R.TIMED_OUT, R.PREEMPTED_FLUSHING)
+
+
+class EngineError(KVSpecError):
+    """The engine's own bookkeeping broke (a block freed twice, a block the connector
+    quarantined that the engine does not hold, a connector state the engine cannot follow)."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def prefix_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The hash of a block given its parent's hash: a function of the whole prefix."""
+    return hash((parent, tuple(tokens))) & _HASH_MASK
+
+
+def block_hashes(tokens: Sequence[int], block_size: int,
+                 known: Sequence[int] = ()) -> list[int]:
+    """One hash per full block of `tokens`, extending the `known` ones."""
+    out = list(known)
+    parent = out[-1] if out else 0
+    for i in range(len(out), len(tokens) // block_size):
+        parent = prefix_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    blocks_per_chunk: int = 2
+    num_gpu_blocks: int = 64
+    num_cpu_chunks: int = 64
+    num_workers: int = 2
+    num_layers: int = 2
+    bytes_per_token: int = 4
+    """KV bytes of one token in one layer on one rank (the page is block_size times that)."""
+    max_num_batched_tokens: int = 256
+    max_num_running: int = 32
+    sync_load_budget_bytes: int = 0
+    job_timeout_steps: int | None = None
+    eviction_policy: str = "lru"
+    check_invariants: bool = True
+    verify_on_finish: bool = True
+    """Check every computed block of a finishing request (before its blocks are freed)."""
+    check_stores: bool = True
+    """Check the CPU rows every store wrote (loads are always checked)."""
+    device: str | None = None
+    """Where the GPU KV lives: None picks CUDA when available, else the CPU stand-in."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "blocks_per_chunk", "num_gpu_blocks", "num_cpu_chunks",
+                     "num_workers", "num_layers", "bytes_per_token", "max_num_batched_tokens",
+                     "max_num_running"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"EngineConfig: {name} must be an int >= 1, got {value!r}")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout((self.page_bytes,) * self.num_layers, self.blocks_per_chunk)
+
+    def offloading_config(self) -> OffloadingConfig:
+        return OffloadingConfig(
+            block_size=self.block_size, blocks_per_chunk=self.blocks_per_chunk,
+            num_workers=self.num_workers, num_cpu_chunks=self.num_cpu_chunks,
+            eviction_policy=self.eviction_policy,
+            sync_load_budget_bytes=self.sync_load_budget_bytes,
+            kv_bytes_per_token=self.bytes_per_token * self.num_layers * self.num_workers,
+            job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants)
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """The core's view of one request."""
+
+    request: Request
+    max_tokens: int
+    seq: int
+    blocks: list[int] = field(default_factory=list)
+    handed_over: set[int] = field(default_factory=set)
+    """Blocks of this request the connector quarantined (a timed-out load's destination)."""
+    load_job: int | None = None
+    """The load job of the current admission (async or sync)."""
+    load_blocks: tuple[int, ...] = ()
+    load_end: int = 0
+    """num_computed_tokens once the load has landed."""
+    loaded_blocks: int = 0
+    """Blocks [0, loaded_blocks) of the current admission came from a load."""
+    load_failed: bool = False
+    """Some rank reported the current load failed (its bytes are not to be trusted)."""
+    scheduled_before: bool = False
+    preemptions: int = 0
+    recomputes: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.request.status
+
+    @property
+    def num_computed(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+
+@dataclass
+class StepResult:
+    step: int
+    scheduled: dict[str, int]
+    meta: OffloadingConnectorMetadata
+    finished: list[str]
+    preempted: frozenset[str]
+
+
+FaultHook = Callable[["Engine", OffloadingConnectorMetadata], None]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None,
+                 scheduler: OffloadingScheduler | None = None,
+                 workers: Sequence[Worker] | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.scheduler = scheduler or OffloadingScheduler(cfg.offloading_config())
+        self.workers = list(workers) if workers is not None else make_workers(
+            cfg.num_workers, cfg.layout, cfg.num_gpu_blocks, cfg.num_cpu_chunks, cfg.device)
+        if len(self.workers) != self.scheduler.config.num_workers:
+            raise ConfigError(f"{len(self.workers)} workers, but the connector expects "
+                              f"{self.scheduler.config.num_workers} reports per job")
+        self.free_blocks: deque[int] = deque(range(cfg.num_gpu_blocks))
+        self._free_set: set[int] = set(self.free_blocks)
+        self.requests: dict[str, EngineRequest] = {}
+        """Unfinished requests."""
+        self.done: dict[str, EngineRequest] = {}
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []
+        self.held_loads: dict[int, tuple[str, tuple[int, ...]]] = {}
+        """Finished requests' loads still in flight: job id -> (request, destination blocks)."""
+        self.connector_held: set[int] = set()
+        """GPU blocks in the connector's quarantine (timed-out loads' destinations)."""
+        self._quarantine_seen: set[int] = set()
+        self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._recv_counts: Counter[int] = Counter()
+        self._seq = 0
+        self.step_index = 0
+        self.stats: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {"load": 0.0, "store": 0.0}
+        self.fault_hooks: list[FaultHook] = []
+        """Called with each step's metadata before the workers run it (fault injection)."""
+
+    # ================================================================ requests
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                    kv_transfer_params: dict[str, object] | None = None) -> EngineRequest:
+        if req_id in self.requests or req_id in self.done:
+            raise EngineError(f"request {req_id!r} added twice")
+        if max_tokens < 1 or not prompt_token_ids:
+            raise EngineError(f"request {req_id!r}: needs a prompt and max_tokens >= 1")
+        longest = cdiv(len(prompt_token_ids) + max_tokens, self.config.block_size)
+        if longest > self.config.num_gpu_blocks:
+            raise EngineError(f"request {req_id!r} needs up to {longest} GPU blocks; the pool "
+                              f"has {self.config.num_gpu_blocks}")
+        tokens = list(prompt_token_ids)
+        request = Request(req_id, tokens, block_hashes=block_hashes(tokens, self.config.block_size),
+                          kv_transfer_params=kv_transfer_params)
+        r = EngineRequest(request, max_tokens, self._seq)
+        self._seq += 1
+        self.scheduler.on_new_request(request)
+        self.requests[req_id] = r
+        self.waiting.append(r)
+        self.stats["requests_added"] += 1
+        return r
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request between steps (finish_requests, CS:3017-3027)."""
+        r = self.requests.get(req_id)
+        if r is None:
+            raise EngineError(f"abort: request {req_id!r} is not unfinished")
+        self._finish(r, RequestStatus.FINISHED_ABORTED)
+        self.stats["aborted"] += 1
+        self._after_connector()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = True) -> bool:
+        """Between steps (CS:3184-3249): optionally preempt every running request, reset the
+        (absent) GPU prefix cache, then the connector's cache."""
+        if reset_running_requests:
+            for r in reversed(list(self.running)):
+                self._preempt(r)
+                self.stats["preemptions_by_reset"] += 1
+        ok = True
+        if reset_connector:
+            ok = self.scheduler.reset_cache()
+            self.stats["resets"] += 1
+        self._after_connector()
+        return ok
+
+    # ================================================================ blocks
+    def _allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise EngineError(f"allocate {n} blocks with {len(self.free_blocks)} free")
+        out = [self.free_blocks.popleft() for _ in range(n)]
+        self._free_set.difference_update(out)
+        return out
+
+    def _free(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if b in self._free_set or not 0 <= b < self.config.num_gpu_blocks:
+                raise EngineError(f"GPU block {b} freed twice (or out of range)")
+            self._free_set.add(b)
+            self.free_blocks.append(b)
+
+    def _release_request_blocks(self, r: EngineRequest, keep: Iterable[int] = ()) -> None:
+        """Free a request's blocks tail first, as vLLM's KVCacheManager.free does: its last
+        blocks (the ones its latest stores read) are the first to be reused."""
+        kept = set(keep) | r.handed_over
+        self._free(b for b in reversed(r.blocks) if b not in kept)
+        r.blocks = []
+        r.handed_over = set()
+
+    # ================================================================ the step
+    def step(self) -> StepResult:
+        out = self._schedule()
+        meta = self.scheduler.build_connector_meta(out)
+        self._sync_quarantine()
+        for hook in self.fault_hooks:
+            hook(self, meta)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            self._check_copies(w)
+        for w in self.workers:
+            w.start_kv_transfers(meta)
+            self._check_copies(w)
+        self._forward(out.num_scheduled_tokens)
+        for w in self.workers:
+            w.prepare_store_kv(meta)
+        reports = [w.get_finished() for w in self.workers]
+        for w in self.workers:
+            self._check_copies(w)
+        finished = self._update_from_output(out.num_scheduled_tokens, reports)
+        self.step_index += 1
+        self.stats["steps"] += 1
+        return StepResult(self.step_index - 1, dict(out.num_scheduled_tokens), meta, finished,
+                          out.preempted_req_ids)
+
+    def _schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        bs = cfg.block_size
+        budget = cfg.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        num_sched: dict[str, int] = {}
+        preempted = set(self._preempted_ids)
+        self._preempted_ids.clear()
+        preempted_now = False
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            r = self.running[idx]
+            n = min(r.num_tokens - r.num_computed, budget)
+            need = cdiv(r.num_computed + n, bs) - len(r.blocks)
+            while need > len(self.free_blocks):
+                victim = self.running[-1]
+                self._preempt(victim)
+                self.stats["preemptions"] += 1
+                preempted.add(victim.id)
+                preempted_now = True
+                if victim is r:
+                    break
+            if r.status != RequestStatus.RUNNING:
+                break
+            new = self._allocate(need)
+            r.blocks.extend(new)
+            cached.append(CachedRequestData(r.id, tuple(new)))
+            num_sched[r.id] = n
+            budget -= n
+            idx += 1
+        if not preempted_now:
+            budget = self._schedule_waiting(budget, new_reqs, cached, num_sched)
+        preempted -= num_sched.keys()
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(tuple(new_reqs), tuple(cached), num_sched, frozenset(finished),
+                               frozenset(preempted))
+
+    def _schedule_waiting(self, budget: int, new_reqs: list[NewRequestData],
+                          cached: list[CachedRequestData], num_sched: dict[str, int]) -> int:
+        bs = self.config.block_size
+        skipped: list[EngineRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
+            r = self.waiting.pop(0)
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(r)
+                continue
+            hit = 0
+            is_async = False
+            if r.num_computed == 0:
+                answer, is_async = self.scheduler.get_num_new_matched_tokens(r.request, 0)
+                self.stats["lookups"] += 1
+                if answer is None:
+                    skipped.append(r)
+                    continue
+                hit = answer
+            if is_async:
+                # blocks for every token now, not only the loaded ones: a loaded request then
+                # never waits for blocks that other loaded (not running) requests hold
+                need = cdiv(r.num_tokens, bs)
+                if need > len(self.free_blocks):
+                    self.waiting.insert(0, r)
+                    break
+                r.blocks = self._allocate(need)
+                self.scheduler.update_state_after_alloc(r.request, list(r.blocks), hit)
+                self._note_load(r, hit)
+                r.request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                skipped.append(r)
+                continue
+            n = min(r.num_tokens - r.num_computed - hit, budget)
+            need = cdiv(r.num_computed + hit + n, bs) - len(r.blocks)
+            if need > len(self.free_blocks):
+                self.waiting.insert(0, r)
+                break
+            r.blocks.extend(self._allocate(need))
+            self.scheduler.update_state_after_alloc(r.request, list(r.blocks), hit)
+            if hit:
+                self._note_load(r, hit)
+                r.request.num_computed_tokens = hit
+                r.loaded_blocks = hit // bs
+            r.request.status = RequestStatus.RUNNING
+            self.running.append(r)
+            if r.scheduled_before:
+                cached.append(CachedRequestData(r.id, tuple(r.blocks),
+                                                resumed_from_preemption=True))
+            else:
+                new_reqs.append(NewRequestData(r.id, tuple(r.blocks)))
+            r.scheduled_before = True
+            num_sched[r.id] = n
+            budget -= n
+        self.waiting[:0] = skipped
+        return budget
+
+    def _note_load(self, r: EngineRequest, hit: int) -> None:
+        jobs = self.scheduler.transfer_jobs(r.id)
+        loads = [j for j in jobs if (job := self.scheduler.jobs.get(j)) is not None
+                 and not job.is_store]
+        if len(loads) != 1:
+            raise EngineError(f"request {r.id!r}: the connector answered a hit of {hit} tokens "
+                              f"but holds loads {loads}")
+        bs = self.config.block_size
+        r.load_job = loads[0]
+        r.load_failed = False
+        r.load_blocks = tuple(r.blocks[r.num_computed // bs:(r.num_computed + hit) // bs])
+        r.load_end = r.num_computed + hit
+        self.stats["loads_scheduled"] += 1
+
+    def _preempt(self, r: EngineRequest) -> None:
+        """The core's preemption (CS:1799-1843): blocks freed, recomputed from token 0."""
+        self.running.remove(r)
+        self._release_request_blocks(r)
+        r.request.num_computed_tokens = 0
+        r.request.status = RequestStatus.PREEMPTED
+        r.load_job = None
+        r.load_failed = False
+        r.loaded_blocks = 0
+        r.preemptions += 1
+        self.waiting.insert(0, r)
+        self._preempted_ids.add(r.id)
+
+    # ================================================================ forward pass
+    def _forward(self, num_sched: dict[str, int]) -> None:
+        bs = self.config.block_size
+        rows: list[int] = []
+        hashes: list[int] = []
+        for rid, n in num_sched.items():
+            r = self.requests[rid]
+            tokens = r.request.all_token_ids
+            start, end = r.num_computed, r.num_computed + n
+            for i in range(start // bs, cdiv(end, bs)):
+                rows.append(r.blocks[i])
+                if (i + 1) * bs <= end:
+                    hashes.append(r.request.block_hashes[i])
+                else:  # a partial block: the hash of its tokens so far
+                    parent = r.request.block_hashes[i - 1] if i else 0
+                    hashes.append(prefix_hash(parent, tokens[i * bs:end]))
+        self.stats["tokens_computed"] += sum(num_sched.values())
+        if not rows:
+            return
+        for w in self.workers:
+            index = torch.tensor(rows, dtype=torch.int64, device=w.gpu[0].device)
+            for layer, gpu in enumerate(w.gpu):
+                pages = pattern_for(hashes, layer, w.rank, gpu.shape[1]).to(gpu.device)
+                gpu.index_copy_(0, index, pages)
+
+    # ================================================================ the oracle
+    def _check_copies(self, w: Worker) -> None:
+        """Check every copy of `w` known complete since the last check: loads always,
+        stores unless `check_stores` is off."""
+        for job in w.take_copied_jobs():
+            r = self.requests.get(job.req_id) or self.done.get(job.req_id)
+            if r is None:
+                raise EngineError(f"job {job.job_id} for unknown request {job.req_id!r}")
+            if not job.is_store:
+                self._check_load(w, job, r)
+            elif self.config.check_stores and not self._store_void(job.job_id):
+                self._check_store(w, job, r)
+
+    def _store_void(self, job_id: int) -> bool:
+        """A store the connector will roll back (poisoned by its request's failed load): its
+        bytes are void, so it needs no fence (INV-15) and no check."""
+        job = self.scheduler.jobs.get(job_id) or self.scheduler.jobs.quarantine.get(job_id)
+        return job is not None and job.failed
+
+    def _chunk_key(self, r: EngineRequest, index: int) -> int | None:
+        bpc = self.config.blocks_per_chunk
+        pos = (index // bpc + 1) * bpc - 1
+        hashes = r.request.block_hashes
+        return hashes[pos] if pos < len(hashes) else None
+
+    def _check_load(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
+        spec = job.transfer
+        bpc = self.config.blocks_per_chunk
+        hashes = [r.request.block_hashes[i] for i in job.logical_blocks]
+        for layer, gpu in enumerate(w.gpu):
+            m = first_mismatch(gpu, spec.gpu_blocks, hashes, layer, w.rank)
+            if m is None:
+                continue
+            index = spec.first_block_index + m.position
+            chunk = spec.cpu_chunks[(spec.skip(bpc) + m.position) // bpc]
+            self.stats["corrupted_blocks"] += m.bad_blocks
+            raise CorruptedBytes(
+                req_id=r.id, what="loaded block", rank=w.rank, layer=layer, block_index=index,
+                gpu_block=spec.gpu_blocks[m.position], offset=m.offset, expected=m.expected,
+                actual=m.actual, job_id=job.job_id, chunk=chunk,
+                chunk_key=self._chunk_key(r, index), writer=w.chunk_writer.get(chunk),
+                bad_blocks=m.bad_blocks)
+        self.stats["loaded_blocks_verified"] += spec.num_blocks
+
+    def _check_store(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
+        spec = job.transfer
+        bpc = self.config.blocks_per_chunk
+        hashes = [r.request.block_hashes[i] for i in job.logical_blocks]
+        for layer in range(len(w.cpu)):
+            m = first_mismatch_rows(w.cpu_rows(layer, job), hashes, layer, w.rank)
+            if m is None:
+                continue
+            index = spec.first_block_index + m.position
+            self.stats["corrupted_blocks"] += m.bad_blocks
+            raise CorruptedBytes(
+                req_id=r.id, what="stored block", rank=w.rank, layer=layer, block_index=index,
+                gpu_block=spec.gpu_blocks[m.position], offset=m.offset, expected=m.expected,
+                actual=m.actual, job_id=job.job_id,
+                chunk=spec.cpu_chunks[(spec.skip(bpc) + m.position) // bpc],
+                chunk_key=self._chunk_key(r, index), bad_blocks=m.bad_blocks)
+        self.stats["stored_blocks_verified"] += spec.num_blocks
+
+    def verify_request(self, req_id: str, include_loaded: bool = True) -> int:
+        """Check every fully computed block of an unfinished request on every rank; returns
+        the number of blocks checked. Raises CorruptedBytes on the first wrong one."""
+        r = self.requests.get(req_id)
+        if r is None:
+            raise EngineError(f"verify_request: {req_id!r} is not an unfinished request")
+        return self._verify(r, 0 if include_loaded else r.loaded_blocks)
+
+    def _verify(self, r: EngineRequest, start: int) -> int:
+        full = min(r.num_computed // self.config.block_size, len(r.blocks))
+        blocks = r.blocks[start:full]
+        hashes = r.request.block_hashes[start:full]
+        for w in self.workers:
+            for layer, gpu in enumerate(w.gpu):
+                m = first_mismatch(gpu, blocks, hashes, layer, w.rank)
+                if m is not None:
+                    self.stats["corrupted_blocks"] += m.bad_blocks
+                    raise CorruptedBytes(
+                        req_id=r.id, what="computed block", rank=w.rank, layer=layer,
+                        block_index=start + m.position, gpu_block=blocks[m.position],
+                        offset=m.offset, expected=m.expected, actual=m.actual,
+                        bad_blocks=m.bad_blocks)
+        self.stats["computed_blocks_verified"] += len(blocks)
+        return len(blocks)
+
+    # ================================================================ update from output
+    def _update_from_output(self, num_sched: dict[str, int],
+                            reports: list[WorkerReport]) -> list[str]:
+        for rep in reports:
+            self.stats["bytes_loaded"] += rep.bytes_loaded
+            self.stats["bytes_stored"] += rep.bytes_stored
+            self.seconds["load"] += rep.seconds_loading
+            self.seconds["store"] += rep.seconds_storing
+        finished: list[str] = []
+        for rid, n in num_sched.items():
+            r = self.requests[rid]
+            r.request.num_computed_tokens += n
+            if r.num_computed < r.num_tokens:
+                continue  # chunked prefill: nothing sampled yet
+            r.request.output_token_ids.append(self._sample(r))
+            r.request.block_hashes = block_hashes(r.request.all_token_ids,
+                                                  self.config.block_size,
+                                                  r.request.block_hashes)
+            if len(r.request.output_token_ids) >= r.max_tokens:
+                self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
+                finished.append(rid)
+        failed = {job_id for rep in reports if rep.meta is not None
+                  for job_id in rep.meta.failed_jobs}
+        for r in self.requests.values():
+            if r.load_job is not None and r.load_job in failed:
+                r.load_failed = True
+        recving = self._finished_recving(reports)
+        self.scheduler.update_connector_output(KVConnectorOutput(aggregate(reports), recving))
+        for rid in sorted(recving):
+            self._promote(self.requests[rid])
+        self._after_connector()
+        return finished
+
+    def _sample(self, r: EngineRequest) -> int:
+        seed = zlib.crc32(r.id.encode())
+        return (seed * 1_000_003 + r.num_tokens * 7919) % 32_000
+
+    def _finished_recving(self, reports: list[WorkerReport]) -> set[str]:
+        """Requests whose current async load every rank finished (KU:90-101, by job)."""
+        out: set[str] = set()
+        for rep in reports:
+            for job_id, rid in rep.recving_jobs.items():
+                self._recv_counts[job_id] += 1
+                if self._recv_counts[job_id] < len(self.workers):
+                    continue
+                del self._recv_counts[job_id]
+                r = self.requests.get(rid)
+                if (r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                        and r.load_job == job_id):
+                    out.add(rid)
+        return out
+
+    def _promote(self, r: EngineRequest) -> None:
+        """finished_recving: the loaded tokens count as computed (CS:3569-3575)."""
+        state = self.scheduler.request_state(r.id)
+        if state in (R.RECOMPUTE, R.TIMED_OUT):
+            return  # the load failed: _reconcile abandons it
+        if state != R.IDLE:
+            raise EngineError(f"request {r.id!r}: its load ended but the connector has it in "
+                              f"{state}")
+        if r.load_failed:
+            # A load a reset made stale (ORPHANED_LOAD) that failed on some rank: its reports
+            # only drained the reset fence, so the connector cannot tell; the core can, from
+            # the ranks' failed_jobs. Its tokens are recomputed, not trusted.
+            self._abandon_load(r)
+            self.stats["orphaned_loads_failed"] += 1
+            return
+        r.request.num_computed_tokens = r.load_end
+        r.loaded_blocks = r.load_end // self.config.block_size
+        r.request.status = RequestStatus.WAITING
+        self.stats["loads_promoted"] += 1
+
+    def _abandon_load(self, r: EngineRequest) -> None:
+        """A load whose tokens cannot be trusted: drop its blocks, recompute from token 0."""
+        self._release_request_blocks(r)
+        r.request.num_computed_tokens = 0
+        r.request.status = RequestStatus.WAITING
+        r.load_job = None
+        r.load_failed = False
+        r.loaded_blocks = 0
+        r.recomputes += 1
+        self.stats["recomputes"] += 1
+
+    def _finish(self, r: EngineRequest, status: RequestStatus) -> None:
+        if self.config.verify_on_finish and status != RequestStatus.FINISHED_ABORTED:
+            self._verify(r, r.loaded_blocks)
+        r.request.status = status
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        keep: tuple[int, ...] = ()
+        if r.load_job is not None and r.load_job in self.scheduler.jobs:
+            keep = tuple(b for b in r.load_blocks if b not in r.handed_over)
+            self.held_loads[r.load_job] = (r.id, keep)
+        self._release_request_blocks(r, keep)
+        self.scheduler.request_finished(r.request)
+        self._finished_ids.add(r.id)
+        del self.requests[r.id]
+        self.done[r.id] = r
+        self.stats["finished"] += 1
+
+    # ================================================================ following the connector
+    def _after_connector(self) -> None:
+        self._sync_quarantine()
+        self._free(self._take_released())
+        self._reconcile()
+
+    def _take_released(self) -> list[int]:
+        released = self.scheduler.take_released_gpu_blocks()
+        for b in released:
+            if b not in self.connector_held:
+                raise EngineError(f"the connector released GPU block {b}, which it never "
+                                  "quarantined")
+            self.connector_held.remove(b)
+        self._quarantine_seen &= set(self.scheduler.quarantined_gpu_blocks)
+        return released
+
+    def _sync_quarantine(self) -> None:
+        """Blocks the connector quarantined (timed-out loads) leave their owner's hands: the
+        engine never frees them; the connector hands them back when the late reports come."""
+        for job_id, blocks in sorted(self.scheduler.quarantined_gpu_blocks.items()):
+            if job_id in self._quarantine_seen:
+                continue
+            self._quarantine_seen.add(job_id)
+            held = self.held_loads.pop(job_id, None)
+            owner = next((r for r in self.requests.values() if r.load_job == job_id), None)
+            if held is not None:
+                if set(blocks) - set(held[1]):
+                    raise EngineError(f"load job {job_id}: quarantined blocks {blocks} are not "
+                                      f"the ones held for {held[0]!r}")
+            elif owner is not None and set(blocks) <= set(owner.blocks):
+                owner.handed_over.update(blocks)
+            else:
+                raise EngineError(f"the connector quarantined blocks {blocks} of load job "
+                                  f"{job_id}, which no request of the engine holds")
+            self.connector_held.update(blocks)
+            self.stats["quarantined_loads"] += 1
+
+    def _reconcile(self) -> None:
+        """Follow the connector: failed or timed-out loads are recomputed; finished
+        requests' loads that ended give their blocks back."""
+        for r in list(self.requests.values()):
+            state = self.scheduler.request_state(r.id)
+            if r.status == RequestStatus.RUNNING and state in RECOMPUTE_STATES:
+                self._preempt(r)
+                r.recomputes += 1
+                self.stats["recomputes"] += 1
+            elif (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                  and state in (R.RECOMPUTE, R.TIMED_OUT)):
+                self._abandon_load(r)
+        for job_id in sorted(self.held_loads):
+            if job_id not in self.scheduler.jobs:
+                _, blocks = self.held_loads.pop(job_id)
+                self._free(blocks)
+
+    # ================================================================ queries
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_work(self) -> bool:
+        return (bool(self.requests) or bool(self._finished_ids)
+                or self.scheduler.has_pending_work()
+                or any(w.has_jobs() for w in self.workers) or bool(self.held_loads)
+                or bool(self.connector_held))
+
+    def run_until_idle(self, max_steps: int = 1000) -> int:
+        """Step while anything is unfinished or in flight; returns the steps taken."""
+        steps = 0
+        while self.has_pending_work() and steps < max_steps:
+            self.step()
+            steps += 1
+        return steps
+
+    def leaks(self) -> dict[str, int]:
+        """What is still held when nothing should be: all zero after a full drain."""
+        mgr = self.scheduler.manager
+        refs = mgr.chunk_ref_counts()
+        return {
+            "pinned_chunks": sum(1 for v in refs.values() if v > 0),
+            "write_pending_chunks": sum(1 for v in refs.values() if v < 0),
+            "quarantined_slots": len(mgr.quarantined_slots),
+            "gpu_blocks_not_free": self.config.num_gpu_blocks - len(self.free_blocks),
+            "quarantined_gpu_blocks": len(self.connector_held),
+            "live_jobs": len(self.scheduler.jobs) + len(self.scheduler.jobs.quarantine),
+            "reset_fence_entries": len(self.scheduler.fence.entries),
+            "tracked_requests": len(self.scheduler.requests),
+            "worker_jobs": sum(len(w.jobs) for w in self.workers),
+        }
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()

@@ -1,0 +1,361 @@
+"""`kvspec simulate`: a seeded workload through engine, connector, workers and kernels.
+
+Requests share prompt prefixes (so lookups hit and chunks are loaded back), arrive over
+`steps` steps and are long enough that GPU blocks run out (preemption). Mid-run the prefix
+cache is reset (twice: once preempting the running requests, once not), a few requests are
+aborted (preferably while their load is in flight), load and store copies are made to fail
+on one worker, and one worker hangs on an async load until the job timeout has released
+its request. Then the engine drains. Everything is decided by the seed.
+
+The result says what happened, and the three numbers that must be zero: requests stuck (not
+finished when the run drained), resources leaked (pinned or write-pending chunks, GPU blocks
+not back in the pool, quarantined slots or blocks, jobs or tracked requests left) and
+corrupted bytes (the oracle's verdict on every load and every finished request).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from statemachine.engine import Engine, EngineConfig
+from statemachine.errors import KVSpecError
+from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
+from statemachine.oracle import CorruptedBytes
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int = 1
+    steps: int = 240
+    """Steps during which requests arrive and faults are injected; the drain follows."""
+    workers: int = 2
+    requests: int | None = None
+    """Requests in the workload (default: steps / 2)."""
+    check_invariants: bool = True
+    max_drain_steps: int = 600
+    job_timeout_steps: int = 6
+    device: str = "cpu"
+    """Where the GPU KV lives. The CPU stand-in (copies run when polled or waited for) makes
+    a run a function of its seed; on "cuda" copies complete when the GPU is done."""
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=16, blocks_per_chunk=2, num_gpu_blocks=64, num_cpu_chunks=64,
+            num_workers=self.workers, num_layers=2, bytes_per_token=4,
+            max_num_batched_tokens=160, max_num_running=12,
+            sync_load_budget_bytes=96 * 4 * 2 * self.workers,
+            job_timeout_steps=self.job_timeout_steps,
+            check_invariants=self.check_invariants, verify_on_finish=True,
+            device=self.device)
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests if self.requests is not None else max(4, self.steps // 2)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass
+class Workload:
+    arrivals: list[Arrival]
+    resets: dict[int, bool]
+    """step -> reset_running_requests."""
+    aborts: list[int]
+    fail_loads: list[tuple[int, int]]
+    """(step, worker): from that step, fail the next load on that worker."""
+    fail_stores: list[tuple[int, int]]
+    hangs: list[tuple[int, int, bool]]
+    """(step, worker, sync): from that step, that worker hangs on the next load of that kind
+    (its report is withheld until well after the job timeout)."""
+    fail_and_hang: list[int]
+    """From that step, the next async load fails on worker 0 while the last worker hangs on
+    it for a few steps: placed just before a reset, it is orphaned by the reset."""
+
+
+def make_workload(cfg: SimConfig) -> Workload:
+    rng = random.Random(cfg.seed)
+    steps, n = cfg.steps, cfg.num_requests
+    families = [tuple(rng.randrange(1, 30_000) for _ in range(32 * rng.choice((2, 3, 3, 4))))
+                for _ in range(5)]
+    arrivals: list[Arrival] = []
+    window = max(1, int(steps * 0.85))
+    for i in range(n):
+        step = min(window - 1, i * window // n + rng.randrange(0, 3))
+        if arrivals and rng.random() < 0.2:
+            prompt = rng.choice(arrivals).prompt  # an exact repeat: a long hit
+        else:
+            suffix = tuple(rng.randrange(1, 30_000) for _ in range(rng.randrange(4, 72)))
+            prompt = rng.choice(families) + suffix
+        arrivals.append(Arrival(step, f"req-{i:04d}", prompt, rng.randrange(4, 32)))
+    arrivals.sort(key=lambda a: a.step)
+    w = workers = cfg.workers
+    return Workload(
+        arrivals=arrivals,
+        resets={steps // 2: True, (3 * steps) // 4: False},
+        aborts=sorted(rng.sample(range(steps // 10, steps), k=max(1, n // 25))),
+        fail_loads=[(steps // 5, 1 % w), (steps // 3, 0), ((2 * steps) // 3, (w - 1))],
+        fail_stores=[(steps // 4, 0), ((4 * steps) // 5, 1 % workers)],
+        hangs=[(steps // 8, 0, False), ((3 * steps) // 5, (w - 1), True)],
+        fail_and_hang=[max(0, steps // 2 - 4)] if w > 1 else [],
+    )
+
+
+@dataclass
+class Faults:
+    """The fault hook: arms faults at their steps and fires each on the next fitting job."""
+
+    workload: Workload
+    release_after: int
+    injected_failures: int = 0
+    hung_jobs: list[int] = field(default_factory=list)
+    _armed: list[tuple[str, int]] = field(default_factory=list)
+
+    def __call__(self, engine: Engine, meta: OffloadingConnectorMetadata) -> None:
+        step = engine.step_index
+        wl = self.workload
+        self._armed += [("load", w) for s, w in wl.fail_loads if s == step]
+        self._armed += [("store", w) for s, w in wl.fail_stores if s == step]
+        self._armed += [("hang-sync" if sync else "hang-async", w)
+                        for s, w, sync in wl.hangs if s == step]
+        self._armed += [("fail-hang", 0) for s in wl.fail_and_hang if s == step]
+        still: list[tuple[str, int]] = []
+        for kind, worker in self._armed:
+            if kind == "store":
+                jobs = sorted(meta.store_jobs)
+            else:
+                jobs = sorted(j for j, job in meta.load_jobs.items()
+                              if kind == "load" or job.sync == (kind == "hang-sync"))
+            if not jobs:
+                still.append((kind, worker))
+            elif kind == "fail-hang":
+                engine.workers[0].fail_job(jobs[0])
+                engine.workers[-1].hang_job(jobs[0], release_after=self.release_after)
+                self.injected_failures += 1
+                self.hung_jobs.append(jobs[0])
+            elif kind.startswith("hang"):
+                engine.workers[worker].hang_job(jobs[0], release_after=self.release_after)
+                self.hung_jobs.append(jobs[0])
+            else:
+                engine.workers[worker].fail_job(jobs[0])
+                self.injected_failures += 1
+        self._armed = still
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    steps: int = 0
+    drain_steps: int = 0
+    seconds: float = 0.0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    leaks: dict[str, int] = field(default_factory=dict)
+    stuck: list[str] = field(default_factory=list)
+    corrupted: int = 0
+    error: str | None = None
+    """Set when an error stopped the run: stuck and leaked were then not measured."""
+
+    @property
+    def stopped(self) -> bool:
+        return self.error is not None
+
+    @property
+    def leaked(self) -> int:
+        return sum(self.leaks.values())
+
+    @property
+    def ok(self) -> bool:
+        return not self.stuck and not self.leaked and not self.corrupted and not self.stopped
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.config.seed, "workers": self.config.workers,
+            "steps": self.steps, "drain_steps": self.drain_steps,
+            "seconds": round(self.seconds, 3), **self.metrics,
+            "stuck_requests": None if self.stopped else len(self.stuck), "stuck": self.stuck,
+            "leaked": None if self.stopped else self.leaked, "leaks": self.leaks,
+            "corrupted_bytes": self.corrupted, "error": self.error, "ok": self.ok,
+        }
+
+
+Progress = Callable[[int, int, Engine], None]
+"""Called after every step with (steps done, steps of the run, engine); past the run's steps
+the engine is draining."""
+
+
+class ProgressBar:
+    """A carriage-return progress line on `stream`, redrawn at most every `interval` seconds;
+    `close()` draws the last state and ends the line."""
+
+    def __init__(self, stream: TextIO = sys.stderr, width: int = 30,
+                 interval: float = 0.1) -> None:
+        self.stream, self.width, self.interval = stream, width, interval
+        self._last = -interval
+        self._line = ""
+
+    def __call__(self, done: int, total: int, engine: Engine) -> None:
+        filled = self.width * min(done, total) // max(total, 1)
+        where = f"step {done}/{total}" if done <= total else f"draining ({done - total})"
+        self._line = (f"\r[{'#' * filled}{'.' * (self.width - filled)}] {where}  finished "
+                      f"{engine.stats['finished']}/{engine.stats['requests_added']}  running "
+                      f"{len(engine.running)}  waiting {len(engine.waiting)}    ")
+        now = time.perf_counter()
+        if now - self._last >= self.interval:
+            self._last = now
+            self.stream.write(self._line)
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._line:
+            self.stream.write(self._line + "\n")
+            self.stream.flush()
+
+
+def progress_bar(stream: TextIO = sys.stderr) -> ProgressBar:
+    return ProgressBar(stream)
+
+
+def run(cfg: SimConfig, progress: Progress | None = None) -> SimResult:
+    result = SimResult(cfg)
+    workload = make_workload(cfg)
+    engine = Engine(cfg.engine_config())
+    faults = Faults(workload, release_after=cfg.job_timeout_steps + 3)
+    engine.fault_hooks.append(faults)
+    rng = random.Random(cfg.seed * 7919 + 1)
+    arrivals = list(workload.arrivals)
+    aborts = list(workload.aborts)
+    t0 = time.perf_counter()
+    try:
+        for step in range(cfg.steps):
+            while arrivals and arrivals[0].step <= step:
+                a = arrivals.pop(0)
+                engine.add_request(a.req_id, a.prompt, a.max_tokens)
+            if step in workload.resets:
+                engine.reset_prefix_cache(reset_running_requests=workload.resets[step],
+                                          reset_connector=True)
+            while aborts and aborts[0] <= step:
+                aborts.pop(0)
+                _abort_one(engine, rng)
+            engine.step()
+            result.steps += 1
+            if progress is not None:
+                progress(result.steps, cfg.steps, engine)
+        for a in arrivals:  # a late arrival after the window: still served
+            engine.add_request(a.req_id, a.prompt, a.max_tokens)
+        while engine.has_pending_work() and result.drain_steps < cfg.max_drain_steps:
+            engine.step()
+            result.drain_steps += 1
+            if progress is not None:
+                progress(result.steps + result.drain_steps, cfg.steps, engine)
+    except CorruptedBytes as exc:
+        result.corrupted = max(1, engine.stats["corrupted_blocks"])
+        result.error = str(exc)
+    except KVSpecError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.seconds = time.perf_counter() - t0
+    if not result.stopped:
+        result.stuck = sorted(engine.requests)
+        result.leaks = dict(engine.leaks())
+    result.metrics = _metrics(engine, faults, result.seconds)
+    engine.shutdown()
+    return result
+
+
+def _abort_one(engine: Engine, rng: random.Random) -> None:
+    loading = [r for r in engine.requests.values()
+               if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+    pool = loading or list(engine.requests.values())
+    if pool:
+        engine.abort(rng.choice(sorted(pool, key=lambda r: r.seq)).id)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
+    st, sc = engine.stats, engine.scheduler.stats
+    return {
+        "requests_added": st["requests_added"],
+        "requests_finished": st["finished"] - st["aborted"],
+        "requests_aborted": st["aborted"],
+        "lookups": sc["lookups"],
+        "lookup_hits": sc["lookup_hits"],
+        "loads": sc["loads"],
+        "stores": sc["stores"],
+        "bytes_loaded": st["bytes_loaded"],
+        "bytes_stored": st["bytes_stored"],
+        "load_gbps": _gbps(st["bytes_loaded"], engine.seconds["load"]),
+        "store_gbps": _gbps(st["bytes_stored"], engine.seconds["store"]),
+        "preemptions": st["preemptions"] + st["preemptions_by_reset"],
+        "recomputes": st["recomputes"],
+        "resets": st["resets"],
+        "injected_failures": faults.injected_failures,
+        "failed_jobs": sc["failed_jobs"],
+        "orphaned_loads_failed": st["orphaned_loads_failed"],
+        "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
+        "hung_jobs": len(faults.hung_jobs),
+        "timeouts": sc["timed_out_jobs"],
+        "loaded_blocks_verified": st["loaded_blocks_verified"],
+        "stored_blocks_verified": st["stored_blocks_verified"],
+        "computed_blocks_verified": st["computed_blocks_verified"],
+        "tokens_computed": st["tokens_computed"],
+        "steps_per_second": round((st["steps"]) / seconds, 1) if seconds > 0 else 0.0,
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def render(result: SimResult) -> str:
+    m = result.metrics
+    cfg = result.config
+    rows: list[tuple[str, str]] = [
+        ("requests", f"{m['requests_added']} added, {m['requests_finished']} finished, "
+                     f"{m['requests_aborted']} aborted"),
+        ("lookups", f"{m['lookups']} ({m['lookup_hits']} hits)"),
+        ("loads", f"{m['loads']} jobs, {_mb(m['bytes_loaded'])} over all workers, "
+                  f"{m['load_gbps']} GB/s"),
+        ("stores", f"{m['stores']} jobs, {_mb(m['bytes_stored'])} over all workers, "
+                   f"{m['store_gbps']} GB/s"),
+        ("preemptions", f"{m['preemptions']} (blocks ran out, or reset)"),
+        ("recomputes", f"{m['recomputes']} (a load failed or timed out)"),
+        ("resets", str(m["resets"])),
+        ("failures", f"{m['injected_failures']} injected, {m['failed_jobs']} jobs failed, "
+                     f"{m['orphaned_loads_failed']} reset-orphaned loads failed"),
+        ("timeouts", f"{m['timeouts']} jobs timed out ({m['hung_jobs']} hung)"),
+        ("bytes checked", f"{m['loaded_blocks_verified']} loaded, "
+                          f"{m['stored_blocks_verified']} stored, "
+                          f"{m['computed_blocks_verified']} computed blocks"),
+        ("stuck requests", str(len(result.stuck))),
+        ("leaked", str(result.leaked) + ("" if not result.leaked else " (" + ", ".join(
+            f"{k} {v}" for k, v in result.leaks.items() if v) + ")")),
+        ("corrupted bytes", str(result.corrupted)),
+    ]
+    if result.stopped:
+        rows[-3:-1] = [(name, f"not measured: the run stopped at step "
+                              f"{result.steps + result.drain_steps}")
+                       for name in ("stuck requests", "leaked")]
+    width = max(len(k) for k, _ in rows)
+    head = (f"kvspec simulate --seed {cfg.seed}: {cfg.workers} workers, {result.steps} steps "
+            f"+ {result.drain_steps} to drain, {result.seconds:.1f} s")
+    lines = [head, "", f"{'metric'.ljust(width)}  value", f"{'-' * width}  {'-' * 5}"]
+    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
+    verdict = "PASS: nothing stuck, leaked or corrupted" if result.ok else "FAIL"
+    if result.stuck:
+        lines.append(f"\nstuck: {', '.join(result.stuck[:10])}")
+    if result.error:
+        lines.append(f"\nerror: {result.error}")
+    lines.append(f"\n{verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""The engine: vLLM's step order around the connector and the workers, the block pool,
+preemption, finish and abort, reset, and following the connector's answers (deferred
+lookups, async loads, failed and timed-out loads)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from spec import job as J
+from spec import request as R
+from statemachine.engine import Engine, EngineConfig, EngineError
+from statemachine.errors import ConfigError
+from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
+
+PREFIX = list(range(1000, 1064))  # 64 tokens: 4 blocks, 2 chunks
+
+
+def make(**kw: Any) -> Engine:
+    # the CPU stand-in: copies run when polled or waited for, in a deterministic order
+    cfg: dict[str, Any] = {"num_gpu_blocks": 32, "num_cpu_chunks": 32, "num_workers": 2,
+                           "device": "cpu"}
+    cfg.update(kw)
+    return Engine(EngineConfig(**cfg))
+
+
+def seeded(e: Engine) -> None:
+    """Request 'a' computes PREFIX (+3 tokens); its two chunks end up stored."""
+    e.add_request("a", [*PREFIX, 1, 2, 3], max_tokens=3)
+    e.run_until_idle(50)
+    assert e.scheduler.stats["stores"] >= 1 and not e.has_pending_work()
+
+
+def on_load(e: Engine, action: Callable[[Engine, int, bool], None]) -> list[int]:
+    """Run `action(engine, job_id, sync)` on the first load job of the run."""
+    seen: list[int] = []
+
+    def hook(eng: Engine, meta: OffloadingConnectorMetadata) -> None:
+        if not seen and meta.load_jobs:
+            job_id = min(meta.load_jobs)
+            seen.append(job_id)
+            action(eng, job_id, meta.load_jobs[job_id].sync)
+
+    e.fault_hooks.append(hook)
+    return seen
+
+
+def assert_drained(e: Engine) -> None:
+    assert e.run_until_idle(200) < 200
+    assert all(v == 0 for v in e.leaks().values()), e.leaks()
+    assert not e.requests
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        EngineConfig(num_gpu_blocks=0)
+    e = make()
+    with pytest.raises(EngineError, match="GPU blocks"):
+        e.add_request("huge", list(range(600)), max_tokens=1)
+    e.add_request("x", [1, 2, 3], max_tokens=1)
+    with pytest.raises(EngineError, match="twice"):
+        e.add_request("x", [1, 2, 3], max_tokens=1)
+
+
+def test_step_order_is_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    e = make()
+    log: list[str] = []
+
+    def spy(obj: Any, name: str, label: str) -> None:
+        original = getattr(obj, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            log.append(label)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, call)
+
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                 "build_connector_meta", "request_finished", "update_connector_output"):
+        spy(e.scheduler, name, name)
+    for w in e.workers:
+        for name in ("handle_preemptions", "start_kv_transfers", "prepare_store_kv",
+                     "get_finished"):
+            spy(w, name, f"{name}[{w.rank}]")
+    spy(e, "_forward", "forward")
+    e.add_request("a", [*PREFIX, 1], max_tokens=1)
+    e.step()
+    assert log == [
+        "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+        "handle_preemptions[0]", "handle_preemptions[1]",
+        "start_kv_transfers[0]", "start_kv_transfers[1]", "forward",
+        "prepare_store_kv[0]", "prepare_store_kv[1]", "get_finished[0]", "get_finished[1]",
+        "request_finished", "update_connector_output"]
+
+
+def test_prefix_hits_are_loaded_and_every_loaded_block_checked() -> None:
+    e = make()
+    seeded(e)
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=4)
+    statuses: list[RequestStatus] = []
+    e.fault_hooks.append(lambda eng, meta: statuses.append(eng.requests["b"].status))
+    e.step()
+    e.fault_hooks.clear()
+    assert statuses == [RequestStatus.WAITING_FOR_REMOTE_KVS]  # while the workers ran
+    b = e.requests["b"]
+    assert e.scheduler.request_state("b") == R.IDLE  # acked in the same step...
+    assert b.status == RequestStatus.WAITING and b.num_computed == 64  # ...and promoted
+    assert b.load_end == 64 and b.loaded_blocks == 4
+    assert e.stats["loaded_blocks_verified"] == 4 * 2  # 4 blocks on each of 2 workers
+    assert_drained(e)
+    assert e.stats["computed_blocks_verified"] > 0
+
+
+def test_a_deferred_lookup_skips_the_request_for_the_step() -> None:
+    e = make()
+    seeded(e)
+    on_load(e, lambda eng, job, sync: eng.workers[1].hang_job(job, release_after=2))
+    e.add_request("b", [*PREFIX, 4], max_tokens=2)
+    e.add_request("c", [*PREFIX, 5], max_tokens=2)
+    e.step()
+    # b loads the prefix; c hits the same chunks while they are being loaded: None
+    assert e.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert e.scheduler.request_state("c") == R.LOOKUP_DEFERRED
+    assert e.requests["c"].status == RequestStatus.WAITING and not e.requests["c"].blocks
+    e.step()
+    assert e.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS  # rank 1 hangs
+    assert_drained(e)
+
+
+def test_preemption_takes_the_newest_running_request_and_requeues_it() -> None:
+    e = make(num_gpu_blocks=7, blocks_per_chunk=1)
+    e.add_request("old", list(range(48)), max_tokens=3)  # 3 blocks
+    e.add_request("new", list(range(100, 164)), max_tokens=3)  # 4 blocks: pool full
+    e.step()
+    assert [r.id for r in e.running] == ["old", "new"]
+    result = e.step()  # old needs a 4th block: new is preempted, its blocks go to old
+    assert result.preempted == {"new"}
+    new = e.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed == 0
+    assert not new.blocks and e.waiting[0] is new and new.preemptions == 1
+    assert [r.id for r in e.running] == ["old"] and e.stats["preemptions"] == 1
+    assert_drained(e)
+    assert e.done["new"].request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_failed_load_is_recomputed_and_the_bytes_are_right_afterwards(sync: bool) -> None:
+    e = make(sync_load_budget_bytes=10**6 if sync else 0)
+    seeded(e)
+    on_load(e, lambda eng, job, is_sync: eng.workers[1].fail_job(job))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=6)
+    e.step()
+    assert e.scheduler.stats["failed_jobs"] == 1
+    assert e.scheduler.request_state("b") == R.RECOMPUTE
+    b = e.requests["b"]
+    assert b.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    assert b.num_computed == 0 and b.recomputes == 1 and not b.blocks
+    e.step()  # the lookup is bypassed: b recomputes its whole prompt
+    assert e.scheduler.request_state("b") == R.RUNNING
+    assert b.num_computed == b.num_tokens - 1  # every token but the one just sampled
+    assert e.verify_request("b") == 4  # on both workers, including the re-computed prefix
+    assert_drained(e)
+    assert e.done["b"].request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_failed_sync_load_poisons_the_stores_beside_it_and_recomputes() -> None:
+    e = make(sync_load_budget_bytes=10**6)
+    seeded(e)
+    on_load(e, lambda eng, job, sync: eng.workers[0].fail_job(job))
+    e.add_request("b", [*PREFIX, *range(40)], max_tokens=3)  # chunk 2 stored beside the load
+    e.step()
+    assert e.scheduler.request_state("b") == R.PREEMPTED_FLUSHING
+    assert e.requests["b"].status == RequestStatus.PREEMPTED
+    assert_drained(e)
+    assert e.scheduler.stats["failed_jobs"] == 2  # the load and its poisoned store
+
+
+def test_a_timed_out_load_keeps_its_blocks_out_of_the_pool_until_the_late_report() -> None:
+    e = make(job_timeout_steps=3)
+    seeded(e)
+    hung = on_load(e, lambda eng, job, sync: eng.workers[1].hang_job(job, release_after=6))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=8)
+    e.step()
+    dest = e.requests["b"].load_blocks
+    assert len(dest) == 4
+    for _ in range(3):
+        e.step()
+    assert e.scheduler.stats["timed_out_jobs"] == 1
+    assert set(dest) <= e.connector_held
+    assert not set(dest) & set(e.free_blocks)
+    b = e.requests["b"]
+    assert not set(dest) & set(b.blocks)  # b recomputes in other blocks
+    while hung[0] in e.scheduler.jobs.quarantine:
+        assert set(dest) <= e.connector_held and not set(dest) & set(e.free_blocks)
+        e.step()
+    assert not e.connector_held and set(dest) <= set(e.free_blocks)
+    assert_drained(e)
+    assert e.stats["recomputes"] == 1 and e.done["b"].recomputes == 1
+
+
+def test_a_hung_sync_load_times_out_while_its_request_runs() -> None:
+    e = make(job_timeout_steps=3, sync_load_budget_bytes=10**6)
+    seeded(e)
+    on_load(e, lambda eng, job, sync: eng.workers[0].hang_job(job, release_after=8))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=12)
+    states = []
+    for _ in range(5):
+        e.step()
+        states.append(e.scheduler.request_state("b"))
+    assert states[:3] == [R.LOADING_SYNC] * 3  # it runs while the report is lost
+    assert R.TIMED_OUT in states  # timed out in a step that had scheduled it
+    assert_drained(e)
+
+
+def test_an_aborted_loading_request_keeps_its_blocks_until_its_load_ends() -> None:
+    e = make()
+    seeded(e)
+    on_load(e, lambda eng, job, sync: eng.workers[1].hang_job(job, release_after=3))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=8)
+    e.step()
+    dest = e.requests["b"].load_blocks
+    e.abort("b")
+    assert e.scheduler.request_state("b") == R.FINISHED_PENDING_FINAL
+    assert not set(dest) & set(e.free_blocks) and e.held_loads
+    e.step()
+    assert e.scheduler.request_state("b") == R.FINISHED_DRAINING
+    assert not set(dest) & set(e.free_blocks)
+    assert_drained(e)
+    assert e.done["b"].request.status == RequestStatus.FINISHED_ABORTED
+
+
+def test_reset_mid_run_orphans_a_load_that_still_lands() -> None:
+    e = make()
+    seeded(e)
+    on_load(e, lambda eng, job, sync: eng.workers[1].hang_job(job, release_after=3))
+    e.add_request("run", list(range(5000, 5100)), max_tokens=6)
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=6)
+    e.step()
+    assert e.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert e.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert e.scheduler.request_state("b") == R.ORPHANED_LOAD
+    assert e.requests["run"].status == RequestStatus.PREEMPTED
+    assert e.scheduler.fence.entries  # the in-flight load is fenced
+    assert_drained(e)
+    assert e.stats["loads_promoted"] >= 1 and e.scheduler.stats["reset_flushed"] >= 1
+
+
+def test_an_orphaned_load_that_failed_on_a_rank_is_recomputed_not_trusted() -> None:
+    e = make()
+    seeded(e)
+
+    def fail_and_hang(eng: Engine, job: int, sync: bool) -> None:
+        eng.workers[0].fail_job(job)
+        eng.workers[1].hang_job(job, release_after=2)
+
+    on_load(e, fail_and_hang)
+    e.add_request("b", [*PREFIX, *range(40)], max_tokens=4)
+    e.step()
+    e.reset_prefix_cache(reset_running_requests=True)
+    assert e.scheduler.request_state("b") == R.ORPHANED_LOAD
+    e.step()
+    e.step()  # rank 1's late report: finished_recving from every rank, the load is over
+    assert e.stats["orphaned_loads_failed"] == 1 and e.stats["loads_promoted"] == 0
+    assert_drained(e)
+    # b recomputed its prefix and stored it again: a later load gets the right bytes
+    e.add_request("c", [*PREFIX, *range(40), 9], max_tokens=2)
+    assert_drained(e)
+    assert e.stats["loaded_blocks_verified"] >= 8
+
+
+def test_a_job_completes_only_when_every_worker_reported() -> None:
+    e = make(num_workers=3)
+    stores: list[int] = []
+
+    def hang_store(eng: Engine, meta: OffloadingConnectorMetadata) -> None:
+        if meta.store_jobs and not stores:
+            stores.append(min(meta.store_jobs))
+            eng.workers[2].hang_job(stores[0], release_after=3)
+
+    e.fault_hooks.append(hang_store)
+    e.add_request("a", [*PREFIX, 1], max_tokens=8)
+    e.step()
+    e.step()  # the store is submitted and copied on every rank; rank 2 withholds it
+    job = e.scheduler.jobs.get(stores[0])
+    assert job is not None and job.state == J.PARTIALLY_ACKED and job.pending_count == 1
+    assert_drained(e)
+    assert e.scheduler.stats["failed_jobs"] == 0
+
+
+def test_workers_and_connector_must_agree_on_the_world_size() -> None:
+    e = make(num_workers=2)
+    with pytest.raises(ConfigError, match="workers"):
+        Engine(EngineConfig(num_workers=3, device="cpu"), workers=e.workers)

@@ -1,0 +1,89 @@
+"""`kvspec simulate`: the seeded run passes, and it fails (exit 1) when a request is stuck,
+a resource leaks or bytes are corrupted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from statemachine import cli, engine, simulate, worker
+from statemachine.simulate import SimConfig
+
+
+def test_seed_1_drains_clean_with_every_kind_of_trouble() -> None:
+    result = simulate.run(SimConfig(seed=1))
+    m = result.metrics
+    assert result.ok, (result.error, result.stuck, result.leaks)
+    assert result.stuck == [] and result.leaked == 0 and result.corrupted == 0
+    assert m["resets"] >= 1 and m["preemptions"] >= 1 and m["injected_failures"] >= 1
+    assert m["loads"] >= 100 and m["timeouts"] >= 1 and m["failed_jobs"] >= 1
+    assert m["requests_finished"] + m["requests_aborted"] == m["requests_added"]
+    assert m["loaded_blocks_verified"] > 0 and m["computed_blocks_verified"] > 0
+    assert "PASS" in simulate.render(result)
+
+
+def test_the_run_is_a_function_of_the_seed() -> None:
+    def numbers(seed: int) -> dict[str, object]:
+        out = simulate.run(SimConfig(seed=seed, steps=40)).as_dict()
+        for timing in ("seconds", "load_gbps", "store_gbps", "steps_per_second"):
+            out.pop(timing)
+        return out
+
+    assert numbers(3) == numbers(3)
+    assert numbers(3) != numbers(4)
+
+
+def test_cli_json_and_exit_status_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--seed", "2", "--steps", "60", "--workers", "3",
+                     "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["ok"] and data["workers"] == 3
+    assert (data["stuck_requests"], data["leaked"], data["corrupted_bytes"]) == (0, 0, 0)
+    assert captured.err.startswith("\r[") and "finished 30/30" in captured.err  # progress
+
+
+def test_cli_exits_1_when_a_worker_skips_flushes(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(worker.Worker, "handle_preemptions", lambda self, meta: None)
+    assert cli.main(["simulate", "--seed", "1", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "received wrong bytes" in out and "store job" in out
+    line = next(x for x in out.splitlines() if x.startswith("corrupted bytes"))
+    assert int(line.split()[-1]) >= 1
+    assert "leaked           not measured: the run stopped at step" in out
+    assert cli.main(["simulate", "--seed", "1", "--no-progress", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["corrupted_bytes"] >= 1 and data["leaked"] is None and not data["ok"]
+
+
+def test_cli_exits_1_on_a_leak(monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    original = engine.Engine._take_released
+
+    def lose_released_blocks(self: engine.Engine) -> list[int]:
+        original(self)
+        return []  # the quarantined blocks never come back to the pool
+
+    monkeypatch.setattr(engine.Engine, "_take_released", lose_released_blocks)
+    assert cli.main(["simulate", "--seed", "1", "--steps", "60", "--no-progress",
+                     "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["leaks"]["gpu_blocks_not_free"] > 0 and not data["ok"]
+
+
+def test_a_stuck_request_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.Engine, "_promote", lambda self, r: None)  # recving ignored
+    result = simulate.run(SimConfig(seed=1, steps=40, max_drain_steps=20))
+    assert result.stuck and not result.ok
+    assert "stuck:" in simulate.render(result)
+
+
+def test_bad_usage_exits_2() -> None:
+    assert cli.main(["simulate", "--steps", "0"]) == 2
+    assert cli.main(["simulate", "--workers", "two"]) == 2
+    assert cli.main(["simulate", "--device", "tpu"]) == 2
+    if not torch.cuda.is_available():
+        assert cli.main(["simulate", "--device", "cuda"]) == 2
