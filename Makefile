@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint typecheck diagrams check-diagrams clean
+.PHONY: venv demo test campaign check diagrams clean
 
 venv: $(STAMP)
 
@@ -20,12 +20,21 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/kvspec demo
+	$(BIN)/kvspec simulate --seed 1
+	$(BIN)/kvspec check
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign" --cov=statemachine --cov=spec --cov-report=term:skip-covered
 	$(BIN)/kvspec diagrams --check
+
+# the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)
+campaign: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider -m campaign -n auto -s tests/test_campaign.py
+
+check: $(STAMP)
+	$(BIN)/kvspec check
 
 diagrams: $(STAMP)
 	$(BIN)/kvspec diagrams

@@ -169,9 +169,10 @@ TRANSITIONS = (
     *(Transition(trig, (PREEMPTED_FLUSHING,), IDLE, _ENDING_STORE, "S:2307-2308",
                  guards=("!other_jobs_remain", "!load_invalid"), path=Path.PREEMPT)
       for trig in ("store_ended", "load_ended")),
-    *(Transition(trig, (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
-                 guards=("!other_jobs_remain", "load_invalid"), path=Path.FAILURE)
-      for trig in ("store_ended", "load_ended")),
+    Transition("store_ended", (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+               guards=("!other_jobs_remain", "load_invalid"), path=Path.FAILURE,
+               note="the poisoned stores of a failed sync load drained (a request holds one "
+               "load at most, so the last job here is a store)"),
     *(Transition(trig, (FINISHED_DRAINING,), SAME, _ENDING_STORE, "S:2283-2308",
                  guards=("other_jobs_remain",), path=Path.FINISH)
       for trig in ("store_ended", "load_ended")),

@@ -22,12 +22,36 @@ def _spec_md_blocks() -> Blocks:
     blocks: Blocks = {
         "invariants": md.invariants_table,
         "progress": md.progress_table,
+        "mutants": mutants_table,
     }
     for m in MACHINES:
         blocks[f"{m.name}.states"] = partial(md.states_table, m)
         blocks[f"{m.name}.transitions"] = partial(md.transitions_table, m)
         blocks[f"{m.name}.guards"] = partial(md.guards_effects_table, m)
     return blocks
+
+
+def mutants_table() -> str:
+    """Mutant, what catches it, the shortest counterexample (breadth-first, deterministic)."""
+    from spec.checker import check_model
+    from statemachine.check_cli import mutant_bounds
+    from statemachine.mutants import MUTANTS
+
+    rows = ["| mutant | area | stands for | caught by the checker | caught by the tests |",
+            "|---|---|---|---|---|"]
+    for m in MUTANTS:
+        if m.model_fault is not None:
+            r = check_model(mutant_bounds(m.name), frozenset([m.model_fault]))
+            ce = r.counterexample
+            checker = (f"{ce.kind}, {len(ce)} steps, {r.states} states: "
+                       f"{ce.summary.split(' (')[0]}" if ce else "**not caught**")
+            tests = "model-based replay of that counterexample"
+        else:
+            checker = "not expressible in the abstract model"
+            tests = ("byte oracle (kernel round trip)" if m.area == "kernels"
+                     else "model-based random search")
+        rows.append(f"| `{m.name}` | {m.area} | {m.stands_for} | {checker} | {tests} |")
+    return "\n".join(rows)
 
 
 def _readme_blocks() -> Blocks:

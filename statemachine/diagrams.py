@@ -184,3 +184,44 @@ def render(spec: MachineSpec, out_dir: FsPath) -> list[Rendered]:
         Rendered(out_dir / f"{spec.name}.svg", svg),
         Rendered(out_dir / f"{spec.name}.mmd", to_mermaid(spec).encode()),
     ]
+
+
+def counterexample_svg(ce: Any) -> bytes:
+    """The counterexample's path drawn over the request and job machines: every table edge
+    in grey, the edges the trace took in red, labelled with the step numbers."""
+    import graphviz
+
+    from spec import MACHINES
+
+    taken: dict[tuple[str, str, str], list[str]] = {}
+    for n, step in enumerate(ce.steps, 1):
+        for machine, key, src, dst, trigger in step.moves:
+            who = "" if key == -1 else f" {key}"  # -1: a job not yet numbered
+            taken.setdefault((machine, src, dst), []).append(f"{n}: {trigger}{who}")
+    g = graphviz.Digraph("counterexample", graph_attr={
+        "label": f"counterexample ({ce.kind}, {len(ce.steps)} steps): {ce.summary}"[:160],
+        "labelloc": "t", "fontname": "Helvetica", "rankdir": "TB", "compound": "true"})
+    g.attr("node", shape="rectangle", style="rounded", fontname="Helvetica", fontsize="10")
+    g.attr("edge", fontname="Helvetica", fontsize="9")
+    for spec in MACHINES:
+        if spec.name not in ("request", "job"):
+            continue
+        with g.subgraph(name=f"cluster_{spec.name}") as c:
+            c.attr(label=spec.title, color="gray60")
+            for state in spec.state_names:
+                c.node(f"{spec.name}.{state}", state)
+            drawn: set[tuple[str, str]] = set()
+            for src, dst, _t in spec.edges():
+                key = (src, dst)
+                if key in drawn:
+                    continue
+                drawn.add(key)
+                labels = taken.get((spec.name, src, dst))
+                if labels:
+                    c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}",
+                           label="\\l".join(labels) + "\\l", color="red", fontcolor="red",
+                           penwidth="2.5")
+                else:
+                    c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}", color="gray85")
+    svg: bytes = g.pipe(format="svg")
+    return svg

@@ -1,0 +1,195 @@
+"""`kvspec check` and `kvspec mutants`: the model checker and the mutant catalogue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from spec import model as M
+from spec.checker import CheckResult, check_model
+from spec.scenarios import SCENARIOS, Scenario, by_name
+from statemachine.mutants import MUTANTS
+from statemachine.mutants import by_name as mutant_by_name
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+# bounds under which each abstract mutant is looked for (small: the search stops at the
+# first counterexample, breadth-first, so it is a shortest one)
+MUTANT_SCENARIO = "mutant-hunt"
+MUTANT_BOUNDS = M.Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=3,
+                         resets=1, failures=0, preemptions=1)
+MUTANT_BOUNDS_OVERRIDE: dict[str, M.Bounds] = {
+    "evict-pinned-chunks": M.Bounds(requests=3, tokens=2, families=2, workers=1,
+                                    cpu_chunks=2, gpu_blocks=6, resets=0, failures=0,
+                                    preemptions=0),
+    "aggregate-counts-once": M.Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2,
+                                      gpu_blocks=2, resets=0, failures=0, preemptions=0),
+}
+
+
+def mutant_bounds(name: str) -> M.Bounds:
+    return MUTANT_BOUNDS_OVERRIDE.get(name, MUTANT_BOUNDS)
+
+
+def parse_bounds(text: str, base: M.Bounds) -> M.Bounds:
+    """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad."""
+    changes: dict[str, Any] = {}
+    fields = M.Bounds.__dataclass_fields__
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
+        if value.lower() in ("none", "off"):
+            changes[name] = None
+        elif value.lower() in ("true", "false"):
+            changes[name] = value.lower() == "true"
+        else:
+            changes[name] = int(value)
+    return replace(base, **changes)
+
+
+def _progress(label: str) -> Any:
+    def report(states: int, edges: int, depth: int) -> None:
+        print(f"\r  {label}: {states} states, {edges} transitions, depth {depth} ...",
+              end="", file=sys.stderr, flush=True)
+    return report
+
+
+def _row(name: str, r: CheckResult) -> dict[str, Any]:
+    ce = r.counterexample
+    return {
+        "scenario": name, "states": r.states, "transitions": r.edges, "depth": r.depth,
+        "seconds": round(r.seconds, 2), "states_per_s": round(r.states_per_second),
+        "complete": r.complete, "stuck_states": r.stuck_states,
+        "result": "pass" if ce is None else f"{ce.kind} ({len(ce)} steps)",
+    }
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    cols = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    print("  ".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+
+
+def write_counterexample_svg(result: CheckResult, path: Path) -> Path | None:
+    from statemachine.diagrams import counterexample_svg
+
+    if result.counterexample is None:
+        return None
+    path.write_bytes(counterexample_svg(result.counterexample))
+    return path
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        if args.mutant:
+            mutant = mutant_by_name(args.mutant)
+            if mutant.model_fault is None:
+                print(f"mutant {mutant.name} is not expressible in the abstract model "
+                      f"({mutant.description}); the model-based tests catch it: "
+                      f"pytest tests/test_mutants.py -k {mutant.name}", file=sys.stderr)
+                return EXIT_USAGE
+            faults = frozenset([mutant.model_fault])
+            base = mutant_bounds(mutant.name)
+            scenarios = [Scenario(f"{MUTANT_SCENARIO}:{mutant.name}", mutant.description,
+                                  parse_bounds(args.bounds or "", base))]
+        else:
+            faults = frozenset()
+            if args.bounds:
+                scenarios = [Scenario("custom", "bounds from the command line",
+                                      parse_bounds(args.bounds, SCENARIOS[0].bounds))]
+            elif args.scenario:
+                scenarios = [by_name(n) for n in args.scenario]
+            else:
+                scenarios = list(SCENARIOS)
+    except (KeyError, ValueError) as exc:
+        print(f"kvspec check: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    rows: list[dict[str, Any]] = []
+    covered: set[tuple[str, int]] = set()
+    failed: CheckResult | None = None
+    for sc in scenarios:
+        r = check_model(sc.bounds, faults, max_states=args.max_states,
+                        progress=None if args.json else _progress(sc.name))
+        if not args.json:
+            print("\r" + " " * 78 + "\r", end="", file=sys.stderr)
+        rows.append(_row(sc.name, r))
+        covered |= r.covered
+        if not r.ok:
+            failed = r
+            break
+    uncovered = [(m, i, M.MACHINES[m].transitions[i])
+                 for m, i in sorted(M.coverage_universe() - covered)]
+    full_suite = not args.mutant and not args.bounds and not args.scenario
+    coverage_gap = full_suite and failed is None and bool(uncovered)
+    svg = None
+    if failed is not None and args.svg:
+        svg = write_counterexample_svg(failed, Path(args.svg))
+    if args.json:
+        print(json.dumps({
+            "scenarios": rows, "faults": sorted(faults),
+            "covered_transitions": len(covered),
+            "total_transitions": len(M.coverage_universe()),
+            "uncovered": [f"{m}: {t.trigger} {list(t.sources)} -> {t.dest} {list(t.guards)}"
+                          for m, _, t in uncovered],
+            "counterexample": None if failed is None or failed.counterexample is None else {
+                "kind": failed.counterexample.kind,
+                "summary": failed.counterexample.summary,
+                "steps": [str(s.event) for s in failed.counterexample.steps],
+                "violations": [asdict(v) for v in failed.counterexample.violations],
+                "svg": str(svg) if svg else None,
+            },
+        }, indent=2))
+    else:
+        _print_rows(rows)
+        if full_suite:
+            print(f"\ncoverage: {len(covered)} of {len(M.coverage_universe())} table "
+                  "transitions fired")
+        for m, i, t in uncovered if full_suite else []:
+            print(f"  never fired: {m} #{i + 1} {t.trigger} {list(t.sources)} -> {t.dest} "
+                  f"{list(t.guards)}")
+        if failed is not None and failed.counterexample is not None:
+            print()
+            print(failed.counterexample.render())
+            if svg:
+                print(f"\ncounterexample drawn over the machines: {svg}")
+    if failed is not None or coverage_gap:
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    rows = [{"mutant": m.name, "area": m.area, "stands for": m.stands_for,
+             "abstract": "yes" if m.abstract else "no", "what": m.description}
+            for m in MUTANTS]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for r in rows:
+        print(f"{r['mutant']:32} {r['area']:11} abstract={r['abstract']:3} {r['stands for']}")
+        print(f"{'':32} {r['what']}")
+    return EXIT_OK
+
+
+def add_parsers(sub: Any) -> None:
+    c = sub.add_parser("check", help="exhaustive model check of the spec (or of a mutant)")
+    c.add_argument("--mutant", help="switch on a catalogued fault (kvspec mutants)")
+    c.add_argument("--scenario", action="append",
+                   help="check only this scenario (repeatable): "
+                   + ", ".join(s.name for s in SCENARIOS))
+    c.add_argument("--bounds", help="custom bounds, e.g. requests=2,workers=1,resets=1")
+    c.add_argument("--max-states", type=int, default=None)
+    c.add_argument("--svg", help="write the counterexample drawn over the machines here")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
+    m = sub.add_parser("mutants", help="the catalogue of named faults")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_mutants)

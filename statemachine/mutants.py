@@ -1,0 +1,261 @@
+"""The mutant catalogue: named faults that can be switched on, each tied to the vLLM PR,
+issue or invariant it stands for.
+
+A mutant has an implementation patch (a context manager that replaces one method of the
+reference implementation while it is active) and, where the fault can be expressed in the
+abstract model, the name of the matching model fault (`spec.model` checks `World.faults`).
+The tests assert that with no mutant the checker and the model-based tests pass, and that
+with each mutant the checker (for abstract faults) and the model-based tests each find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kernels.layout import TransferSpec
+from spec import job as J
+from statemachine.effects import SchedulerEffects
+from statemachine.manager import CPUOffloadingManager
+from statemachine.models import JobStatus, RequestState
+from statemachine.scheduler import OffloadingScheduler
+
+Patch = Callable[[], contextlib.AbstractContextManager[None]]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    stands_for: str
+    description: str
+    patch: Patch
+    model_fault: str | None = None
+    """The same fault in the abstract model, if it can be expressed there."""
+
+    @property
+    def abstract(self) -> bool:
+        return self.model_fault is not None
+
+
+@contextlib.contextmanager
+def _replaced(owner: type, name: str, new: Any) -> Iterator[None]:
+    old = owner.__dict__[name]
+    setattr(owner, name, new)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _patch(owner: type, name: str, make: Callable[[Any], Any]) -> Patch:
+    """A patch replacing `owner.name` by `make(original)`."""
+    return lambda: _replaced(owner, name, make(owner.__dict__[name]))
+
+
+# --- the faulty versions -------------------------------------------------------------
+def _keep_transfer_jobs(orig: Any) -> Any:
+    def drop_request_jobs(self: OffloadingScheduler, req: RequestState, **kw: Any) -> None:
+        held = set(req.transfer_jobs)
+        orig(self, req, **kw)
+        req.transfer_jobs |= held
+    return drop_request_jobs
+
+
+def _noop_effect(orig: Any) -> Any:
+    def effect(self: Any, subject: Any, **kw: Any) -> None:
+        return None
+    return effect
+
+
+def _signal_always(orig: Any) -> Any:
+    def signal_request_finished(self: OffloadingScheduler, req: RequestState,
+                                **kw: Any) -> None:
+        req.finished_signaled = False
+        orig(self, req, **kw)
+    return signal_request_finished
+
+
+def _skip_stale_flush(orig: Any) -> Any:
+    def add_to_jobs_to_flush(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+        if job.state != J.STALE:
+            orig(self, job, **kw)
+    return add_to_jobs_to_flush
+
+
+def _count_once(orig: Any) -> Any:
+    def _apply_reports(self: OffloadingScheduler, job_id: int, done: int, failed: int,
+                       cls: Any) -> None:
+        orig(self, job_id, min(done, 1), min(failed, 1), cls)
+    return _apply_reports
+
+
+def _keep_pin(orig: Any) -> Any:
+    def complete_in_manager(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+        if job.is_store:
+            orig(self, job, **kw)
+        else:
+            self._unmark_chunks_being_loaded(job)
+    return complete_in_manager
+
+
+def _keep_marks(orig: Any) -> Any:
+    def _unmark_chunks_being_loaded(self: OffloadingScheduler, job: JobStatus) -> None:
+        return None
+    return _unmark_chunks_being_loaded
+
+
+def _store_ready_first_ack(orig: Any) -> Any:
+    def count_report(self: OffloadingScheduler, job: JobStatus, count: int = 1,
+                     **kw: Any) -> None:
+        if job.is_store and job.state != J.STALE:
+            self.manager.complete_store(job.keys, job.owner.ctx, success=True)
+        orig(self, job, count=count, **kw)
+    return count_report
+
+
+def _signal_at_finish(orig: Any) -> Any:
+    def request_finished(self: OffloadingScheduler, request: Any) -> Any:
+        out = orig(self, request)
+        req = self._req_status.get(request.request_id)
+        if req is not None and not req.finished_signaled:
+            req.finished_signaled = True
+            self.manager.on_request_finished(req.ctx)
+        return out
+    return request_finished
+
+
+def _pending_one(orig: Any) -> Any:
+    def __post_init__(self: JobStatus) -> None:
+        orig(self)
+        self.pending_count = 1
+    return __post_init__
+
+
+def _failed_store_kept(orig: Any) -> Any:
+    def roll_back_in_manager(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+        if job.is_store:
+            self.manager.complete_store(job.keys, job.owner.ctx, success=True)
+        else:
+            orig(self, job, **kw)
+    return roll_back_in_manager
+
+
+@contextlib.contextmanager
+def _evict_pinned() -> Iterator[None]:
+    """Pinned chunks look idle to the eviction policy and count as evictable."""
+    ref_cnt = CPUOffloadingManager.__dict__["_ref_cnt"]
+    prepare_store = CPUOffloadingManager.__dict__["prepare_store"]
+
+    def fake_ref_cnt(self: CPUOffloadingManager, key: int) -> int:
+        return min(int(ref_cnt(self, key)), 0)
+
+    def store(self: CPUOffloadingManager, keys: Any, ctx: Any) -> Any:
+        pinned = sum(1 for n in self.chunk_ref_counts().values() if n > 0)
+        self._num_evictable += pinned
+        try:
+            return prepare_store(self, keys, ctx)
+        finally:
+            self._num_evictable = sum(1 for n in self.chunk_ref_counts().values() if n == 0)
+
+    with _replaced(CPUOffloadingManager, "_ref_cnt", fake_ref_cnt), \
+            _replaced(CPUOffloadingManager, "prepare_store", store):
+        yield
+
+
+def _never_blocked(orig: Any) -> Any:
+    def _lookup_blocked(self: OffloadingScheduler, req: RequestState) -> bool:
+        return False
+    return _lookup_blocked
+
+
+def _no_method(orig: Any) -> Any:
+    def method(self: Any) -> None:
+        return None
+    return method
+
+
+def _ignore_first_chunk_skip(orig: Any) -> Any:
+    def skip(self: Any, blocks_per_chunk: int) -> int:
+        return 0
+    return skip
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("reset-keeps-transfer-jobs", "reset", "vLLM PR #48102 (INV-1)",
+           "reset_cache clears the job table but leaves the ids in transfer_jobs",
+           _patch(SchedulerEffects, "drop_request_jobs", _keep_transfer_jobs),
+           "reset-keeps-transfer-jobs"),
+    Mutant("reset-skips-flush", "reset", "vLLM PR #41956, INV-16",
+           "reset_cache does not flush the jobs alive at the reset",
+           _patch(SchedulerEffects, "add_to_jobs_to_flush", _skip_stale_flush),
+           "reset-skips-flush"),
+    Mutant("reset-keeps-stale-threshold", "reset", "S:2436, INV-4",
+           "reset_cache does not advance the stale threshold: late acks of pre-reset jobs "
+           "are taken for live ones",
+           _patch(OffloadingScheduler, "_advance_stale_threshold", _no_method),
+           "reset-keeps-stale-threshold"),
+    Mutant("reset-signals-twice", "reset", "INV-11, M:424-431",
+           "reset_cache calls on_request_finished for finished requests already signaled",
+           _patch(SchedulerEffects, "signal_request_finished", _signal_always),
+           "reset-signals-twice"),
+    Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
+           "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
+           _patch(OffloadingScheduler, "_apply_reports", _count_once),
+           "aggregate-counts-once"),
+    Mutant("pending-count-one", "accounting", "S:1491 pending_count = num_workers",
+           "jobs wait for one worker only: the other workers' acks arrive for ended jobs",
+           _patch(JobStatus, "__post_init__", _pending_one)),
+    Mutant("store-ready-on-first-ack", "accounting", "INV-12, S:2283-2287",
+           "a store's chunks become loadable at its first ack, while other workers copy",
+           _patch(SchedulerEffects, "count_report", _store_ready_first_ack),
+           "store-ready-on-first-ack"),
+    Mutant("preempt-skips-flush", "fences", "S:2136-2151, INV-15",
+           "preemption does not flush the request's jobs: a store reads freed blocks",
+           _patch(SchedulerEffects, "flush_request_jobs", _noop_effect),
+           "preempt-skips-flush"),
+    Mutant("realloc-skips-fence", "fences", "S:2153-2165, INV-15, test_fence_at_*",
+           "a fenced block re-allocated in this step does not flush the store reading it",
+           _patch(OffloadingScheduler, "_flush_reallocated_blocks", _no_method),
+           "realloc-skips-fence"),
+    Mutant("lookup-ignores-transfer-jobs", "fences", "issue #46014, S:1247-1252",
+           "a request still holding flushed jobs is looked up again on re-admission",
+           _patch(OffloadingScheduler, "_lookup_blocked", _never_blocked),
+           "lookup-ignores-transfer-jobs"),
+    Mutant("finish-skips-deferred-fence", "fences", "S:2371-2374, INV-7, PR #48596",
+           "request_finished does not fence the blocks its in-flight stores read",
+           _patch(SchedulerEffects, "register_deferred_fences", _noop_effect),
+           "finish-skips-deferred-fence"),
+    Mutant("signal-before-final-store", "finish", "B:430-448, INV-10/11",
+           "on_request_finished is called at request_finished, before the final store",
+           _patch(OffloadingScheduler, "request_finished", _signal_at_finish),
+           "signal-before-final-store"),
+    Mutant("complete-load-keeps-pin", "manager", "M:247-258, INV-12",
+           "a completed load does not unpin its chunks: they can never be evicted",
+           _patch(SchedulerEffects, "complete_in_manager", _keep_pin),
+           "complete-load-keeps-pin"),
+    Mutant("load-keeps-chunks-being-loaded", "manager", "PR #46019, INV-8",
+           "a finished load leaves its keys in _chunks_being_loaded: lookups defer forever",
+           _patch(SchedulerEffects, "_unmark_chunks_being_loaded", _keep_marks),
+           "load-keeps-chunks-being-loaded"),
+    Mutant("failed-store-kept", "manager", "NVIDIA Dynamo #15079",
+           "a failed store is completed as successful: chunks nobody wrote become loadable",
+           _patch(SchedulerEffects, "roll_back_in_manager", _failed_store_kept)),
+    Mutant("evict-pinned-chunks", "manager", "LRU:175-219, INV-12",
+           "eviction may take a chunk a live load is reading",
+           _evict_pinned,
+           "evict-pinned-chunks"),
+    Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663, reference 5.2",
+           "the copy kernels ignore the first-chunk skip of a range that does not start on a "
+           "chunk boundary: loads read the wrong sub-blocks",
+           _patch(TransferSpec, "skip", _ignore_first_chunk_skip)),
+)
+
+
+def by_name(name: str) -> Mutant:
+    for m in MUTANTS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no mutant {name!r}; known: {', '.join(m.name for m in MUTANTS)}")

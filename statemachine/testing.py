@@ -1,0 +1,391 @@
+"""Model-based tests of an offloading scheduler against the abstract model of `spec`.
+
+`OffloadingStateMachine` is a hypothesis `RuleBasedStateMachine`. Each rule is an
+environment event of `spec.model` (a request arrives; an engine step admits one; workers
+report a job in part, in full, twice, late after a reset, or fail it; a job times out; a
+request is preempted, finishes or is aborted; the cache is reset). The model computes the
+next state and the hook calls the event stands for; an adapter replays those calls on the
+implementation under test. After every step the machine checks:
+- the answers the hooks gave (lookup hits) are the model's;
+- refinement: the implementation's `abstract_state()` equals the model's, field by field;
+- every safety invariant of `spec` (on the implementation's state);
+and at teardown it drains (every outstanding report delivered, every request finished) and
+asserts nothing is left: no request, no job, no fence entry, no pinned chunk.
+
+Plug in another implementation by writing an `Adapter` (see `ReferenceAdapter`, about 80
+lines) and subclassing `OffloadingStateMachine` with `adapter_factory` set:
+
+    class MyMachine(OffloadingStateMachine):
+        adapter_factory = MyAdapter
+
+    TestMine = MyMachine.TestCase
+
+The adapter receives `Call`s (hook name and arguments in model terms: request ids, block
+ids, chunk keys) and must return the hook's answer; `abstract_state()` projects the
+implementation onto `spec.AbstractState` (reference 6.1 and 6.3 give the predicates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, ClassVar, Protocol
+
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from spec import check as check_invariants
+from spec import model as M
+from spec.state import AbstractState
+from statemachine.config import OffloadingConfig
+from statemachine.messages import (
+    CachedRequestData,
+    KVConnectorOutput,
+    NewRequestData,
+    OffloadingWorkerMetadata,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+from statemachine.scheduler import OffloadingScheduler
+
+
+class Adapter(Protocol):
+    """What the machine needs of an implementation of the scheduler side."""
+
+    def __init__(self, bounds: M.Bounds) -> None: ...
+
+    def call(self, call: M.Call) -> Any:
+        """Perform one hook call; return its answer (lookups: (hits, is_async))."""
+
+    def abstract_state(self) -> AbstractState: ...
+
+    def evicted(self) -> tuple[int, ...]:
+        """Chunk keys evicted since the last call (the model lets the policy choose)."""
+
+
+class ReferenceAdapter:
+    """Drives `statemachine.OffloadingScheduler` (one token = one block = one chunk)."""
+
+    def __init__(self, bounds: M.Bounds) -> None:
+        self.bounds = bounds
+        sync = 10**9 if bounds.sync_loads else 0
+        self.config = OffloadingConfig(
+            block_size=1, blocks_per_chunk=1, num_workers=bounds.workers,
+            num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
+            kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps)
+        self.scheduler = self.make_scheduler(self.config)
+        self.requests: dict[str, Request] = {}
+        self._evicted: list[int] = []
+
+    def make_scheduler(self, config: OffloadingConfig) -> OffloadingScheduler:
+        return OffloadingScheduler(config)
+
+    def _request(self, req_id: str) -> Request:
+        if req_id not in self.requests:
+            t = next(t for t in self.bounds.templates() if t.req_id == req_id)
+            tokens = [M.key(t.family, c) for c in range(t.tokens)]
+            self.requests[req_id] = Request(req_id, tokens, block_hashes=list(tokens))
+        return self.requests[req_id]
+
+    def call(self, call: M.Call) -> Any:
+        s = self.scheduler
+        a = call.args
+        if call.hook == "on_new_request":
+            return s.on_new_request(self._request(a[0]))
+        if call.hook == "get_num_new_matched_tokens":
+            return s.get_num_new_matched_tokens(self._request(a[0]), a[1])
+        if call.hook == "update_state_after_alloc":
+            return s.update_state_after_alloc(self._request(a[0]), list(a[1]), a[2])
+        if call.hook == "build_connector_meta":
+            new, cached, sched, fin, pre, computed = a
+            for r, (n, _aborted) in computed.items():
+                self._request(r).num_computed_tokens = n
+            out = SchedulerOutput(
+                tuple(NewRequestData(r, tuple(b)) for r, b in new.items()),
+                tuple(CachedRequestData(r, tuple(b)) for r, b in cached.items()),
+                dict(sched), frozenset(fin), frozenset(pre))
+            shipped = s.build_connector_meta(out)
+            self._note_evictions()
+            return shipped
+        if call.hook == "update_connector_output":
+            job, done, failed, recving = a
+            meta = OffloadingWorkerMetadata({job: done} if done else {},
+                                            {job: failed} if failed else {})
+            return s.update_connector_output(KVConnectorOutput(meta, set(recving)))
+        if call.hook == "request_finished":
+            req = self._request(a[0])
+            req.status = (RequestStatus.FINISHED_ABORTED if a[1]
+                          else RequestStatus.FINISHED_STOPPED)
+            return s.request_finished(req)
+        if call.hook == "reset_cache":
+            return s.reset_cache()
+        raise ValueError(f"unknown hook {call.hook!r}")
+
+    def _note_evictions(self) -> None:
+        for ev in self.scheduler.take_events():
+            if ev.kind == "removed" and not ev.metadata_only:
+                self._evicted.extend(ev.keys)
+
+    def evicted(self) -> tuple[int, ...]:
+        out, self._evicted = tuple(self._evicted), []
+        return out
+
+    def abstract_state(self) -> AbstractState:
+        return self.scheduler.abstract_state()
+
+
+def normalize(state: AbstractState, bounds: M.Bounds) -> AbstractState:
+    """What refinement compares: ages capped where they stop mattering, no zero counters."""
+    cap = bounds.timeout_steps or 1
+    return replace(
+        state.canonical(),
+        jobs=tuple(replace(j, age=min(j.age, cap)) for j in sorted(state.jobs)),
+        finished_signals=tuple(sorted((r, n) for r, n in state.finished_signals if n)),
+        extra=(),
+    )
+
+
+def refinement_diff(impl: AbstractState, model: AbstractState) -> list[str]:
+    """The fields where the implementation's state differs from the model's."""
+    out = []
+    for name in AbstractState.__dataclass_fields__:
+        a, b = getattr(impl, name), getattr(model, name)
+        if a != b:
+            out.append(f"{name}:\n    implementation: {a}\n    model:          {b}")
+    return out
+
+
+class RefinementError(AssertionError):
+    pass
+
+
+class OffloadingStateMachine(RuleBasedStateMachine):
+    """The model-based test. Subclass to change the adapter or the bounds."""
+
+    adapter_factory: ClassVar[type] = ReferenceAdapter
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = (
+        M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+                 failures=2, preemptions=2),
+        M.Bounds(requests=3, tokens=2, shared_prefix=False, workers=1, cpu_chunks=2,
+                 gpu_blocks=4, resets=1, failures=1, preemptions=1, timeout_steps=2),
+        M.Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
+                 failures=2, preemptions=1, sync_loads=True),
+    )
+    faults: ClassVar[frozenset[str]] = frozenset()
+    """Model faults to switch on too (only to test that the machine itself catches them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: M.ModelState | None = None
+        self.impl: Any = None
+        self.trace: list[str] = []
+        self._possible_cache: list[M.Event] = []
+        self._possible_for: M.ModelState | None = None
+        self.swarm: frozenset[str] = frozenset(self.SWARM)
+
+    SWARM: ClassVar[tuple[str, ...]] = ("abort", "finish", "preempt", "reset", "partial",
+                                        "complete", "late", "failure")
+
+    @initialize(which=st.integers(0, 100),
+                swarm=st.sets(st.sampled_from(SWARM), min_size=2))
+    def start(self, which: int, swarm: set[str]) -> None:
+        """Swarm testing: each run switches on a random subset of the event kinds, so some
+        runs are dense in resets, others in aborts or failures."""
+        self.swarm = frozenset(swarm)
+        bounds = self.bounds_choices[which % len(self.bounds_choices)]
+        self.model = M.initial(bounds)
+        self.impl = self.adapter_factory(bounds)
+
+    def _step(self, ev: M.Event) -> None:
+        assert self.model is not None
+        try:
+            nxt, calls, _w = M.apply(self.model, ev, self.faults)
+        except M.NotEnabled:
+            return
+        self.trace.append(str(ev))
+        answers = [self.impl.call(c) for c in calls]
+        evicted = self.impl.evicted()
+        if evicted:
+            nxt, calls, _w = M.apply(self.model, ev, self.faults, victims=evicted)
+        for c, got in zip(calls, answers, strict=True):
+            if c.hook == "get_num_new_matched_tokens" and tuple(got) != tuple(c.answer):
+                raise RefinementError(f"after {' ; '.join(self.trace)}: {c.hook}{c.args} "
+                                      f"answered {got}, the model {c.answer}")
+        self.model = nxt
+        impl_state = normalize(self.impl.abstract_state(), nxt.bounds)
+        model_state = normalize(M.abstract(nxt), nxt.bounds)
+        if impl_state != model_state:
+            raise RefinementError(
+                f"after {' ; '.join(self.trace)}: the implementation left the model:\n"
+                + "\n".join(refinement_diff(impl_state, model_state)))
+
+    def _possible(self) -> list[M.Event]:
+        """The events the model can take now (computed once per model state)."""
+        if self.model is None:
+            return []
+        if self._possible_for is not self.model:
+            out = []
+            for e in M.events(self.model):
+                try:
+                    M.apply(self.model, e, self.faults)
+                except M.NotEnabled:
+                    continue
+                except M.ModelError:
+                    pass  # a finding: taking it makes the test fail, as it should
+                out.append(e)
+            self._possible_cache, self._possible_for = out, self.model
+        return self._possible_cache
+
+    def _enabled(self, *kinds: str) -> bool:
+        """Some event of these kinds is possible now (hypothesis then spends its steps on
+        events that happen), and the run's swarm allows it."""
+        allowed = [k for k in kinds if k not in self.SWARM or k in self.swarm]
+        return any(e.kind in allowed for e in self._possible())
+
+    def _filtered(self, pred: Callable[[M.Event], bool]) -> list[M.Event]:
+        return [e for e in self._possible() if pred(e)]
+
+    def _do(self, data: st.DataObject, pred: Callable[[M.Event], bool]) -> None:
+        evs = self._filtered(pred)
+        if evs:
+            self._step(data.draw(st.sampled_from(evs)))
+
+    def _held(self, e: M.Event) -> bool:
+        assert self.model is not None
+        return any(j.id == e.job for j in self.model.held)
+
+    def _due(self, e: M.Event) -> int:
+        assert self.model is not None
+        return next((int(j.unreported) for j in (*self.model.jobs, *self.model.held)
+                     if j.id == e.job), 0)
+
+    @precondition(lambda self: self._enabled("arrive"))
+    @rule(data=st.data())
+    def new_request(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "arrive")
+
+    @precondition(lambda self: self._enabled("step"))
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """An engine step, admitting a waiting request or not (jobs age: timeouts)."""
+        self._do(data, lambda e: e.kind == "step")
+
+    @precondition(lambda self: "partial" in self.swarm and self._enabled("report"))
+    @rule(data=st.data())
+    def partial_ack(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
+                 and e.count < self._due(e))
+
+    @precondition(lambda self: self._enabled("report"))
+    @rule(data=st.data())
+    def complete_ack(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
+                 and e.count == self._due(e))
+
+    @precondition(lambda self: "late" in self.swarm and self._enabled("report"))
+    @rule(data=st.data())
+    def late_ack(self, data: st.DataObject) -> None:
+        """A report for a job that left the table (stale after a reset, or timed out)."""
+        self._do(data, lambda e: e.kind == "report" and not e.failed and self._held(e))
+
+    @precondition(lambda self: "failure" in self.swarm and self._enabled("report"))
+    @rule(data=st.data())
+    def worker_failure(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "report" and e.failed)
+
+    @precondition(lambda self: self._enabled("finish"))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "finish")
+
+    @precondition(lambda self: self._enabled("abort"))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "abort")
+
+    @precondition(lambda self: self._enabled("preempt"))
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        self._do(data, lambda e: e.kind == "preempt")
+
+    @precondition(lambda self: self._enabled("reset"))
+    @rule()
+    def reset(self) -> None:
+        self._step(M.Event("reset"))
+
+    @rule()
+    def duplicate_report_is_rejected(self) -> None:
+        """A report for a job that already ended must be refused with nothing changed."""
+        if self.model is None or self.impl is None:
+            return
+        ended = [j for j in range(self.model.counter) if all(
+            j != x.id for x in (*self.model.jobs, *self.model.held))
+            and j >= self.model.threshold]
+        if not ended:
+            return
+        before = normalize(self.impl.abstract_state(), self.model.bounds)
+        try:
+            self.impl.call(M.Call("update_connector_output", (ended[-1], 1, 0, frozenset())))
+        except Exception as exc:  # the typed error is the adapter's business
+            assert "job" in str(exc).lower(), exc
+        else:
+            raise RefinementError(f"a duplicate report for ended job {ended[-1]} was accepted")
+        after = normalize(self.impl.abstract_state(), self.model.bounds)
+        assert before == after, "a rejected report changed the implementation"
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.impl is not None:
+            violations = check_invariants(self.impl.abstract_state())
+            assert not violations, "\n".join(map(str, violations))
+
+    def teardown(self) -> None:
+        if self.model is None:
+            return
+        for _ in range(200):  # drain: deliver every report, finish everything, step
+            evs = [e for e in M.events(self.model)
+                   if (e.kind == "report" and not e.failed
+                       and e.count == max(1, self._unreported(e.job)))
+                   or e.kind in ("abort",) or (e.kind == "step" and e.req is None)]
+            evs.sort(key=lambda e: ("report", "abort", "step").index(e.kind))
+            if not evs:
+                break
+            before = self.model
+            self._step(evs[0])
+            if self.model == before and evs[0].kind == "step" and self._quiet():
+                break
+        state = normalize(self.impl.abstract_state(), self.model.bounds)
+        assert not state.requests, f"requests left after the drain: {state.requests}"
+        assert not state.jobs and not state.reset_fence and not state.quarantine, state
+        assert all(n == 0 for _, n in state.chunk_ref_cnt), state.chunk_ref_cnt
+
+    def _unreported(self, job: int | None) -> int:
+        assert self.model is not None
+        for j in (*self.model.jobs, *self.model.held):
+            if j.id == job:
+                return int(j.unreported)
+        return 0
+
+    def _quiet(self) -> bool:
+        assert self.model is not None
+        return (not self.model.reqs and not self.model.jobs and not self.model.held)
+
+
+def replay(events: list[M.Event], bounds: M.Bounds,
+           machine: type[OffloadingStateMachine] = OffloadingStateMachine) -> None:
+    """Drive the machine through a fixed event sequence (a model checker's counterexample,
+    say) with every check of the random runs; raises what they raise."""
+    m = machine()
+    m.model = M.initial(bounds)
+    m.impl = m.adapter_factory(bounds)
+    for ev in events:
+        m._step(ev)
+        m.invariants_hold()
+    m.teardown()
