@@ -90,6 +90,8 @@ EFFECTS = (
     Effect("release_quarantine", "free the quarantined slots and pins"),
     Effect("enter_reset_fence", "_reset_fence[id] = remaining reports (S:2437-2441)"),
     Effect("count_stale_report", "_reset_fence[id] -= count; counted as a stale ack"),
+    Effect("invalidate_orphaned_load", "a failed stale load whose request still waits for it "
+           "(ORPHANED_LOAD) marks the request's loaded tokens invalid"),
     Effect("leave_reset_fence", "delete the fence entry; on_reset_flushed if the fence empties"),
 )
 
@@ -146,12 +148,17 @@ TRANSITIONS = (
                effects=("add_to_jobs_to_flush", "leave_job_table", "enter_reset_fence"),
                path=Path.RESET, note="a timed-out job's quarantine is dropped with the "
                "manager's reset; its late reports now drain the reset fence"),
-    *(Transition(trig, (STALE,), SAME, _ACK, "S:2266-2268", guards=("!reports_complete",),
-                 effects=("count_stale_report",), path=Path.RESET) for trig in ("ack", "fail")),
-    *(Transition(trig, (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",
-                 guards=("reports_complete",),
-                 effects=("count_stale_report", "leave_reset_fence"), path=Path.RESET)
-      for trig in ("ack", "fail")),
+    Transition("ack", (STALE,), SAME, _ACK, "S:2266-2268", guards=("!reports_complete",),
+               effects=("count_stale_report",), path=Path.RESET),
+    Transition("ack", (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",
+               guards=("reports_complete",),
+               effects=("count_stale_report", "leave_reset_fence"), path=Path.RESET),
+    Transition("fail", (STALE,), SAME, _ACK, BEYOND_VLLM, guards=("!reports_complete",),
+               effects=("count_stale_report", "invalidate_orphaned_load"), path=Path.FAILURE),
+    Transition("fail", (STALE,), STALE_DRAINED, _ACK, BEYOND_VLLM,
+               guards=("reports_complete",),
+               effects=("count_stale_report", "invalidate_orphaned_load", "leave_reset_fence"),
+               path=Path.FAILURE, note="a failed stale load must not be promoted as loaded"),
 )
 
 JOB_MACHINE = MachineSpec(

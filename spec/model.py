@@ -627,6 +627,13 @@ def count_stale_report(w: World, k: int, count: int = 1, **kw: Any) -> None:
     w.held[k] = j._replace(pending=j.pending - count)
 
 
+def invalidate_orphaned_load(w: World, k: int, **kw: Any) -> None:
+    j = w.held[k]
+    owner = w.reqs.get(j.owner)
+    if j.kind == "load" and owner is not None and owner.state == R.ORPHANED_LOAD:
+        w.reqs[owner.id] = owner._replace(load_invalid=True)
+
+
 def leave_reset_fence(w: World, k: int, **kw: Any) -> None:
     w.held.pop(k, None)
     w.quarantined_blocks.pop(k, None)

@@ -218,8 +218,13 @@ TRANSITIONS = (
                "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="the flushed load still reports finished_recving"),
     Transition("load_recving", (ORPHANED_LOAD,), IDLE, "update_from_output",
-               "S:2266-2282, CS:3569-3575", effects=("promote_after_recving",),
-               path=Path.RESET, note="the stale ack is filtered; the core still promotes"),
+               "S:2266-2282, CS:3569-3575", guards=("!load_invalid",),
+               effects=("promote_after_recving",), path=Path.RESET,
+               note="the stale ack is filtered; the core still promotes"),
+    Transition("load_recving", (ORPHANED_LOAD,), RECOMPUTE, "update_from_output", BEYOND_VLLM,
+               guards=("load_invalid",), path=Path.FAILURE,
+               note="a worker failed the orphaned load: its tokens are recomputed, not "
+               "trusted (vLLM has no failure report)"),
     # --- failures and timeouts (beyond vLLM) -----------------------------------------
     Transition("load_failed", (LOADING_ASYNC,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
                effects=("mark_load_invalid",), path=Path.FAILURE),

@@ -52,6 +52,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "it to the fence",
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=0, preemptions=0, timeout_steps=1)),
+    Scenario("orphaned-load-fails",
+             "a reset orphans an async load, a worker then fails it: the request is "
+             "recomputed, not promoted",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=1, preemptions=0)),
     Scenario("late-reports",
              "2 workers: a job times out after one worker reported; the other's late report "
              "(an ack or a failure) drains the quarantine",

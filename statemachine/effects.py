@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 from spec import job as J
+from spec import request as R
 from statemachine.config import OffloadingConfig
 from statemachine.job_table import JobTable
 from statemachine.lifecycle import Lifecycle
@@ -277,6 +278,11 @@ class SchedulerEffects:
         job.pending_count -= count
         self.fence.entries[job.job_id] = job.pending_count
         self.stats["stale_reports"] += count
+
+    def invalidate_orphaned_load(self, job: JobStatus, **_: Any) -> None:
+        owner = self._req_status.get(job.owner.req_id)
+        if not job.is_store and owner is job.owner and owner.state == R.ORPHANED_LOAD:
+            owner.loaded_tokens_invalid = True
 
     def leave_reset_fence(self, job: JobStatus, **_: Any) -> None:
         del self.fence.entries[job.job_id]

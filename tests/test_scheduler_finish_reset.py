@@ -232,3 +232,19 @@ def test_lookup_for_a_scheduled_request_applies_its_preemption_once() -> None:
     meta = d.build(preempted=["a"])
     assert meta.jobs_to_flush == {jid}
     assert d.s.jobs.get(jid).state == J.FLUSH_REQUESTED  # type: ignore[union-attr]
+
+
+def test_a_failed_orphaned_load_is_recomputed_not_promoted() -> None:
+    """Beyond vLLM: a reset orphans an async load and a worker then fails it; the stale
+    failure marks the request, and finished_recving sends it to recompute."""
+    d = Driver.make(num_workers=2)
+    loaded_once(d)
+    d.add("b", 40)
+    _, _, meta = d.admit("b")
+    (lid,) = meta.load_jobs
+    d.s.reset_cache()
+    d.build()
+    d.report({lid: 1}, failed={lid: 1}, recving=["b"])
+    assert d.state("b") == R.RECOMPUTE
+    assert d.s.fence.state == F.FENCE_IDLE
+    assert d.s.get_num_new_matched_tokens(d.reqs["b"], 0) == (0, False)
