@@ -389,3 +389,76 @@ def replay(events: list[M.Event], bounds: M.Bounds,
         m._step(ev)
         m.invariants_hold()
     m.teardown()
+
+
+class DataPlaneStateMachine(RuleBasedStateMachine):
+    """The same events over the whole stack: engine, scheduler side, workers and kernels.
+
+    Where `OffloadingStateMachine` checks refinement at the scheduler's hooks, this machine
+    runs real copies: every step the engine's byte oracle checks each load (and store)
+    against the pattern the forward stand-in wrote, the scheduler checks every invariant
+    after every hook, and teardown drains and asserts nothing is stuck, leaked or corrupt.
+    Faults are injected on the next step's jobs: a worker fails a copy, or hangs on a job
+    (the job times out; the late report arrives later).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from statemachine.engine import Engine, EngineConfig
+
+        self.engine = Engine(EngineConfig(
+            block_size=4, blocks_per_chunk=2, num_gpu_blocks=24, num_cpu_chunks=6,
+            num_workers=2, num_layers=1, bytes_per_token=2, max_num_batched_tokens=32,
+            max_num_running=4, sync_load_budget_bytes=64, job_timeout_steps=3,
+            device="cpu"))
+        self.n = 0
+        self.armed: list[tuple[str, int]] = []
+        self.engine.fault_hooks.append(self._inject)
+
+    def _inject(self, engine: Any, meta: Any) -> None:
+        still = []
+        for kind, worker in self.armed:
+            jobs = sorted({*meta.load_jobs, *meta.store_jobs})
+            if not jobs:
+                still.append((kind, worker))
+            elif kind == "fail":
+                engine.workers[worker].fail_job(jobs[0])
+            else:
+                engine.workers[worker].hang_job(jobs[0], release_after=4)
+        self.armed = still
+
+    @rule(family=st.integers(0, 2), tokens=st.integers(5, 20), max_tokens=st.integers(1, 6))
+    def new_request(self, family: int, tokens: int, max_tokens: int) -> None:
+        self.n += 1
+        self.engine.add_request(f"q{self.n}", [family * 1000 + i for i in range(tokens)],
+                                max_tokens)
+
+    @rule()
+    def step(self) -> None:
+        self.engine.step()
+
+    @rule(worker=st.integers(0, 1))
+    def worker_failure(self, worker: int) -> None:
+        self.armed.append(("fail", worker))
+
+    @rule(worker=st.integers(0, 1))
+    def worker_hang(self, worker: int) -> None:
+        self.armed.append(("hang", worker))
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        live = sorted(self.engine.requests)
+        if live:
+            self.engine.abort(data.draw(st.sampled_from(live)))
+
+    @rule(running=st.booleans())
+    def reset(self, running: bool) -> None:
+        self.engine.reset_prefix_cache(reset_running_requests=running, reset_connector=True)
+
+    def teardown(self) -> None:
+        try:
+            self.engine.run_until_idle(max_steps=400)
+            assert not self.engine.has_pending_work(), "stuck after 400 drain steps"
+            assert all(v == 0 for v in self.engine.leaks().values()), self.engine.leaks()
+        finally:
+            self.engine.shutdown()

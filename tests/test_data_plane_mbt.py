@@ -1,0 +1,12 @@
+"""The model-based machine over the whole stack (engine, scheduler, workers, kernels), with
+the byte oracle after every step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+from statemachine.testing import DataPlaneStateMachine
+
+DataPlaneStateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                   deadline=None)
+TestDataPlane = DataPlaneStateMachine.TestCase
