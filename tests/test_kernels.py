@@ -27,39 +27,7 @@ from kernels import (
     copy_blocks_to_chunks,
     copy_chunks_to_blocks,
 )
-
-# -- oracle: a per-block Python loop, independent of the vectorized code --------------------
-
-
-def positions(spec: TransferSpec, bpc: int) -> list[tuple[int, int, int]]:
-    """(gpu_block, chunk, sub_block) for every block of the job."""
-    skip = spec.first_block_index % bpc
-    return [(b, spec.cpu_chunks[(skip + i) // bpc], (skip + i) % bpc)
-            for i, b in enumerate(spec.gpu_blocks)]
-
-
-def sub_block(cpu: torch.Tensor, chunk: int, sub: int, page: int) -> torch.Tensor:
-    return cpu[chunk, sub * page:(sub + 1) * page]
-
-
-def oracle_store(gpu: list[torch.Tensor], cpu: list[torch.Tensor], spec: TransferSpec,
-                 bpc: int) -> list[torch.Tensor]:
-    out = [c.clone() for c in cpu]
-    for g, c in zip(gpu, out, strict=True):
-        page = g.shape[1]
-        for b, chunk, sub in positions(spec, bpc):
-            sub_block(c, chunk, sub, page).copy_(g[b])
-    return out
-
-
-def oracle_load(gpu: list[torch.Tensor], cpu: list[torch.Tensor], spec: TransferSpec,
-                bpc: int) -> list[torch.Tensor]:
-    out = [g.clone() for g in gpu]
-    for g, c in zip(out, cpu, strict=True):
-        page = g.shape[1]
-        for b, chunk, sub in positions(spec, bpc):
-            g[b].copy_(sub_block(c, chunk, sub, page))
-    return out
+from tests.kernel_oracle import oracle_load, oracle_store, positions, sub_block
 
 
 def random_kv(layout: KVLayout, num_blocks: int, num_chunks: int,

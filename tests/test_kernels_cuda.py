@@ -16,37 +16,12 @@ from kernels import (
     allocate_cpu_kv,
     allocate_gpu_kv,
 )
+from tests.kernel_oracle import oracle_load, oracle_store
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def positions(spec: TransferSpec, bpc: int) -> list[tuple[int, int, int]]:
-    skip = spec.first_block_index % bpc
-    return [(b, spec.cpu_chunks[(skip + i) // bpc], (skip + i) % bpc)
-            for i, b in enumerate(spec.gpu_blocks)]
-
-
-def oracle_store(gpu: list[torch.Tensor], cpu: list[torch.Tensor], spec: TransferSpec,
-                 bpc: int) -> list[torch.Tensor]:
-    out = [c.clone() for c in cpu]
-    for g, c in zip(gpu, out, strict=True):
-        page = g.shape[1]
-        for b, chunk, sub in positions(spec, bpc):
-            c[chunk, sub * page:(sub + 1) * page].copy_(g[b].cpu())
-    return out
-
-
-def oracle_load(gpu: list[torch.Tensor], cpu: list[torch.Tensor], spec: TransferSpec,
-                bpc: int) -> list[torch.Tensor]:
-    out = [g.cpu() for g in gpu]
-    for g, c in zip(out, cpu, strict=True):
-        page = g.shape[1]
-        for b, chunk, sub in positions(spec, bpc):
-            g[b].copy_(c[chunk, sub * page:(sub + 1) * page])
-    return out
 
 
 def random_kv(layout: KVLayout, num_blocks: int, num_chunks: int,
