@@ -75,7 +75,9 @@ def _legend_label(spec: MachineSpec) -> str:
              '<TD ALIGN="LEFT">state beyond vLLM 0.33.0</TD></TR>')
     rows += ('<TR><TD><FONT COLOR="gray40">↺</FONT></TD><TD ALIGN="LEFT">stays in the state; '
              'label colour gives the path</TD></TR>')
-    rows += ('<TR><TD>⧈</TD><TD ALIGN="LEFT">final state (double border)</TD></TR>')
+    rows += ('<TR><TD><TABLE BORDER="1" CELLBORDER="1" CELLSPACING="2" CELLPADDING="1">'
+             '<TR><TD> </TD></TR></TABLE></TD><TD ALIGN="LEFT">final state (double border)'
+             '</TD></TR>')
     rows += ('<TR><TD>[g &amp; !h]</TD><TD ALIGN="LEFT">guards: g must hold, h must not</TD>'
              '</TR>')
     return f'<<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2">' \
