@@ -236,12 +236,7 @@ class World:
             if subject.state != R.ABSENT or subject.id in self.reqs:
                 self.reqs[subject.id] = subject  # delete_request_status removes it
         elif machine == "job":
-            if subject.id in self.jobs:
-                self.jobs[subject.id] = subject
-            elif subject.id in self.held:
-                self.held[subject.id] = subject
-            else:
-                self.pending_new = subject
+            _set_job(self, subject)
 
     def template(self, req_id: str) -> Template:
         for t in self.bounds.templates():
@@ -815,19 +810,15 @@ def report(w: World, jid: int, done: int, failed: int) -> None:
     """update_connector_output for one job's reports (S:2218-2310)."""
     if "aggregate-counts-once" in w.faults:  # a summed count {id: n} taken as one report
         done, failed = min(done, 1), min(failed, 1)
-    if jid in w.jobs or (jid in w.held and w.held[jid].state == J.TIMED_OUT):
-        if done:
-            fire(w, "job", jid, "ack", count=done)
-        if failed:
-            fire(w, "job", jid, "fail", count=failed)
-    elif jid in w.held and w.held[jid].state == J.STALE:
-        if done:
-            fire(w, "job", jid, "ack", count=done)
-        if failed:
-            fire(w, "job", jid, "fail", count=failed)
-        fire(w, "fence", None, "stale_report")
-    else:
+    if jid not in w.jobs and jid not in w.held:
         raise ModelError(f"job {jid} is due no report")
+    stale = jid in w.held and w.held[jid].state == J.STALE
+    if done:
+        fire(w, "job", jid, "ack", count=done)
+    if failed:
+        fire(w, "job", jid, "fail", count=failed)
+    if stale:
+        fire(w, "fence", None, "stale_report")
 
 
 def finish(w: World, r: str) -> None:

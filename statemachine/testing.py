@@ -261,11 +261,6 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         assert self.model is not None
         return any(j.id == e.job for j in self.model.held)
 
-    def _due(self, e: M.Event) -> int:
-        assert self.model is not None
-        return next((int(j.unreported) for j in (*self.model.jobs, *self.model.held)
-                     if j.id == e.job), 0)
-
     @precondition(lambda self: self._enabled("arrive"))
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
@@ -281,13 +276,13 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def partial_ack(self, data: st.DataObject) -> None:
         self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
-                 and e.count < self._due(e))
+                 and e.count < self._unreported(e.job))
 
     @precondition(lambda self: self._enabled("report"))
     @rule(data=st.data())
     def complete_ack(self, data: st.DataObject) -> None:
         self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
-                 and e.count == self._due(e))
+                 and e.count == self._unreported(e.job))
 
     @precondition(lambda self: "late" in self.swarm and self._enabled("report"))
     @rule(data=st.data())
