@@ -13,10 +13,15 @@ strategy       when / how
 ``DST_RUNS``   both scattered, large pages: ``GATHER`` per destination run (``copy_`` if 1 row)
 ``SRC_RUNS``   both scattered, large pages: ``SCATTER`` per source run (``copy_`` if 1 row)
 ``PAIR_RUNS``  one ``copy_`` per run consecutive on both sides (CUDA: DMA; no host mapping)
+``NATIVE``     host memory, not one run on both sides: the compiled one-pass gather-scatter of
+               :mod:`kernels.native` (one call per job and tensor; threads for large jobs)
 =============  ==============================================================================
 
 Pure torch has no single-pass "gather and scatter" op, so a mapping scattered on both sides
-costs two memory passes (``TWO_PASS``: about half the bandwidth of one contiguous copy). When
+costs two memory passes (``TWO_PASS``: about half the bandwidth of one contiguous copy). On
+host memory the compiled ``NATIVE`` copy does it in one pass and is the default wherever it
+could be built; the torch strategies below remain the fallback (no compiler, or
+``KVSPEC_NATIVE=0``) and are what CUDA uses. When
 the runs are large (``CopyPolicy.run_min_bytes`` per run on average, 128 KiB on CPU), one call
 per run beats a second pass: the per-call overhead (a few microseconds) is small against the
 bytes each call moves. Such loops are over runs of at least that many bytes, never a per-block
@@ -38,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 
+from kernels import native
 from kernels.layout import KernelSpecError, TransferSpec, block_rows
 
 __all__ = [
@@ -71,6 +77,7 @@ class Strategy(enum.Enum):
     DST_RUNS = "dst_runs"
     SRC_RUNS = "src_runs"
     PAIR_RUNS = "pair_runs"
+    NATIVE = "native"
 
 
 _PY_ANALYSIS_MAX = 128  # mappings up to this long are analyzed in Python, longer ones in torch
@@ -96,7 +103,7 @@ class RowMapping:
             raise KernelSpecError("a row mapping needs two 1-D int64 CPU tensors of equal length")
         if src.numel() == 0:
             raise KernelSpecError("a row mapping needs at least one row")
-        self.src, self.dst = src, dst
+        self.src, self.dst = src.contiguous(), dst.contiguous()
         self._lists: tuple[list[int], list[int]] | None = None
         self._breaks: dict[_Side, list[int]] = {}
         self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -185,13 +192,16 @@ class CopyPolicy:
     ``TWO_PASS`` (``None``: never). ``runs_by_dma``: per-run copies are slice ``copy_`` calls over
     pair runs (CUDA: DMA engines) instead of index ops over one side's runs (CPU).
     ``workspace_bytes``: ``TWO_PASS`` works in tiles of at most this many bytes (``None``:
-    one tile, workspace freshly allocated).
+    one tile, workspace freshly allocated). ``native``: host-memory copies that are not one
+    slice use the compiled one-pass copy of :mod:`kernels.native` when it is available (the
+    other fields then only matter where it is not).
     """
 
     index_kernels: bool = True
     run_min_bytes: int | None = 128 * 1024
     runs_by_dma: bool = False
     workspace_bytes: int | None = 64 * 1024 * 1024
+    native: bool = True
 
     @staticmethod
     def for_device(device: torch.device, host_mapped: bool = True) -> CopyPolicy:
@@ -199,13 +209,15 @@ class CopyPolicy:
         if device.type == "cpu":
             return CopyPolicy()
         return CopyPolicy(index_kernels=host_mapped, run_min_bytes=1024 * 1024,
-                          runs_by_dma=True, workspace_bytes=None)
+                          runs_by_dma=True, workspace_bytes=None, native=False)
 
 
 def choose_strategy(mapping: RowMapping, row_bytes: int, policy: CopyPolicy) -> Strategy:
     """The strategy :func:`copy_rows` uses for ``mapping`` with rows of ``row_bytes`` bytes."""
     if mapping.num_src_runs == 1 and mapping.num_dst_runs == 1:
         return Strategy.SLICE  # consecutive on both sides
+    if policy.native and policy.index_kernels and native.available():
+        return Strategy.NATIVE
     if not policy.index_kernels:
         return Strategy.PAIR_RUNS
     if mapping.num_dst_runs == 1:
@@ -375,6 +387,11 @@ def copy_rows(
     s0, d0 = mapping.first_src, mapping.first_dst
     if strategy is Strategy.SLICE:
         _copy_run(dst.data, d0, src.data, s0, n)
+        return strategy
+    if strategy is Strategy.NATIVE:
+        if dst.data.device.type != "cpu" or src.data.device.type != "cpu":
+            raise KernelSpecError("the native copy addresses host memory only")
+        native.copy_rows(dst.data, src.data, mapping.dst, mapping.src)
         return strategy
     if strategy is Strategy.PAIR_RUNS:
         s_host, d_host = mapping.lists()

@@ -26,6 +26,7 @@ from kernels import (
     choose_strategy,
     copy_blocks_to_chunks,
     copy_chunks_to_blocks,
+    native,
 )
 from tests.kernel_oracle import oracle_load, oracle_store, positions, sub_block
 
@@ -141,14 +142,15 @@ def test_odd_page_sizes_use_narrower_views(page: int) -> None:
 
 # -- strategies ------------------------------------------------------------------------------
 
-POLICIES = {
+POLICIES = {  # every torch strategy with the compiled copy off, and the default (native)
     "default": CopyPolicy(),
-    "two_pass": CopyPolicy(run_min_bytes=None),
-    "two_pass_tiled": CopyPolicy(run_min_bytes=None, workspace_bytes=1),
-    "two_pass_untiled": CopyPolicy(run_min_bytes=None, workspace_bytes=None),
-    "runs": CopyPolicy(run_min_bytes=1),
-    "pair_runs": CopyPolicy(index_kernels=False),
-    "dma_runs": CopyPolicy(run_min_bytes=1, runs_by_dma=True),
+    "torch_default": CopyPolicy(native=False),
+    "two_pass": CopyPolicy(run_min_bytes=None, native=False),
+    "two_pass_tiled": CopyPolicy(run_min_bytes=None, workspace_bytes=1, native=False),
+    "two_pass_untiled": CopyPolicy(run_min_bytes=None, workspace_bytes=None, native=False),
+    "runs": CopyPolicy(run_min_bytes=1, native=False),
+    "pair_runs": CopyPolicy(index_kernels=False, native=False),
+    "dma_runs": CopyPolicy(run_min_bytes=1, runs_by_dma=True, native=False),
 }
 
 SHAPES = {  # (gpu_blocks, cpu_chunks, first_block_index) with bpc = 2
@@ -180,9 +182,11 @@ def test_strategy_choice() -> None:
         g, c = block_rows(spec, 2, 16, 8)
         return RowMapping(g, c) if store else RowMapping(c, g)
 
-    cpu = CopyPolicy()
+    cpu = CopyPolicy(native=False)
     assert choose_strategy(mapping(TransferSpec([4, 5, 6], [2, 3], 1)), 64, cpu) is \
         Strategy.SLICE
+    assert choose_strategy(mapping(TransferSpec([4, 5, 6], [2, 3], 1)), 64, CopyPolicy()) is \
+        Strategy.SLICE  # one slice stays a torch copy_ even with the compiled copy
     assert choose_strategy(mapping(TransferSpec([9, 1, 4, 6], [2, 3])), 64, cpu) is \
         Strategy.GATHER
     assert choose_strategy(mapping(TransferSpec([9, 1, 4, 6], [2, 3]), False), 64, cpu) is \
@@ -195,6 +199,11 @@ def test_strategy_choice() -> None:
         Strategy.PAIR_RUNS
     assert scattered.num_dst_runs == 2 and scattered.num_src_runs == 4
     assert scattered.num_pair_runs == 4
+    assert choose_strategy(scattered, 64, CopyPolicy()) is (
+        Strategy.NATIVE if native.available() else Strategy.TWO_PASS)
+    for mapped in (True, False):  # never the host-only compiled copy for a CUDA device
+        cuda = CopyPolicy.for_device(torch.device("cuda"), host_mapped=mapped)
+        assert choose_strategy(scattered, 64, cuda) is not Strategy.NATIVE
 
 
 # -- asynchrony and ordering -----------------------------------------------------------------

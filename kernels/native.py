@@ -1,0 +1,209 @@
+"""A one-pass gather-scatter row copy for host memory, compiled on first use.
+
+Pure torch has no op that reads rows at scattered indices and writes them at other scattered
+indices in one pass: a job scattered on both sides costs a gather into a buffer and a scatter
+out of it, two passes over the bytes and two dispatches per KV tensor. This module compiles
+(once per machine, into a cache folder) a C function that does it in one pass: for each pair
+``memcpy(dst + dst_row * row_bytes, src + src_row * row_bytes, row_bytes)``, the pairs split
+over a few POSIX threads when the job is large. It is called through ``ctypes`` with the
+tensors' data pointers, once per job and tensor: never a Python loop over rows.
+
+Every row index is bounds-checked in C before any byte moves (an out-of-range index returns
+an error and copies nothing), so a bad mapping cannot write outside the tensors.
+
+No compiler, a failed build, or ``KVSPEC_NATIVE=0`` in the environment: :func:`available`
+is ``False`` and :mod:`kernels.copy` uses its pure-torch strategies. The cache folder is
+``$KVSPEC_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/kvoffload-spec``, else
+``~/.cache/kvoffload-spec``; the library's name carries a hash of the source and the
+compiler command, so an edit rebuilds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["NativeCopyError", "available", "copy_rows", "library_path", "unavailable_reason"]
+
+_SOURCE = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    char *dst;
+    const char *src;
+    const int64_t *dst_rows;
+    const int64_t *src_rows;
+    int64_t begin, end, row_bytes;
+} kvspec_part;
+
+static void *kvspec_copy_part(void *arg) {
+    const kvspec_part *p = (const kvspec_part *)arg;
+    for (int64_t i = p->begin; i < p->end; ++i)
+        memcpy(p->dst + p->dst_rows[i] * p->row_bytes,
+               p->src + p->src_rows[i] * p->row_bytes, (size_t)p->row_bytes);
+    return 0;
+}
+
+/* Copy src row src_rows[i] to dst row dst_rows[i] for i < n, rows of row_bytes bytes.
+   Returns 0; or -(i + 1) if pair i indexes outside either tensor (nothing is copied then). */
+int64_t kvspec_copy_rows(char *dst, int64_t dst_num_rows, const char *src,
+                         int64_t src_num_rows, const int64_t *dst_rows,
+                         const int64_t *src_rows, int64_t n, int64_t row_bytes,
+                         int64_t num_threads) {
+    for (int64_t i = 0; i < n; ++i)
+        if (dst_rows[i] < 0 || dst_rows[i] >= dst_num_rows ||
+            src_rows[i] < 0 || src_rows[i] >= src_num_rows)
+            return -(i + 1);
+    if (num_threads > 16) num_threads = 16;
+    if (num_threads > n) num_threads = n;
+    if (num_threads <= 1) {
+        kvspec_part whole = {dst, src, dst_rows, src_rows, 0, n, row_bytes};
+        kvspec_copy_part(&whole);
+        return 0;
+    }
+    pthread_t threads[16];
+    kvspec_part parts[16];
+    int started[16];
+    for (int64_t t = 0; t < num_threads; ++t) {
+        kvspec_part p = {dst, src, dst_rows, src_rows, n * t / num_threads,
+                         n * (t + 1) / num_threads, row_bytes};
+        parts[t] = p;
+        started[t] = t > 0 && pthread_create(&threads[t], 0, kvspec_copy_part, &parts[t]) == 0;
+    }
+    kvspec_copy_part(&parts[0]);
+    for (int64_t t = 1; t < num_threads; ++t) {
+        if (started[t]) pthread_join(threads[t], 0);
+        else kvspec_copy_part(&parts[t]);  /* no thread: do that part here */
+    }
+    return 0;
+}
+"""
+
+_FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
+PARALLEL_MIN_BYTES = 4 * 1024 * 1024
+"""Jobs (per tensor) of at least this many bytes are split over threads."""
+
+
+class NativeCopyError(ValueError):
+    """A row index outside the tensor it addresses (nothing was copied)."""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("KVSPEC_NATIVE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvoffload-spec"
+
+
+def library_path() -> Path | None:
+    """Where the compiled library lives (or would), ``None`` without a compiler."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    digest = hashlib.sha256((_SOURCE + cc + " ".join(_FLAGS)).encode()).hexdigest()[:16]
+    return _cache_dir() / f"kvspec_native_{digest}.so"
+
+
+_reason: str = ""
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
+    global _reason
+    if os.environ.get("KVSPEC_NATIVE", "1") == "0":
+        _reason = "switched off by KVSPEC_NATIVE=0"
+        return None
+    cc, path = _compiler(), library_path()
+    if cc is None or path is None:
+        _reason = "no C compiler (cc, gcc or clang) on PATH"
+        return None
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src = Path(tmp) / "kvspec_native.c"
+                src.write_text(_SOURCE)
+                out = Path(tmp) / path.name
+                subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], check=True,
+                               capture_output=True, text=True, timeout=120)
+                os.replace(out, path)  # atomic: concurrent builders never see half a file
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        _reason = f"build or load failed: {detail.strip()[:500]}"
+        return None
+    fn = lib.kvspec_copy_rows
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64]
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled copy can be used (built on first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is ``False`` (empty when it is ``True``)."""
+    _load()
+    return _reason
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
+              src_rows: torch.Tensor, num_threads: int | None = None) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for all ``i``, in one pass.
+
+    ``dst`` and ``src``: contiguous 2-D CPU tensors with rows of the same byte size (any
+    dtype); ``dst_rows`` / ``src_rows``: contiguous 1-D int64 CPU tensors of equal length.
+    ``num_threads``: default torch's intra-op thread count, used for jobs of at least
+    :data:`PARALLEL_MIN_BYTES`. Raises :class:`NativeCopyError` naming the first pair out of
+    range (nothing copied), ``RuntimeError`` if the library is unavailable.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native copy unavailable: {_reason}")
+    for t in (dst, src):
+        if t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError("native copy needs contiguous 2-D CPU tensors")
+    row_bytes = int(dst.shape[1]) * dst.element_size()
+    if int(src.shape[1]) * src.element_size() != row_bytes:
+        raise ValueError("source and destination rows differ in size")
+    for idx in (dst_rows, src_rows):
+        if idx.dtype != torch.int64 or idx.dim() != 1 or not idx.is_contiguous() or \
+                idx.device.type != "cpu":
+            raise ValueError("row indices must be contiguous 1-D int64 CPU tensors")
+    n = int(dst_rows.shape[0])
+    if int(src_rows.shape[0]) != n:
+        raise ValueError("row index tensors differ in length")
+    threads = 1
+    if n * row_bytes >= PARALLEL_MIN_BYTES:
+        threads = num_threads if num_threads is not None else torch.get_num_threads()
+    status = lib.kvspec_copy_rows(dst.data_ptr(), int(dst.shape[0]), src.data_ptr(),
+                                  int(src.shape[0]), dst_rows.data_ptr(), src_rows.data_ptr(),
+                                  n, row_bytes, max(1, threads))
+    if status < 0:
+        i = -status - 1
+        raise NativeCopyError(
+            f"row pair {i}: source row {int(src_rows[i])} of {int(src.shape[0])} -> "
+            f"destination row {int(dst_rows[i])} of {int(dst.shape[0])} is out of range; "
+            "nothing was copied")

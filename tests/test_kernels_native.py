@@ -1,0 +1,132 @@
+"""The compiled one-pass gather-scatter copy (kernels.native) and its fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kernels import CopyPolicy, KVLayout, Strategy, TransferSpec, copy_blocks_to_chunks, native
+from kernels.copy import RowMapping, RowTensor, copy_rows
+from tests.kernel_oracle import oracle_store
+
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"no native copy: {native.unavailable_reason()}")
+
+
+def rows(n: int, width: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (n, width), dtype=torch.int8, generator=gen)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3, 40])
+def test_copy_rows_matches_indexing(threads: int) -> None:
+    src, dst = rows(50, 4096, 1), rows(40, 4096, 2)
+    src_rows = torch.randperm(50)[:30]
+    dst_rows = torch.randperm(40)[:30]
+    expected = dst.clone()
+    expected[dst_rows] = src[src_rows]
+    native.copy_rows(dst, src, dst_rows, src_rows, num_threads=threads)
+    assert torch.equal(dst, expected)
+
+
+@needs_native
+def test_large_jobs_are_split_over_threads_and_stay_exact() -> None:
+    page = 256 * 1024
+    n = native.PARALLEL_MIN_BYTES // page + 3  # above the threshold: the threaded path
+    src, dst = rows(2 * n, page, 3), torch.zeros(2 * n, page, dtype=torch.int8)
+    src_rows, dst_rows = torch.randperm(2 * n)[:n], torch.randperm(2 * n)[:n]
+    native.copy_rows(dst, src, dst_rows, src_rows, num_threads=2)
+    assert torch.equal(dst[dst_rows], src[src_rows])
+    untouched = torch.ones(2 * n, dtype=torch.bool)
+    untouched[dst_rows] = False
+    assert int(dst[untouched].abs().sum()) == 0
+
+
+@needs_native
+@pytest.mark.parametrize(("src_bad", "dst_bad"), [(50, 0), (0, 40), (-1, 0), (0, -7)])
+def test_out_of_range_rows_copy_nothing(src_bad: int, dst_bad: int) -> None:
+    src, dst = rows(50, 64, 4), rows(40, 64, 5)
+    before = dst.clone()
+    src_rows = torch.tensor([1, 2, 3, src_bad if src_bad else 4])
+    dst_rows = torch.tensor([5, 6, 7, dst_bad if dst_bad else 8])
+    with pytest.raises(native.NativeCopyError, match="row pair 3") as info:
+        native.copy_rows(dst, src, dst_rows, src_rows)
+    assert "nothing was copied" in str(info.value)
+    assert torch.equal(dst, before)  # the earlier, valid pairs were not copied either
+
+
+@needs_native
+def test_bad_arguments_are_rejected() -> None:
+    src, dst = rows(4, 64, 6), rows(4, 64, 7)
+    idx = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="differ in size"):
+        native.copy_rows(dst, rows(4, 32, 8), idx, idx)
+    with pytest.raises(ValueError, match="int64"):
+        native.copy_rows(dst, src, idx.to(torch.int32), idx)
+    with pytest.raises(ValueError, match="differ in length"):
+        native.copy_rows(dst, src, idx, torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        native.copy_rows(dst.t(), src, idx, idx)
+
+
+@needs_native
+def test_the_native_strategy_is_used_and_matches_the_oracle() -> None:
+    layout = KVLayout((512, 256), 4)
+    gpu = [rows(16, p, 10 + i) for i, p in enumerate(layout.page_bytes)]
+    cpu = [rows(6, p * 4, 20 + i) for i, p in enumerate(layout.page_bytes)]
+    spec = TransferSpec([9, 1, 4, 6, 3, 12], [5, 1], 2)
+    expected = oracle_store(gpu, cpu, spec, 4)
+    copy_blocks_to_chunks(gpu, cpu, spec, 4, CopyPolicy())
+    for a, e in zip(cpu, expected, strict=True):
+        assert torch.equal(a, e)
+    mapping = RowMapping(torch.tensor([3, 0]), torch.tensor([1, 2]))
+    dst, src = RowTensor.of(cpu[0], 512), RowTensor.of(gpu[0], 512)
+    assert copy_rows(dst, src, mapping, CopyPolicy()) is Strategy.NATIVE
+
+
+@pytest.fixture
+def fresh_native(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    native._load.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    native._load.cache_clear()
+
+
+def test_switched_off_falls_back_to_torch(fresh_native: pytest.MonkeyPatch) -> None:
+    fresh_native.setenv("KVSPEC_NATIVE", "0")
+    assert not native.available()
+    assert "KVSPEC_NATIVE=0" in native.unavailable_reason()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        native.copy_rows(rows(2, 8, 0), rows(2, 8, 1), torch.tensor([0]), torch.tensor([1]))
+    layout = KVLayout((64,), 2)
+    gpu, cpu = [rows(12, 64, 2)], [rows(6, 128, 3)]
+    spec = TransferSpec([9, 1, 4, 6, 3], [5, 1, 3], 1)
+    expected = oracle_store(gpu, cpu, spec, 2)
+    mapping = RowMapping(*reversed(_rows_of(spec, layout)))
+    assert copy_rows(RowTensor.of(cpu[0], 64), RowTensor.of(gpu[0], 64), mapping,
+                     CopyPolicy()) is Strategy.TWO_PASS
+    assert torch.equal(cpu[0], expected[0])
+
+
+def _rows_of(spec: TransferSpec, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels import block_rows
+    cpu_rows, gpu_rows = block_rows(spec, layout.blocks_per_chunk, 12, 6)[::-1]
+    return cpu_rows, gpu_rows
+
+
+def test_no_compiler_is_reported(fresh_native: pytest.MonkeyPatch, tmp_path: object) -> None:
+    fresh_native.delenv("CC", raising=False)
+    fresh_native.setenv("PATH", "/nonexistent")
+    assert native.library_path() is None
+    assert not native.available()
+    assert "no C compiler" in native.unavailable_reason()
+
+
+def test_a_failed_build_is_reported(fresh_native: pytest.MonkeyPatch, tmp_path: object) -> None:
+    fresh_native.setenv("KVSPEC_NATIVE_CACHE", str(tmp_path))
+    fresh_native.setattr(native, "_FLAGS", ["-definitely-not-a-flag"])
+    assert not native.available()
+    assert "build or load failed" in native.unavailable_reason()
