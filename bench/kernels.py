@@ -5,6 +5,8 @@ For each GPU page size and job size (blocks per job), measured side by side in o
 
 * ``job``: ``CopyEngine.submit_store/submit_load`` + completion (validation and planning
   included), with random GPU block ids and random CPU chunk ids, as in a running server;
+  like the baselines, a sample issues its repetitions back to back and waits once at the end
+  (a server keeps several jobs in flight, and the baselines' copies queue the same way);
 * ``contig``: one ``copy_`` of the same number of bytes between contiguous buffers (the
   memory-bandwidth limit; pinned host memory <-> device on CUDA);
 * ``loop``: one ``copy_`` per block from Python (``cpu[row].copy_(gpu[b])``; on CUDA issued
@@ -99,22 +101,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _calibrate(fn: Callable[[], None], device: torch.device) -> int:
+def _nothing() -> None:
+    pass
+
+
+def _calibrate(fn: Callable[[], None], drain: Callable[[], None], device: torch.device) -> int:
     """Repetitions per sample so that one sample lasts at least MIN_SAMPLE_S."""
     fn()
+    drain()
     _sync(device)
     t0 = time.perf_counter()
     fn()
+    drain()
     _sync(device)
     once = time.perf_counter() - t0
     return max(1, min(1000, math.ceil(MIN_SAMPLE_S / max(once, 1e-7))))
 
 
 def _measure(fns: dict[str, Callable[[], None]], nbytes: int, reps: int,
-             device: torch.device, deadline: float) -> tuple[dict[str, float], bool]:
+             device: torch.device, deadline: float,
+             drains: dict[str, Callable[[], None]] | None = None,
+             ) -> tuple[dict[str, float], bool]:
     """GB/s of each function (repetitions interleaved across functions, median of ``reps``),
-    and whether the run was noisy (some median sample > NOISE_RATIO x its best sample)."""
-    inner = {name: _calibrate(fn, device) for name, fn in fns.items()}
+    and whether the run was noisy (some median sample > NOISE_RATIO x its best sample).
+    ``drains[name]`` runs once after a sample's repetitions (inside the timed region)."""
+    drain = {name: (drains or {}).get(name, _nothing) for name in fns}
+    inner = {name: _calibrate(fn, drain[name], device) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -122,6 +134,7 @@ def _measure(fns: dict[str, Callable[[], None]], nbytes: int, reps: int,
             t0 = time.perf_counter()
             for _ in range(inner[name]):
                 fn()
+            drain[name]()
             _sync(device)
             samples[name].append((time.perf_counter() - t0) / inner[name])
         if time.perf_counter() > deadline:  # a disturbed host: stop with fewer samples
@@ -148,11 +161,12 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
 
     def job(submit: Callable[[int, TransferSpec], None]) -> Callable[[], None]:
         def run() -> None:
-            job_id = next(job_ids)
-            submit(job_id, spec)
-            engine.wait([job_id])
-            engine.poll()
+            submit(next(job_ids), spec)
         return run
+
+    def drain_jobs() -> None:
+        engine.wait(engine.in_flight())
+        assert all(r.success for r in engine.poll())
 
     nbytes = n * page
     gpu_flat, cpu_flat = gpu[0].view(-1)[:nbytes], cpu[0].view(-1)[:nbytes]
@@ -187,7 +201,8 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
         "loop_store": loop(True),
         "loop_load": loop(False),
     }
-    gbps, noisy = _measure(fns, nbytes, reps, device, deadline)
+    gbps, noisy = _measure(fns, nbytes, reps, device, deadline,
+                           {"job_store": drain_jobs, "job_load": drain_jobs})
     # check (whatever the buffers hold now): after a store, every job block equals its sub-row
     engine.submit_store(next(job_ids), spec)
     engine.wait(engine.in_flight())
