@@ -13,8 +13,8 @@ strategy       when / how
 ``DST_RUNS``   both scattered, large pages: ``GATHER`` per destination run (``copy_`` if 1 row)
 ``SRC_RUNS``   both scattered, large pages: ``SCATTER`` per source run (``copy_`` if 1 row)
 ``PAIR_RUNS``  one ``copy_`` per run consecutive on both sides (CUDA: DMA; no host mapping)
-``NATIVE``     host memory, not one run on both sides: the compiled one-pass gather-scatter of
-               :mod:`kernels.native` (one call per job and tensor; threads for large jobs)
+``NATIVE``     host memory: the compiled one-pass gather-scatter of :mod:`kernels.native`
+               (one call per job and tensor; one ``memcpy`` per run; threads for large jobs)
 =============  ==============================================================================
 
 Pure torch has no single-pass "gather and scatter" op, so a mapping scattered on both sides
@@ -103,10 +103,22 @@ class RowMapping:
             raise KernelSpecError("a row mapping needs two 1-D int64 CPU tensors of equal length")
         if src.numel() == 0:
             raise KernelSpecError("a row mapping needs at least one row")
-        self.src, self.dst = src.contiguous(), dst.contiguous()
+        self._set(src.contiguous(), dst.contiguous())
+
+    def _set(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.src, self.dst = src, dst
         self._lists: tuple[list[int], list[int]] | None = None
         self._breaks: dict[_Side, list[int]] = {}
         self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of_block_rows(cls, src: torch.Tensor, dst: torch.Tensor) -> RowMapping:
+        """The mapping of two outputs of :func:`~kernels.layout.block_rows` (already 1-D,
+        int64, CPU, contiguous, non-empty and of equal length: not checked again, since
+        this runs once per submitted job)."""
+        mapping = cls.__new__(cls)
+        mapping._set(src, dst)
+        return mapping
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
@@ -214,10 +226,10 @@ class CopyPolicy:
 
 def choose_strategy(mapping: RowMapping, row_bytes: int, policy: CopyPolicy) -> Strategy:
     """The strategy :func:`copy_rows` uses for ``mapping`` with rows of ``row_bytes`` bytes."""
+    if policy.native and policy.index_kernels and native.available():
+        return Strategy.NATIVE  # before any run analysis: the C loop merges runs itself
     if mapping.num_src_runs == 1 and mapping.num_dst_runs == 1:
         return Strategy.SLICE  # consecutive on both sides
-    if policy.native and policy.index_kernels and native.available():
-        return Strategy.NATIVE
     if not policy.index_kernels:
         return Strategy.PAIR_RUNS
     if mapping.num_dst_runs == 1:
@@ -383,15 +395,15 @@ def copy_rows(
     if dst.rows.dtype != src.rows.dtype or dst.row_bytes != src.row_bytes:
         raise KernelSpecError("source and destination rows differ in size or dtype")
     strategy = choose_strategy(mapping, dst.row_bytes, policy)
+    if strategy is Strategy.NATIVE:
+        if dst.data.device.type != "cpu" or src.data.device.type != "cpu":
+            raise KernelSpecError("the native copy addresses host memory only")
+        native.copy_byte_rows(dst.data, src.data, mapping.dst, mapping.src)
+        return strategy
     n = len(mapping)
     s0, d0 = mapping.first_src, mapping.first_dst
     if strategy is Strategy.SLICE:
         _copy_run(dst.data, d0, src.data, s0, n)
-        return strategy
-    if strategy is Strategy.NATIVE:
-        if dst.data.device.type != "cpu" or src.data.device.type != "cpu":
-            raise KernelSpecError("the native copy addresses host memory only")
-        native.copy_rows(dst.data, src.data, mapping.dst, mapping.src)
         return strategy
     if strategy is Strategy.PAIR_RUNS:
         s_host, d_host = mapping.lists()

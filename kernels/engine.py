@@ -262,8 +262,8 @@ class CopyEngine:
             raise KernelStateError(f"job id {job_id} is still pending")
         gpu_rows, cpu_rows = block_rows(
             spec, self.layout.blocks_per_chunk, self.num_gpu_blocks, self.num_chunks)
-        mapping = (RowMapping(gpu_rows, cpu_rows) if direction is Direction.STORE
-                   else RowMapping(cpu_rows, gpu_rows))
+        mapping = (RowMapping.of_block_rows(gpu_rows, cpu_rows) if direction is Direction.STORE
+                   else RowMapping.of_block_rows(cpu_rows, gpu_rows))
         fail = job_id in self._fail
         self._fail.discard(job_id)
         job = _Job(self._seq, job_id, direction, mapping,
@@ -318,13 +318,16 @@ class CopyEngine:
         Ids that are unknown, or already completed, are ignored. Completing a job completes
         the jobs submitted before it in the same direction.
         """
-        for job_id in job_ids:
-            for direction, fifo in self._fifo.items():
-                if any(job.job_id == job_id for job in fifo):
-                    while fifo and fifo[0].job_id != job_id:
-                        self._finish_head(direction)
-                    self._finish_head(direction)
-                    break
+        wanted = set(job_ids)
+        # per direction, the sequence number of the last wanted job: its prefix completes
+        target = {direction: max((job.seq for job in fifo if job.job_id in wanted), default=-1)
+                  for direction, fifo in self._fifo.items()}
+        while True:  # in global submission order, as the CPU stand-in runs copies
+            heads = [(fifo[0].seq, d) for d, fifo in self._fifo.items()
+                     if fifo and fifo[0].seq <= target[d]]
+            if not heads:
+                return
+            self._finish_head(min(heads)[1])
 
     def pending(self) -> set[int]:
         """Ids submitted and not yet reported by :meth:`poll` (in flight, or complete but

@@ -4,8 +4,9 @@ Pure torch has no op that reads rows at scattered indices and writes them at oth
 indices in one pass: a job scattered on both sides costs a gather into a buffer and a scatter
 out of it, two passes over the bytes and two dispatches per KV tensor. This module compiles
 (once per machine, into a cache folder) a C function that does it in one pass: for each pair
-``memcpy(dst + dst_row * row_bytes, src + src_row * row_bytes, row_bytes)``, the pairs split
-over a few POSIX threads when the job is large. It is called through ``ctypes`` with the
+``memcpy(dst + dst_row * row_bytes, src + src_row * row_bytes, row_bytes)`` (one ``memcpy``
+per run of pairs consecutive on both sides), the pairs split over a few POSIX threads when
+the job is large. It is called through ``ctypes`` with the
 tensors' data pointers, once per job and tensor: never a Python loop over rows.
 
 Every row index is bounds-checked in C before any byte moves (an out-of-range index returns
@@ -31,7 +32,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeCopyError", "available", "copy_rows", "library_path", "unavailable_reason"]
+__all__ = [
+    "NativeCopyError",
+    "available",
+    "copy_byte_rows",
+    "copy_rows",
+    "library_path",
+    "unavailable_reason",
+]
 
 _SOURCE = r"""
 #include <pthread.h>
@@ -46,11 +54,19 @@ typedef struct {
     int64_t begin, end, row_bytes;
 } kvspec_part;
 
+/* Pairs consecutive on both sides (a run) are copied with one memcpy. */
 static void *kvspec_copy_part(void *arg) {
     const kvspec_part *p = (const kvspec_part *)arg;
-    for (int64_t i = p->begin; i < p->end; ++i)
+    int64_t i = p->begin;
+    while (i < p->end) {
+        int64_t j = i + 1;
+        while (j < p->end && p->dst_rows[j] == p->dst_rows[j - 1] + 1 &&
+               p->src_rows[j] == p->src_rows[j - 1] + 1)
+            ++j;
         memcpy(p->dst + p->dst_rows[i] * p->row_bytes,
-               p->src + p->src_rows[i] * p->row_bytes, (size_t)p->row_bytes);
+               p->src + p->src_rows[i] * p->row_bytes, (size_t)((j - i) * p->row_bytes));
+        i = j;
+    }
     return 0;
 }
 
@@ -195,12 +211,28 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     n = int(dst_rows.shape[0])
     if int(src_rows.shape[0]) != n:
         raise ValueError("row index tensors differ in length")
+    _call(lib, dst, src, dst_rows, src_rows, n, row_bytes, num_threads)
+
+
+def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
+                   src_rows: torch.Tensor) -> None:
+    """:func:`copy_rows` for callers that already hold valid arguments: contiguous ``int8``
+    2-D tensors of equal row size, and contiguous 1-D int64 index tensors of equal length
+    (:mod:`kernels.copy` guarantees this). Row ranges are still checked, in C."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native copy unavailable: {_reason}")
+    _call(lib, dst, src, dst_rows, src_rows, dst_rows.shape[0], dst.shape[1], None)
+
+
+def _call(lib: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
+          src_rows: torch.Tensor, n: int, row_bytes: int, num_threads: int | None) -> None:
     threads = 1
     if n * row_bytes >= PARALLEL_MIN_BYTES:
         threads = num_threads if num_threads is not None else torch.get_num_threads()
-    status = lib.kvspec_copy_rows(dst.data_ptr(), int(dst.shape[0]), src.data_ptr(),
-                                  int(src.shape[0]), dst_rows.data_ptr(), src_rows.data_ptr(),
-                                  n, row_bytes, max(1, threads))
+    status = lib.kvspec_copy_rows(dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0],
+                                  dst_rows.data_ptr(), src_rows.data_ptr(), n, row_bytes,
+                                  max(1, threads))
     if status < 0:
         i = -status - 1
         raise NativeCopyError(

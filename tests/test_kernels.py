@@ -185,8 +185,8 @@ def test_strategy_choice() -> None:
     cpu = CopyPolicy(native=False)
     assert choose_strategy(mapping(TransferSpec([4, 5, 6], [2, 3], 1)), 64, cpu) is \
         Strategy.SLICE
-    assert choose_strategy(mapping(TransferSpec([4, 5, 6], [2, 3], 1)), 64, CopyPolicy()) is \
-        Strategy.SLICE  # one slice stays a torch copy_ even with the compiled copy
+    assert choose_strategy(mapping(TransferSpec([4, 5, 6], [2, 3], 1)), 64, CopyPolicy()) is (
+        Strategy.NATIVE if native.available() else Strategy.SLICE)
     assert choose_strategy(mapping(TransferSpec([9, 1, 4, 6], [2, 3])), 64, cpu) is \
         Strategy.GATHER
     assert choose_strategy(mapping(TransferSpec([9, 1, 4, 6], [2, 3]), False), 64, cpu) is \
