@@ -35,6 +35,7 @@ arithmetic), so any byte pattern, NaN payloads included, round-trips exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
@@ -206,7 +207,7 @@ class CopyPolicy:
     ``workspace_bytes``: ``TWO_PASS`` works in tiles of at most this many bytes (``None``:
     one tile, workspace freshly allocated). ``native``: host-memory copies that are not one
     slice use the compiled one-pass copy of :mod:`kernels.native` when it is available (the
-    other fields then only matter where it is not).
+    other fields then only matter where it is not; a CUDA engine switches it off).
     """
 
     index_kernels: bool = True
@@ -513,6 +514,8 @@ def _copy_job(
     device = gpu_tensors[0].device
     same = device.type == "cpu"
     pol = policy if policy is not None else CopyPolicy.for_device(device, host_mapped=False)
+    if not same and pol.native:
+        pol = dataclasses.replace(pol, native=False)  # the compiled copy is host-only
     if not same and pol.index_kernels:
         raise KernelSpecError("index kernels across devices need the CopyEngine's host mapping")
     itemsize = 16 if same else 8

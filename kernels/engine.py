@@ -31,6 +31,7 @@ then copies nothing and completes (in its FIFO position) with ``success=False`` 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import deque
@@ -219,6 +220,8 @@ class CopyEngine:
             raise KernelSpecError(f"unsupported device {dev}: need cuda or cpu")
         self.policy = policy if policy is not None else CopyPolicy.for_device(
             dev, self.host_mapped)
+        if dev.type == "cuda" and self.policy.native:
+            self.policy = dataclasses.replace(self.policy, native=False)  # host-only copy
         if self.policy.index_kernels and not self.host_mapped:
             raise KernelSpecError("policy.index_kernels needs CPU tensors mapped into the device "
                                   "address space; use index_kernels=False")

@@ -45,6 +45,7 @@ def test_pinned_chunks_are_host_mapped() -> None:
     layout = KVLayout((512,), 2)
     gpu, cpu = random_kv(layout, 4, 2, seed=0)
     assert CopyEngine(gpu, cpu, 2).host_mapped
+    assert not CopyEngine(gpu, cpu, 2, policy=CopyPolicy()).policy.native  # host-only copy
     assert not CopyEngine(gpu, cpu, 2, host_mapping=False).host_mapped
 
 
@@ -55,6 +56,7 @@ ENGINES = {  # (host_mapping, policy)
     "mapped-dma_runs": (True, CopyPolicy(run_min_bytes=1, runs_by_dma=True,
                                          workspace_bytes=None)),
     "unmapped-default": (False, None),
+    "unmapped-torch_policy": (False, CopyPolicy(index_kernels=False)),  # native: switched off
 }
 
 
