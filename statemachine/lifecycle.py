@@ -2,10 +2,18 @@
 
 One `Lifecycle` per table and per owner (a scheduler): a single shared `transitions.Machine`
 to which subjects (requests, jobs) are added and from which they are removed, because a
-Machine per request costs far more than `add_model`. `auto_transitions=False`, so the only
+Machine per request costs far more than adding a model. `auto_transitions=False`, so the only
 moves are the table's. `fire` is the one way to move a subject: a trigger the table does not
 allow in the current state, or one whose guards all fail, raises `IllegalTransition` (plain
 `transitions` would return False and change nothing, silently).
+
+Cost (the scheduler fires several transitions per job, thousands per engine step): subjects
+get no trigger methods of their own (`Machine.add_model` would bind one per trigger and per
+state to every subject, which cost more than the rest of a job's life); the machine keeps its
+models in an identity set, so adding and removing one is O(1) however many are live; `fire`
+hands the event straight to the transitions of the trigger for the current state, and these
+run their conditions, the state change and their after callbacks without the hooks a table's
+machine never has (see `_TableTransition`).
 
 Guards are methods of the subject (`def other_jobs_remain(self, event) -> bool`); effects are
 methods of the host (`def create_load_job(self, subject, **kwargs) -> None`), run after the
@@ -15,13 +23,14 @@ something the implementation lacks fails at once with `SpecMismatch`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from transitions import EventData, Machine, MachineError
+from transitions import EventData, Machine
+from transitions import Transition as MachineTransition
 
-from spec.schema import SAME, MachineSpec, guard_name, guard_negated
+from spec.schema import SAME, MachineSpec, Transition, guard_name, guard_negated
 from statemachine.errors import IllegalTransition, SpecMismatch
 
 
@@ -45,6 +54,59 @@ class Fired:
     """0 for a transition fired from outside any other transition's effects."""
 
 
+class _TableTransition(MachineTransition):
+    """A `transitions.Transition` run as the tables need it: conditions (the guards) in order,
+    then the state change, then the after callbacks (the effects) in order, as
+    `Transition.execute` runs them, without its debug logging and without the prepare,
+    before, state enter/exit and machine-wide callbacks, which a `Lifecycle` machine never has
+    (`Lifecycle.__init__` checks)."""
+
+    def execute(self, event_data: EventData) -> bool:
+        for cond in self.conditions:
+            if not cond.check(event_data):
+                return False
+        model: Any = event_data.model
+        event_data.machine.set_state(self.dest, model)  # type: ignore[arg-type]  # never None
+        event_data.update(model.state)
+        for effect in self.after:
+            effect(event_data)  # type: ignore[operator]  # callables (Lifecycle._effect)
+        return True
+
+
+class _TableMachine(Machine):
+    transition_cls = _TableTransition
+
+
+class _Models:
+    """`Machine.models` as an insertion-ordered identity set (transitions keeps a list, which
+    makes adding and removing a model O(models))."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, object] = {}
+
+    def append(self, model: object) -> None:
+        self._by_id[id(model)] = model
+
+    def remove(self, model: object) -> None:
+        if self._by_id.get(id(model)) is not model:
+            raise ValueError(f"{model!r} is not a model of this machine")
+        del self._by_id[id(model)]
+
+    def __contains__(self, model: object) -> bool:
+        return self._by_id.get(id(model)) is model
+
+    def __iter__(self) -> Iterator[object]:
+        return iter(list(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __getitem__(self, index: int) -> object:
+        return list(self._by_id.values())[index]
+
+
 @dataclass
 class Nesting:
     """Shared by the lifecycles of one owner: how deep in nested effects we are."""
@@ -60,7 +122,7 @@ class Lifecycle:
         self.host = host
         self.nesting = nesting or Nesting()
         self._check_resolves(subject_cls)
-        self.machine = Machine(
+        self.machine = _TableMachine(
             model=None,
             states=list(spec.state_names),
             initial=spec.initial,
@@ -68,6 +130,8 @@ class Lifecycle:
             send_event=True,
             ignore_invalid_triggers=False,
         )
+        self.machine.models = _Models()  # type: ignore[assignment]
+        self._outgoing: dict[tuple[str, str], tuple[Transition, ...]] = {}
         for t in spec.transitions:
             self.machine.add_transition(
                 t.trigger,
@@ -77,6 +141,20 @@ class Lifecycle:
                 unless=[guard_name(g) for g in t.guards if guard_negated(g)],
                 after=[self._effect(e) for e in t.effects],
             )
+        self._check_lean(self.machine)
+
+    @staticmethod
+    def _check_lean(machine: Machine) -> None:
+        """What `_TableTransition` leaves out must be absent."""
+        hooks = [machine.prepare_event, machine.before_state_change,
+                 machine.after_state_change, machine.finalize_event, machine.on_exception,
+                 machine.on_final]
+        hooks += [cb for st in machine.states.values() for cb in (st.on_enter, st.on_exit)]
+        hooks += [cb for ev in machine.events.values() for ts in ev.transitions.values()
+                  for t in ts for cb in (t.prepare, t.before)]
+        assert not any(hooks), "a Lifecycle machine has no callbacks but the effects"
+        assert all(t.dest is not None for ev in machine.events.values()
+                   for ts in ev.transitions.values() for t in ts), "no internal transitions"
 
     def _check_resolves(self, subject_cls: type) -> None:
         problems = [f"guard {g!r} is not a method of {subject_cls.__name__}"
@@ -99,7 +177,11 @@ class Lifecycle:
 
     # -- subjects -------------------------------------------------------------------
     def add(self, subject: Subject, state: str | None = None) -> None:
-        self.machine.add_model(subject, initial=state or self.spec.initial)
+        """Make `subject` a model of the machine, in `state` (the table's initial one)."""
+        models = self.machine.models
+        if subject not in models:
+            self.machine.set_state(state or self.spec.initial, model=subject)
+            models.append(subject)
 
     def remove(self, subject: Subject) -> None:
         self.machine.remove_model(subject)
@@ -107,19 +189,32 @@ class Lifecycle:
     def allowed(self, state: str) -> tuple[str, ...]:
         return self.spec.enabled_triggers(state)
 
+    def outgoing(self, state: str, trigger: str) -> tuple[Transition, ...]:
+        """The table's rows for `trigger` from `state` (`spec.outgoing`, memoised)."""
+        rows = self._outgoing.get((state, trigger))
+        if rows is None:
+            rows = self._outgoing[state, trigger] = tuple(self.spec.outgoing(state, trigger))
+        return rows
+
     def fire(self, subject: Subject, trigger: str, **kwargs: Any) -> str:
         """Move `subject` by `trigger`; returns the new state or raises IllegalTransition."""
         source = subject.state
-        rows = self.spec.outgoing(source, trigger)
+        rows = self.outgoing(source, trigger)
         if not rows:
             raise IllegalTransition(self.spec.name, subject.key, source, trigger,
                                     self.allowed(source))
+        machine = self.machine
+        event = machine.events[trigger]
+        event_data = EventData(machine.states[source], event, machine, subject, args=(),
+                               kwargs=kwargs)
+        done = False
         self.nesting.depth += 1
         try:
-            done = self.machine.events[trigger].trigger(subject, **kwargs)
-        except MachineError as exc:  # pragma: no cover - rows checked above
-            raise IllegalTransition(self.spec.name, subject.key, source, trigger,
-                                    self.allowed(source), str(exc)) from exc
+            for transition in event.transitions[source]:  # the rows, in table order
+                event_data.transition = transition
+                if transition.execute(event_data):
+                    event_data.result = done = True
+                    break
         finally:
             self.nesting.depth -= 1
         if not done:

@@ -112,6 +112,12 @@ class LRUPolicy(EvictionPolicy):
     the request's rank being fixed at its first insert, so within one request the tail is
     older than the head. `touch` and `on_request_finished` hand out fresh ranks from the
     tail to the head, so the head ends up the most recent.
+
+    Equal ranks (which the manager never produces) go in the order the keys started being
+    tracked. Eviction pops a heap of ``(rank, order, key)`` entries, so it costs
+    O((victims + skipped keys) log n), not O(n): an entry whose key left or was re-ranked
+    since it was pushed is stale and dropped as it comes up; the heap is rebuilt when stale
+    entries outnumber live ones.
     """
 
     name = "lru"
@@ -121,10 +127,21 @@ class LRUPolicy(EvictionPolicy):
         self._rank: dict[OffloadKey, tuple[int, int]] = {}
         self._request_rank: dict[Hashable, int] = {}
         self._clock = 0
+        self._order: dict[OffloadKey, int] = {}
+        """When each key started being tracked (its place in `_chunks`): breaks rank ties."""
+        self._next_order = 0
+        self._heap: list[tuple[tuple[int, int], int, OffloadKey]] = []
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _set_rank(self, key: OffloadKey, rank: tuple[int, int]) -> None:
+        self._rank[key] = rank
+        heapq.heappush(self._heap, (rank, self._order[key], key))
+        if len(self._heap) > 2 * len(self._rank) + 64:
+            self._heap = [(r, self._order[k], k) for k, r in self._rank.items()]
+            heapq.heapify(self._heap)
 
     def rank(self, key: OffloadKey) -> tuple[int, int]:
         """The key's current rank (smaller is older)."""
@@ -132,23 +149,27 @@ class LRUPolicy(EvictionPolicy):
 
     def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
                position: int | None = None) -> None:
+        if key not in self._chunks:
+            self._order[key] = self._next_order
+            self._next_order += 1
         self._chunks[key] = chunk_id
         if request is not None and position is not None:
             major = self._request_rank.get(request)
             if major is None:
                 major = self._request_rank[request] = self._tick()
-            self._rank[key] = (major, -position)
+            self._set_rank(key, (major, -position))
         else:
-            self._rank[key] = (self._tick(), 0)
+            self._set_rank(key, (self._tick(), 0))
 
     def remove(self, key: OffloadKey) -> None:
         self._chunks.pop(key, None)
         self._rank.pop(key, None)
+        self._order.pop(key, None)
 
     def _refresh(self, keys: Sequence[OffloadKey]) -> None:
         for key in reversed(keys):
             if key in self._chunks:
-                self._rank[key] = (self._tick(), 0)
+                self._set_rank(key, (self._tick(), 0))
 
     def touch(self, keys: Sequence[OffloadKey], ref_cnt: RefCount | None = None) -> None:
         del ref_cnt
@@ -166,10 +187,26 @@ class LRUPolicy(EvictionPolicy):
               ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:
         if n <= 0:
             return []
-        eligible = [k for k in self._chunks if k not in protected and ref_cnt(k) == 0]
-        if len(eligible) < n:
+        heap, rank, order = self._heap, self._rank, self._order
+        victims: list[OffloadKey] = []
+        taken: list[tuple[tuple[int, int], int, OffloadKey]] = []
+        kept: list[tuple[tuple[int, int], int, OffloadKey]] = []
+        while heap and len(victims) < n:
+            entry = heapq.heappop(heap)
+            r, o, key = entry
+            if rank.get(key) != r or order.get(key) != o or key in victims:
+                continue  # stale: the key left, or was re-ranked, since this was pushed
+            if key in protected or ref_cnt(key) != 0:
+                kept.append(entry)
+            else:
+                victims.append(key)
+                taken.append(entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if len(victims) < n:
+            for entry in taken:
+                heapq.heappush(heap, entry)
             return None
-        victims = heapq.nsmallest(n, eligible, key=self._rank.__getitem__)
         out = [(k, self._chunks[k]) for k in victims]
         for k in victims:
             self.remove(k)
@@ -179,6 +216,8 @@ class LRUPolicy(EvictionPolicy):
         self._chunks.clear()
         self._rank.clear()
         self._request_rank.clear()
+        self._order.clear()
+        self._heap.clear()
 
     def chunks(self) -> dict[OffloadKey, int]:
         return dict(self._chunks)
@@ -193,6 +232,9 @@ class LRUPolicy(EvictionPolicy):
         if set(self._rank) != set(self._chunks):
             return [f"LRU: ranked keys {sorted(set(self._rank) ^ set(self._chunks))} "
                     "differ from tracked keys"]
+        live = {(r, self._order[k], k) for k, r in self._rank.items()}
+        if not live <= set(self._heap):
+            return ["LRU: a tracked key's rank is missing from the eviction heap"]
         return []
 
 

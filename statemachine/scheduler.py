@@ -102,7 +102,7 @@ class OffloadingScheduler(SchedulerEffects):
 
     def _require(self, life: Lifecycle, subject: Any, trigger: str) -> None:
         """Raise IllegalTransition now, before any change, if `trigger` has no row."""
-        if not life.spec.outgoing(subject.state, trigger):
+        if not life.outgoing(subject.state, trigger):
             raise IllegalTransition(life.spec.name, subject.key, subject.state, trigger,
                                     life.allowed(subject.state))
 
@@ -342,11 +342,14 @@ class OffloadingScheduler(SchedulerEffects):
 
     def _scheduled(self, req: RequestState, block_ids: tuple[int, ...], full: bool) -> None:
         self._batch_allocated_blocks.update(block_ids)
-        table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
         if req.state == R.IDLE:
+            table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
             self._fire(self._requests_life, req, "schedule", block_ids=table)
         elif req.state in SCHEDULED:
-            req.block_ids[:] = table
+            if full:
+                req.block_ids[:] = block_ids
+            else:
+                req.block_ids.extend(block_ids)
         else:
             self._require(self._requests_life, req, "schedule")
 
@@ -363,13 +366,13 @@ class OffloadingScheduler(SchedulerEffects):
             tokens = min(tokens, req.max_offload_tokens)
         if cfg.offload_prompt_only:
             tokens = min(tokens, request.num_prompt_tokens)
-        keys = self.offload_keys(request)
         bpc = cfg.blocks_per_chunk
-        n_chunks = min(tokens // cfg.tokens_per_chunk, len(keys), len(req.block_ids) // bpc)
+        n_chunks = min(tokens // cfg.tokens_per_chunk, len(request.block_hashes) // bpc,
+                       len(req.block_ids) // bpc)
         start = req.next_stored_chunk_idx
-        if start >= n_chunks:
+        if start >= n_chunks:  # most steps of a decoding request: no new full chunk
             return
-        offered = keys[start:n_chunks]
+        offered = self.offload_keys(request)[start:n_chunks]
         result = self.manager.prepare_store(offered, req.ctx)
         if result is None:
             self._fire(self._requests_life, req, "store_alloc_failed")

@@ -212,3 +212,40 @@ def test_random_operations_keep_evict_exact_and_safe(
                     del counts[k]
         assert set(policy.chunks()) == set(counts)
         assert policy.check_consistency() == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 7),
+                              st.sampled_from([None, "a", "b"]), st.integers(-1, 3)),
+                    max_size=60))
+def test_lru_evicts_the_smallest_ranks_first_ties_in_tracking_order(
+        ops: list[tuple[int, int, str | None, int]]) -> None:
+    """Eviction order is exactly: the eligible keys sorted by rank, equal ranks in the order
+    the keys started being tracked (what a full scan sorted by rank gives)."""
+    lru = LRUPolicy()
+    counts: dict[OffloadKey, int] = {}
+    for op, key, request, arg in ops:
+        if op == 0:
+            lru.insert(key, key, request=request, position=None if arg < 0 else arg % 2)
+            counts[key] = 0 if arg >= 0 else -1
+        elif op == 1:
+            lru.touch([key, (key + 1) % 8])
+        elif op == 2:
+            lru.on_request_finished([key], (), request)
+        elif op == 3 and key in counts:
+            lru.remove(key)
+            del counts[key]
+        elif op == 4 and key in counts:
+            counts[key] = arg
+        elif op == 5:
+            n = arg + 1
+            eligible = [k for k in lru.chunks() if counts[k] == 0 and k != key]
+            expected = sorted(eligible, key=lru.rank)[:n]
+            victims = lru.evict(n, {key}, refs(counts))
+            if len(eligible) < n:
+                assert victims is None
+            else:
+                assert victims is not None and [k for k, _ in victims] == expected
+                for k in expected:
+                    del counts[k]
+        assert lru.check_consistency() == []
