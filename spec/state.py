@@ -12,6 +12,7 @@ Names follow vLLM's fields (reference 1.2-1.3): ``transfer_jobs``, ``pending_cou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -95,17 +96,35 @@ class AbstractState:
     """Counters that do not take part in invariants (ignored reports, ...)."""
 
     # -- lookups -------------------------------------------------------------------
-    def job(self, job_id: int) -> JobRecord | None:
+    # Indexes built on first use (cached on the instance; fields are immutable, and equality
+    # and hashing look at the fields only), so that checking every invariant of a state with
+    # thousands of requests, jobs and chunks stays linear in its size.
+    @functools.cached_property
+    def _jobs_by_id(self) -> dict[int, JobRecord]:
+        out: dict[int, JobRecord] = {}
         for j in self.jobs:
-            if j.id == job_id:
-                return j
-        return None
+            out.setdefault(j.id, j)  # the first wins, as a scan would find it
+        return out
+
+    @functools.cached_property
+    def _requests_by_id(self) -> dict[str, RequestRecord]:
+        out: dict[str, RequestRecord] = {}
+        for r in self.requests:
+            out.setdefault(r.id, r)
+        return out
+
+    @functools.cached_property
+    def _ref_cnt_by_key(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for k, n in self.chunk_ref_cnt:
+            out.setdefault(k, n)
+        return out
+
+    def job(self, job_id: int) -> JobRecord | None:
+        return self._jobs_by_id.get(job_id)
 
     def request(self, req_id: str) -> RequestRecord | None:
-        for r in self.requests:
-            if r.id == req_id:
-                return r
-        return None
+        return self._requests_by_id.get(req_id)
 
     @property
     def live_job_ids(self) -> frozenset[int]:
@@ -120,10 +139,7 @@ class AbstractState:
         return frozenset(h.id for h in self.quarantine)
 
     def ref_cnt(self, key: int) -> int | None:
-        for k, n in self.chunk_ref_cnt:
-            if k == key:
-                return n
-        return None
+        return self._ref_cnt_by_key.get(key)
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no job, no fence, no quarantine; every request idle or gone."""
