@@ -130,3 +130,17 @@ def test_a_failed_build_is_reported(fresh_native: pytest.MonkeyPatch, tmp_path: 
     fresh_native.setattr(native, "_FLAGS", ["-definitely-not-a-flag"])
     assert not native.available()
     assert "build or load failed" in native.unavailable_reason()
+
+
+@needs_native
+@pytest.mark.parametrize("width", [4096, 4144, 4100])  # whole lines; a 48-byte tail; unaligned
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streamed_stores_for_jobs_larger_than_the_caches(width: int, threads: int) -> None:
+    n = native.STREAM_MIN_BYTES // width + 5  # above the threshold: non-temporal stores
+    src, dst = rows(2 * n, width, 9), torch.zeros(2 * n + 1, width, dtype=torch.int8)
+    src_rows, dst_rows = torch.randperm(2 * n)[:n], torch.randperm(2 * n + 1)[:n]
+    native.copy_rows(dst, src, dst_rows, src_rows, num_threads=threads)
+    assert torch.equal(dst[dst_rows], src[src_rows])
+    untouched = torch.ones(2 * n + 1, dtype=torch.bool)
+    untouched[dst_rows] = False
+    assert int(dst[untouched].abs().sum()) == 0
