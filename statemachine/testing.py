@@ -180,6 +180,10 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     )
     faults: ClassVar[frozenset[str]] = frozenset()
     """Model faults to switch on too (only to test that the machine itself catches them)."""
+    CHECK_INVARIANTS_FIRST: ClassVar[bool] = False
+    """Check the implementation's invariants after each step before comparing its state with
+    the model's, so that a broken invariant is reported as such rather than as the state
+    difference it also causes (the conformance machine sets it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -219,6 +223,8 @@ class OffloadingStateMachine(RuleBasedStateMachine):
                 raise RefinementError(f"after {' ; '.join(self.trace)}: {c.hook}{c.args} "
                                       f"answered {got}, the model {c.answer}")
         self.model = nxt
+        if self.CHECK_INVARIANTS_FIRST:
+            self.invariants_hold()
         impl_state = normalize(self.impl.abstract_state(), nxt.bounds)
         model_state = normalize(M.abstract(nxt), nxt.bounds)
         if impl_state != model_state:

@@ -1,0 +1,564 @@
+"""`VLLMAdapter`: the model-based test machine of `statemachine.testing`, driving vLLM.
+
+The machine's model speaks in small units: one token is one GPU block is one chunk, chunk
+keys are `spec.model.key(family, position)`, GPU blocks are 0..gpu_blocks-1. The adapter
+translates each model hook call into the same hook of vLLM's real scheduler-side
+`OffloadingConnector` (built by `conformance.vllm_env`):
+
+- a model token at `position` of a prompt of `family` becomes one full vLLM block of
+  `BLOCK_SIZE` token ids that are a pure function of (family, position), so prompts that
+  share a model prefix share vLLM block hashes, hence offload keys; the adapter keeps the map
+  from each offload key back to the model key;
+- token counts (lookup hits, scheduled and computed tokens) are multiplied by `BLOCK_SIZE`
+  on the way in and divided on the way out (a vLLM answer that is not a whole number of
+  blocks is a divergence);
+- model GPU block `b` is vLLM block `b + 1` (vLLM's block 0 is the null block);
+- the adapter plays vLLM's core scheduler around the hooks: request status
+  (`RUNNING`, `PREEMPTED` with `num_computed_tokens = 0`, `WAITING_FOR_REMOTE_KVS`,
+  `FINISHED_*`), the block table it hands over (`NewRequestData` for a first scheduling, a
+  resumed `CachedRequestData` after a preemption, a plain cached entry while running),
+  `preempted_req_ids` and `finished_req_ids` in the next `SchedulerOutput`, worker acks as
+  `OffloadingWorkerMetadata.completed_jobs` summed over the workers, and
+  `finished_recving` for async loads;
+- evictions (the model lets the implementation choose victims) are read as the manager's
+  keys that disappeared during `build_connector_meta`.
+
+`VLLMMachine` is `OffloadingStateMachine` restricted to what the installed vLLM has (see
+CONFORMANCE.md for each restriction and its reason).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, ClassVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, precondition, rule
+
+from conformance import vllm_env as E
+from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
+from spec import model as M
+from spec.state import AbstractState
+from statemachine.testing import OffloadingStateMachine, normalize
+
+BLOCK_SIZE = 16
+"""vLLM tokens per model token (one full vLLM block, one block hash, one chunk)."""
+
+
+def block_tokens(family: int, position: int) -> list[int]:
+    """The vLLM token ids of the model token at `position` of a prompt of `family`."""
+    base = 3 + (family * 101 + position) * BLOCK_SIZE
+    span = E.VOCAB_SIZE - 3
+    return [3 + (base + i - 3) % span for i in range(BLOCK_SIZE)]
+
+
+def _accepts_max_num_new_tokens(scheduler: Any) -> bool:
+    return "max_num_new_tokens" in inspect.signature(
+        scheduler.get_num_new_matched_tokens).parameters
+
+
+class VLLMAdapter:
+    """Drives vLLM's scheduler-side connector through the machine's model calls."""
+
+    sync_load_budget_bytes: ClassVar[int] = 1 << 40
+    last_token_bound: ClassVar[bool] = True
+    """Apply the LAST-TOKEN-BOUND translation where vLLM has the bound (0.33: yes)."""
+
+    def __init__(self, bounds: M.Bounds) -> None:
+        self.bounds = bounds
+        extra: dict[str, Any] = {}
+        if bounds.sync_loads:
+            extra["sync_load_budget_bytes"] = self.sync_load_budget_bytes
+        self.setup = E.make_setup(num_gpu_blocks=bounds.gpu_blocks + 1, block_size=BLOCK_SIZE,
+                                  num_cpu_chunks=bounds.cpu_chunks, num_workers=bounds.workers,
+                                  eviction_policy="lru", extra_config=extra)
+        self.connector = self.setup.connector
+        self.scheduler = self.setup.scheduler
+        self.status = E.request_status()
+        self.obs = Observations(num_workers=bounds.workers)
+        if not hasattr(self.scheduler, "_reset_fence"):
+            self.obs.emulated_fence = {}
+        self.requests: dict[str, Any] = {}
+        self.family: dict[str, int] = {}
+        self.scheduled_before: set[str] = set()
+        self.last_async: dict[str, bool] = {}
+        self.admitted: set[str] = set()
+        """Requests looked up in the current step."""
+        self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
+            self.scheduler)
+        self._evicted: list[int] = []
+        self._wrap_manager()
+
+    # -- identity -----------------------------------------------------------------
+    @property
+    def vllm_file(self) -> str:
+        """`vllm.__file__` of the tree under test (installed wheel or VLLM_SRC checkout)."""
+        return self.setup.vllm_file
+
+    @property
+    def vllm_version(self) -> tuple[int, int, int]:
+        return self.setup.version
+
+    # -- observation wrappers (count only; they call through unchanged) --------------
+    def _wrap_manager(self) -> None:
+        manager = self.setup.manager
+        obs = self.obs
+        finished = manager.on_request_finished
+        prepare_store = manager.prepare_store
+
+        def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+            for a in (*args, *kwargs.values()):
+                rid = getattr(a, "req_id", None)
+                if isinstance(rid, str):
+                    return rid
+            return None
+
+        def on_request_finished(*args: Any, **kwargs: Any) -> Any:
+            rid = req_id_of(args, kwargs)
+            if rid is not None:
+                obs.signals[rid] = obs.signals.get(rid, 0) + 1
+            return finished(*args, **kwargs)
+
+        def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
+            rid = req_id_of(args, kwargs)
+            if rid is not None and obs.signals.get(rid, 0) and rid in self.scheduler._req_status:
+                obs.stores_after_signal.append(rid)
+            return prepare_store(*args, **kwargs)
+
+        manager.on_request_finished = on_request_finished
+        manager.prepare_store = counted_prepare_store
+
+    # -- requests -----------------------------------------------------------------
+    def _request(self, req_id: str) -> Any:
+        req = self.requests.get(req_id)
+        if req is not None:
+            return req
+        t = next(t for t in self.bounds.templates() if t.req_id == req_id)
+        prompt = [tok for c in range(t.tokens) for tok in block_tokens(t.family, c)]
+        req = E.make_request(self.setup, req_id, prompt)
+        hashes = list(req.block_hashes)
+        if len(hashes) != t.tokens:
+            raise AssertionError(f"{req_id}: {len(hashes)} block hashes for {t.tokens} blocks")
+        for c, h in enumerate(hashes):
+            self.obs.key_of[bytes(E.offload_key(h))] = M.key(t.family, c)
+        self.requests[req_id] = req
+        self.family[req_id] = t.family
+        return req
+
+    def _policy_keys(self) -> set[bytes]:
+        policy = self.setup.manager._policy
+        table = getattr(policy, "chunks", None)
+        if table is None:
+            table = policy.blocks
+        return {bytes(k) for k in table}
+
+    def _memo_jobs(self, meta: Any = None) -> None:
+        """Remember each live job's kind, keys and GPU blocks (vLLM forgets them at reset)."""
+        obs = self.obs
+        for jid, js in self.scheduler._jobs.items():
+            if jid not in obs.jobs:
+                keys = frozenset(obs.key_of[bytes(k)] for k in js.keys)
+                obs.jobs[jid] = JobMemo("store" if js.is_store else "load", keys)
+        if meta is None:
+            return
+        for table, spec_of in ((meta.load_jobs, "dst_spec"), (meta.store_jobs, "src_spec")):
+            for jid, job in table.items():
+                gpu = getattr(job, spec_of)
+                blocks = frozenset(model_block(b) for b in gpu.block_ids.tolist() if b != 0)
+                memo = obs.jobs.get(jid)
+                if memo is not None:
+                    memo.blocks = blocks
+        flushed = set(meta.jobs_to_flush or ())
+        obs.flush_requested |= flushed
+        obs.flush_shipped |= flushed
+
+    # -- the hooks ----------------------------------------------------------------
+    def call(self, call: M.Call) -> Any:
+        a = call.args
+        hook = call.hook
+        if hook == "on_new_request":
+            req = self._request(a[0])
+            self.obs.core_status[a[0]] = "waiting"
+            return self.connector.on_new_request(req)
+        if hook == "get_num_new_matched_tokens":
+            return self._lookup(a[0], int(a[1]))
+        if hook == "update_state_after_alloc":
+            return self._alloc(a[0], tuple(a[1]), int(a[2]))
+        if hook == "build_connector_meta":
+            return self._build(*a)
+        if hook == "update_connector_output":
+            return self._report(int(a[0]), int(a[1]), int(a[2]), frozenset(a[3]))
+        if hook == "request_finished":
+            return self._finished(a[0], bool(a[1]))
+        if hook == "reset_cache":
+            return self._reset()
+        raise ValueError(f"unknown hook {hook!r}")
+
+    def _lookup(self, req_id: str, local: int) -> tuple[int | None, bool]:
+        req = self._request(req_id)
+        if self.obs.core_status.get(req_id) == "running":
+            req.status = self.status.PREEMPTED  # re-admitted before the step reported it
+        self.obs.core_status[req_id] = "waiting"
+        self.obs.core_blocks[req_id] = ()
+        req.num_computed_tokens = 0
+        self.admitted.add(req_id)
+        if self.bound_last_token:
+            # LAST-TOKEN-BOUND (CONFORMANCE.md): the hit may not cover the last prompt
+            # token, through vLLM's own bound for it (what OffloadingConnector passes for
+            # hybrid models: the longest hit of num_tokens - 1 tokens).
+            hits, is_async = self.scheduler.get_num_new_matched_tokens(
+                req, local * BLOCK_SIZE,
+                max_num_new_tokens=max(0, (req.num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+                                       - local * BLOCK_SIZE))
+        else:
+            hits, is_async = self.connector.get_num_new_matched_tokens(req,
+                                                                       local * BLOCK_SIZE)
+        self.last_async[req_id] = bool(is_async)
+        if hits is None:
+            return None, bool(is_async)
+        if hits % BLOCK_SIZE:
+            raise AssertionError(f"lookup of {req_id} hit {hits} tokens, not whole blocks")
+        return hits // BLOCK_SIZE, bool(is_async)
+
+    def _alloc(self, req_id: str, blocks: tuple[int, ...], hit: int) -> Any:
+        req = self._request(req_id)
+        vblocks = [vllm_block(b) for b in blocks]
+        self.obs.core_blocks[req_id] = tuple(vblocks)
+        out = self.connector.update_state_after_alloc(req, E.kv_blocks(vblocks),
+                                                      hit * BLOCK_SIZE)
+        if hit and self.last_async.get(req_id, False):
+            self.obs.core_status[req_id] = "remote"
+            req.status = self.status.WAITING_FOR_REMOTE_KVS
+        self._memo_jobs()
+        return out
+
+    def _build(self, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
+               sched: dict[str, int], finished: frozenset[str], preempted: frozenset[str],
+               computed: dict[str, tuple[int, bool]]) -> Any:
+        obs = self.obs
+        for r in sorted(preempted):
+            if r in new or r in self.admitted or r not in self.requests:
+                continue  # preempted, then admitted again in this very step
+            req = self.requests[r]
+            if not req.is_finished():
+                req.status = self.status.PREEMPTED
+                req.num_computed_tokens = 0
+                obs.core_status[r] = "waiting"
+                obs.core_blocks[r] = ()
+        for r, (n, _aborted) in computed.items():
+            if r in self.requests:
+                self.requests[r].num_computed_tokens = n * BLOCK_SIZE
+        fresh: dict[str, tuple[Any, list[int]]] = {}
+        resumed: dict[str, tuple[Any, list[int]]] = {}
+        running: dict[str, tuple[Any, list[int]]] = {}
+        for r, blocks in new.items():
+            req = self._request(r)
+            vblocks = [vllm_block(b) for b in blocks]
+            (resumed if r in self.scheduled_before else fresh)[r] = (req, vblocks)
+            req.status = self.status.RUNNING
+            obs.core_status[r] = "running"
+            obs.core_blocks[r] = tuple(vblocks)
+            self.scheduled_before.add(r)
+        for r, blocks in cached.items():
+            req = self._request(r)
+            vblocks = [vllm_block(b) for b in blocks]
+            running[r] = (req, vblocks)
+            obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
+        out = E.scheduler_output(
+            self.setup, new=fresh, resumed=resumed, cached=running,
+            num_scheduled_tokens={r: n * BLOCK_SIZE for r, n in sched.items()},
+            finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+        before = self._policy_keys()
+        meta = self.connector.build_connector_meta(out)
+        gone = before - self._policy_keys()
+        self._evicted.extend(sorted(obs.key_of[k] for k in gone))
+        self._memo_jobs(meta)
+        obs.reset_since_last_step = False
+        self.admitted.clear()
+        return meta
+
+    def _report(self, job: int, done: int, failed: int, recving: frozenset[str]) -> Any:
+        if failed:
+            raise NotImplementedError("vLLM has no failure report (the machine is restricted)")
+        fence = self.obs.emulated_fence
+        if fence is not None and job in fence:
+            fence[job] -= done
+            if fence[job] <= 0:
+                del fence[job]
+        out = self.connector.update_connector_output(
+            E.connector_output(self.setup, {job: done} if done else {},
+                               finished_recving=set(recving)))
+        for r in recving:  # the core's side of finished_recving
+            if self.obs.core_status.get(r) == "remote":
+                self.obs.core_status[r] = "waiting"
+                self.requests[r].status = self.status.WAITING
+            elif self.obs.core_status.get(r) == "finished":
+                self.obs.core_blocks[r] = ()
+        return out
+
+    def _finished(self, req_id: str, aborted: bool) -> Any:
+        req = self._request(req_id)
+        req.status = (self.status.FINISHED_ABORTED if aborted
+                      else self.status.FINISHED_STOPPED)
+        blocks = list(self.obs.core_blocks.get(req_id, ()))
+        if self.obs.core_status.get(req_id) != "remote":  # an abort while loading keeps them
+            self.obs.core_blocks[req_id] = ()
+        self.obs.core_status[req_id] = "finished"
+        return self.connector.request_finished(req, blocks)
+
+    def _reset(self) -> Any:
+        self._memo_jobs()
+        fence = self.obs.emulated_fence
+        if fence is not None:  # no fence in this vLLM: count the reports still due here
+            for jid, js in self.scheduler._jobs.items():
+                fence[jid] = int(js.pending_count)
+        out = self.connector.reset_cache()
+        self.obs.flush_requested |= set(self.scheduler._current_batch_jobs_to_flush)
+        self.obs.reset_since_last_step = True
+        return out
+
+    # -- the Adapter protocol -----------------------------------------------------
+    def evicted(self) -> tuple[int, ...]:
+        out, self._evicted = tuple(self._evicted), []
+        return out
+
+    def abstract_state(self) -> AbstractState:
+        return project(self.setup, self.obs)
+
+
+# ============================================================================ the machine
+def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
+    """The machine's bounds, without worker failures or job timeouts (vLLM has neither)."""
+    out = [
+        M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+                 failures=0, preemptions=2),
+        M.Bounds(requests=3, tokens=2, shared_prefix=False, workers=1, cpu_chunks=2,
+                 gpu_blocks=4, resets=1, failures=0, preemptions=1),
+        M.Bounds(requests=3, tokens=3, families=2, workers=1, cpu_chunks=4, gpu_blocks=6,
+                 resets=2, failures=0, preemptions=2),
+    ]
+    if sync_loads:
+        out.append(M.Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6,
+                            resets=2, failures=0, preemptions=1, sync_loads=True))
+    return tuple(out)
+
+
+VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")
+"""The machine's swarm without "failure" (vLLM asserts on a failed transfer)."""
+
+
+VLLM025_SWARM = ("reset", "partial", "complete", "late")
+"""0.25.1: no abort, finish or preempt events (see VLLM025Machine)."""
+
+
+class VLLMMachine(OffloadingStateMachine):
+    """`OffloadingStateMachine` against vLLM's real scheduler-side connector.
+
+    Restrictions (each with its reason in CONFORMANCE.md): no worker failures, no job
+    timeouts, no duplicate-report rule (vLLM raises a bare KeyError, the spec a typed
+    error), sync loads only where vLLM has them. Invariants are checked on vLLM's state
+    before the refinement comparison, so a broken invariant is reported as such.
+    """
+
+    adapter_factory: ClassVar[type] = VLLMAdapter
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = _vllm_bounds(sync_loads=True)
+    SWARM: ClassVar[tuple[str, ...]] = VLLM_SWARM
+    CHECK_INVARIANTS_FIRST: ClassVar[bool] = True
+
+    steps_taken: ClassVar[int] = 0
+    """Model steps taken (events the model and vLLM both stepped), over every run."""
+    runs: ClassVar[int] = 0
+    last_trace: ClassVar[list[str]] = []
+    """The trace of the last run that failed (hypothesis replays the shrunk one last)."""
+    last_error: ClassVar[str] = ""
+    seconds: ClassVar[float] = 0.0
+
+    @initialize(which=st.integers(0, 100), swarm=st.sets(st.sampled_from(VLLM_SWARM),
+                                                         min_size=2))
+    def start(self, which: int, swarm: set[str]) -> None:
+        type(self).runs += 1
+        super().start(which, swarm)
+
+    def _step(self, ev: M.Event) -> None:
+        before = len(self.trace)
+        t0 = time.perf_counter()
+        try:
+            super()._step(ev)
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+        finally:
+            type(self).seconds += time.perf_counter() - t0
+            if len(self.trace) > before:
+                type(self).steps_taken += 1
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """Keep the run's first failure (hypothesis still runs teardown after it)."""
+        if getattr(self, "_failed", False):
+            return
+        self._failed = True
+        type(self).last_trace = list(self.trace)
+        type(self).last_error = f"{type(exc).__name__}: {exc}"
+
+    @precondition(lambda self: self._enabled("reset") and not self.reset_would_trip())
+    @rule()
+    def reset(self) -> None:
+        """A cache reset, except where vLLM is known to crash (restriction RESET-TWICE)."""
+        self._step(M.Event("reset"))
+
+    def reset_would_trip(self) -> bool:
+        """A second reset before any step, while the first one's flush is still pending:
+        vLLM asserts `not _current_batch_jobs_to_flush` (finding F1 in CONFORMANCE.md)."""
+        return (self.model is not None and self.model.reset_since_step
+                and bool(self.model.to_flush) and not self.allow_known_crashes)
+
+    @precondition(lambda self: self._enabled("finish"))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """A request finishes, except where vLLM's documented divergences lie."""
+        self._do(data, lambda e: e.kind == "finish" and not self.finish_diverges(e.req))
+
+    @precondition(lambda self: self._enabled("abort"))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """A request is aborted, except where vLLM's documented divergences lie."""
+        self._do(data, lambda e: e.kind == "abort" and not self.finish_diverges(e.req))
+
+    def finish_diverges(self, req_id: str | None) -> bool:
+        """Finishing `req_id` now would take vLLM down a documented divergence:
+        PREEMPT-THEN-FINISH (D2: preempted, then finished before the next step) or
+        LOADED-UNSCHEDULED (D3: its async load ended, it was never scheduled since)."""
+        if self.model is None or req_id is None or self.allow_known_divergences:
+            return False
+        if req_id in self.model.pending_preempted:
+            return True
+        core = dict(self.model.core).get(req_id)
+        return core is not None and core.status == "waiting" and bool(core.blocks)
+
+    allow_known_divergences: ClassVar[bool] = False
+    """Lift the restrictions that avoid vLLM's documented divergences (to show them)."""
+
+    allow_known_crashes: ClassVar[bool] = False
+    """Lift the restrictions that avoid vLLM's known crashes (to show they still happen)."""
+
+    def duplicate_report_is_rejected(self) -> None:
+        """Not a rule here: vLLM answers a report for an ended job with a bare KeyError (and
+        an over-ack with an assert); the spec's typed refusal is beyond vLLM."""
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        try:
+            super().invariants_hold()
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+
+    DRAIN_FINISHES: ClassVar[bool] = True
+    """The drain aborts every request (the base machine's drain). False: it only delivers
+    every report and steps, then asks that every request is left idle, holding no job."""
+
+    def teardown(self) -> None:
+        try:
+            if self.DRAIN_FINISHES:
+                self._drain()
+            else:
+                self._drain_without_finishing()
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+
+    def _drain(self) -> None:
+        """The base machine's drain (every report delivered, every request aborted, steps
+        until quiet), ordered so that it does not itself take a restricted path: a step
+        first when a preemption is pending, a loaded request scheduled before its abort."""
+        if self.model is None:
+            return
+        for _ in range(300):
+            m = self.model
+            reports = [e for e in M.events(m) if e.kind == "report" and not e.failed
+                       and e.count == max(1, self._unreported(e.job))]
+            admit = [e for e in M.events(m) if e.kind == "step" and e.req is not None
+                     and dict(m.core)[e.req].blocks]
+            aborts = [e for e in M.events(m) if e.kind == "abort"
+                      and not self.finish_diverges(e.req)]
+            step = [M.Event("step")]
+            order = (reports, step if m.pending_preempted else [], admit, aborts, step)
+            ev = next((evs[0] for evs in order if evs), None)
+            if ev is None:
+                break
+            before = self.model
+            self._step(ev)
+            if self.model == before and ev.kind == "step" and self._quiet():
+                break
+        state = normalize(self.impl.abstract_state(), self.model.bounds)
+        assert not state.requests, f"requests left after the drain: {state.requests}"
+        assert not state.jobs and not state.reset_fence and not state.quarantine, state
+        assert all(n == 0 for _, n in state.chunk_ref_cnt), state.chunk_ref_cnt
+
+    def _drain_without_finishing(self) -> None:
+        if self.model is None:
+            return
+        for _ in range(200):
+            evs = [e for e in M.events(self.model)
+                   if (e.kind == "report" and not e.failed
+                       and e.count == max(1, self._unreported(e.job)))
+                   or (e.kind == "step" and e.req is None)]
+            evs.sort(key=lambda e: ("report", "step").index(e.kind))
+            if not evs:
+                break
+            before = self.model
+            self._step(evs[0])
+            if self.model == before and evs[0].kind == "step":
+                break
+        state = normalize(self.impl.abstract_state(), self.model.bounds)
+        stuck = [r for r in state.requests if r.transfer_jobs]
+        assert not stuck, ("requests stuck after the drain (every report delivered): "
+                           + "; ".join(f"{r.id} in {r.state} holds jobs "
+                                       f"{sorted(r.transfer_jobs)}, live jobs "
+                                       f"{sorted(state.live_job_ids)}" for r in stuck))
+        assert not state.jobs and not state.reset_fence and not state.quarantine, state
+        assert all(n == 0 for _, n in state.chunk_ref_cnt), state.chunk_ref_cnt
+
+
+class VLLM025Machine(VLLMMachine):
+    """The machine against vLLM 0.22-0.25 (before PR #48102 and the reset fence).
+
+    Narrower than `VLLMMachine` (reasons in CONFORMANCE.md): these releases signal the
+    manager and drop a finished request at `request_finished` (no final store), so no
+    finish or abort events and a drain that does not finish requests; each request has its
+    own prefix and is never preempted, since lookups there offer the whole block-aligned
+    prompt with no way to bound them; no sync loads. Resets, partial, complete and late
+    acks stay: the path of the #48102 bug.
+    """
+
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = (
+        M.Bounds(requests=2, tokens=2, shared_prefix=False, workers=2, cpu_chunks=3,
+                 gpu_blocks=4, resets=2, failures=0, preemptions=0),
+        M.Bounds(requests=3, tokens=3, shared_prefix=False, workers=1, cpu_chunks=4,
+                 gpu_blocks=6, resets=2, failures=0, preemptions=0),
+    )
+    DRAIN_FINISHES: ClassVar[bool] = False
+
+    @initialize(which=st.integers(0, 100), swarm=st.sets(st.sampled_from(VLLM025_SWARM),
+                                                         min_size=2))
+    def start(self, which: int, swarm: set[str]) -> None:
+        type(self).runs += 1
+        OffloadingStateMachine.start(self, which, swarm)
+
+
+def machine_for(version: tuple[int, int, int]) -> type[VLLMMachine]:
+    """The machine for a vLLM version (0.26+ has the lifecycle the spec describes)."""
+    return VLLMMachine if version >= (0, 26, 0) else VLLM025Machine
+
+
+__all__ = [
+    "BLOCK_SIZE",
+    "VLLM025_SWARM",
+    "VLLM_SWARM",
+    "VLLM025Machine",
+    "VLLMAdapter",
+    "VLLMMachine",
+    "block_tokens",
+    "machine_for",
+]

@@ -1,0 +1,206 @@
+"""vLLM's live scheduler-side objects seen as a `spec.AbstractState`.
+
+The abstraction function of the conformance check. It reads vLLM's fields (reference 1.2,
+1.3; predicates of 6.1 and 6.3) and never writes them:
+
+Abstract field: vLLM 0.33.0 field [vLLM 0.25.1 name where it differs]
+- requests, transfer_jobs: `_req_status[id].transfer_jobs`
+- finished_signaled: `RequestOffloadState.finished_signaled` [no field: False]
+- jobs, pending_count: `_jobs[id]` (`TransferJobStatus`)
+- deferred fence blocks: `deferred_fence_block_ids` [`non_sliding_window_block_ids`]
+- job_counter, stale_threshold: `_job_counter`, `_stale_job_threshold`
+- reset_fence: `_reset_fence` (id -> reports due) [none: see below]
+- chunks_being_loaded: `_chunks_being_loaded` [`_blocks_being_loaded`]
+- chunk_ref_cnt: `manager._policy.chunks[key].ref_cnt` [`manager._policy.blocks`]
+- block_fence: `_block_id_to_pending_jobs`
+- jobs_to_flush: `_current_batch_jobs_to_flush`
+- step_open: `_step_region is not None` [no step lock: False]
+
+What vLLM does not keep, the adapter observes at the hooks and passes in `Observations`:
+- the core scheduler's side of each request (waiting, running, waiting for a remote load,
+  finished; its GPU block table), which the adapter plays;
+- each job's GPU blocks and whether a flush of it was shipped (read from the metadata that
+  `build_connector_meta` returned);
+- how often `manager.on_request_finished` was called per request, and any `prepare_store`
+  after it (counted by wrapping the two manager methods; the wrappers only count);
+- for vLLM without a reset fence (0.25.1): the reports still due for each job that was live
+  at a reset, counted down from the acks the adapter delivered. 0.25.1 ignores those acks
+  (any id below the threshold); the spec keeps them in the fence. This is the documented
+  translation that lets the same machine run against 0.25.1 (CONFORMANCE.md).
+
+Model granularity: one model token is one vLLM block of `block_size` tokens is one chunk; a
+model GPU block `b` is vLLM block `b + 1` (vLLM's block 0 is the null block); a chunk's
+offload key maps back to the model key `spec.model.key(family, position)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spec import job as J
+from spec import request as R
+from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
+
+# states in which the core holds the request's GPU blocks (as statemachine.projection)
+HOLDS_BLOCKS = (R.RUNNING, R.STORING, R.LOADING_SYNC, R.LOADING_ASYNC, R.ORPHANED_LOAD)
+
+
+@dataclass
+class JobMemo:
+    """What the adapter saw of a job while it was live (vLLM forgets it at a reset)."""
+
+    kind: str
+    keys: frozenset[int]
+    blocks: frozenset[int] = frozenset()
+
+
+@dataclass
+class Observations:
+    """The facts vLLM's connector does not keep, observed by the adapter at the hooks."""
+
+    num_workers: int
+    key_of: dict[bytes, int] = field(default_factory=dict)
+    """vLLM offload key -> model chunk key."""
+    core_status: dict[str, str] = field(default_factory=dict)
+    """The core's view: waiting / remote / running / finished."""
+    core_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """vLLM GPU block ids the core holds for the request."""
+    jobs: dict[int, JobMemo] = field(default_factory=dict)
+    flush_requested: set[int] = field(default_factory=set)
+    flush_shipped: set[int] = field(default_factory=set)
+    signals: dict[str, int] = field(default_factory=dict)
+    stores_after_signal: list[str] = field(default_factory=list)
+    reset_since_last_step: bool = False
+    emulated_fence: dict[int, int] | None = None
+    """Only for vLLM without `_reset_fence`: stale job id -> reports still due."""
+
+
+def model_block(vllm_block: int) -> int:
+    return int(vllm_block) - 1
+
+
+def vllm_block(model_block_id: int) -> int:
+    return int(model_block_id) + 1
+
+
+def _first(obj: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    return default
+
+
+def _keys(obs: Observations, keys: Any) -> frozenset[int]:
+    out = set()
+    for k in keys or ():
+        if bytes(k) not in obs.key_of:
+            raise KeyError(f"vLLM offload key {bytes(k).hex()[:16]}... maps to no model chunk")
+        out.add(obs.key_of[bytes(k)])
+    return frozenset(out)
+
+
+def _blocks(ids: Any) -> frozenset[int]:
+    return frozenset(model_block(b) for b in (ids or ()) if int(b) != 0)
+
+
+def _job_state(obs: Observations, job_id: int, pending: int) -> str:
+    if job_id in obs.flush_requested:
+        return J.FLUSH_REQUESTED
+    if pending < obs.num_workers:
+        return J.PARTIALLY_ACKED
+    return J.SHIPPED
+
+
+def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
+    if st.req.is_finished():
+        return R.FINISHED_DRAINING if _first(st, "finished_signaled", default=False) \
+            else R.FINISHED_PENDING_FINAL
+    jobs = [sched._jobs.get(j) for j in st.transfer_jobs]
+    loads = [j for j in jobs if j is not None and not j.is_store]
+    if any(not _first(j, "is_sync_load", default=False) for j in loads):
+        return R.LOADING_ASYNC
+    if loads:
+        return R.LOADING_SYNC
+    core = obs.core_status.get(req_id, "waiting")
+    if core == "running":
+        return R.STORING if st.transfer_jobs else R.RUNNING
+    if core == "remote" and not st.transfer_jobs:
+        return R.ORPHANED_LOAD
+    if st.transfer_jobs:
+        return R.PREEMPTED_FLUSHING
+    if _first(st, "deferred_lookup_start_time", default=None) is not None:
+        return R.LOOKUP_DEFERRED
+    return R.IDLE
+
+
+def project(setup: Any, obs: Observations) -> AbstractState:
+    """The abstract state of vLLM's scheduler-side connector (`setup` a `VLLMSetup`)."""
+    sched = setup.scheduler
+    manager = setup.manager
+
+    jobs = []
+    for jid, js in sched._jobs.items():
+        memo = obs.jobs.get(jid)
+        deferred = _first(js, "deferred_fence_block_ids", "non_sliding_window_block_ids")
+        fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
+        jobs.append(JobRecord(
+            id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
+            state=_job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
+            sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
+            keys=_keys(obs, js.keys), blocks=memo.blocks if memo else frozenset(),
+            fenced_blocks=_blocks(fenced), deferred_fence_blocks=_blocks(deferred),
+            age=1, flush_requested=jid in obs.flush_requested))
+
+    requests = []
+    for req_id, st in sched._req_status.items():
+        state = _request_state(sched, obs, req_id, st)
+        if state in HOLDS_BLOCKS:
+            gpu = tuple(model_block(b) for b in obs.core_blocks.get(req_id, ()))
+        elif st.req.is_finished():  # aborted while loading: the load's blocks stay held
+            gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
+                        and not sched._jobs[j].is_store
+                        for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ()))
+        else:
+            gpu = ()
+        requests.append(RequestRecord(
+            id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
+            finished=bool(st.req.is_finished()),
+            finished_signaled=bool(_first(st, "finished_signaled", default=False)),
+            load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu))
+
+    fence_src = _first(sched, "_reset_fence")
+    if fence_src is None:
+        fence_src = obs.emulated_fence or {}
+    fence = []
+    for jid, due in fence_src.items():
+        memo = obs.jobs.get(jid)
+        fence.append(HeldJob(
+            id=jid, kind="load" if memo is not None and memo.kind == "load" else "store",
+            reports_due=int(due), keys=memo.keys if memo else frozenset(),
+            blocks=memo.blocks if memo else frozenset(), flushed=jid in obs.flush_shipped))
+
+    being_loaded = _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set()
+    table = _first(manager._policy, "chunks", "blocks")
+    ref_cnt = tuple(sorted((obs.key_of[bytes(k)], int(c.ref_cnt)) for k, c in table.items()))
+    region = _first(sched, "_step_region")
+    return AbstractState(
+        num_workers=obs.num_workers,
+        requests=tuple(sorted(requests)),
+        jobs=tuple(sorted(jobs)),
+        job_counter=int(sched._job_counter),
+        stale_threshold=int(sched._stale_job_threshold),
+        reset_fence=tuple(sorted(fence)),
+        chunks_being_loaded=_keys(obs, being_loaded),
+        chunk_ref_cnt=ref_cnt,
+        block_fence=tuple(sorted((model_block(b), frozenset(ids))
+                                 for b, ids in sched._block_id_to_pending_jobs.items())),
+        jobs_to_flush=frozenset(sched._current_batch_jobs_to_flush),
+        step_open=region is not None,
+        reset_since_last_step=obs.reset_since_last_step,
+        finished_signals=tuple(sorted((r, n) for r, n in obs.signals.items() if n)),
+        stores_after_signal=tuple(sorted(obs.stores_after_signal)),
+    )
+
+
+__all__ = ["HOLDS_BLOCKS", "JobMemo", "Observations", "model_block", "project", "vllm_block"]

@@ -1,0 +1,412 @@
+"""Build vLLM's real scheduler-side offloading connector on a CPU-only machine.
+
+Everything is real: `VllmConfig` (with a tiny llama `config.json` and no weights,
+`DeviceConfig(device="cpu")`), `KVCacheConfig`, vLLM's `OffloadingConnector` in the
+SCHEDULER role, the CPU offloading spec and its `CPUOffloadingManager`, requests with vLLM's
+block hasher, `SchedulerOutput` and `KVConnectorOutput` messages. Supported: vLLM 0.33.0 and
+0.25.1 (between them the KV tensor description and several field names changed).
+
+Importing this module prepares the environment (vLLM's cache and config roots in a temporary
+folder, offline, no usage statistics, quiet logging) but does not import vLLM: that happens
+on first use, and takes several seconds. Building a `ModelConfig` takes about ten more; it
+is cached per process (per `max_model_len`), so `make_setup` is cheap after the first call.
+
+    setup = make_setup(num_gpu_blocks=16, num_cpu_chunks=4)
+    req = make_request(setup, "r0", list(range(32)))
+    setup.connector.on_new_request(req)
+    setup.connector.get_num_new_matched_tokens(req, 0)
+    ...
+    setup.connector.build_connector_meta(scheduler_output(setup, new={"r0": (req, [1, 2])},
+                                                          num_scheduled_tokens={"r0": 32}))
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+# ----------------------------------------------------------------------------- environment
+_TMP = Path(tempfile.mkdtemp(prefix="kvspec-vllm-"))
+
+
+def _prepare_environment() -> None:
+    """Keep vLLM's files in a temporary folder, stay offline and quiet (done once)."""
+    os.environ["VLLM_CACHE_ROOT"] = str(_TMP / "cache")
+    os.environ["VLLM_CONFIG_ROOT"] = str(_TMP / "config")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["VLLM_NO_USAGE_STATS"] = "1"
+    os.environ["DO_NOT_TRACK"] = "1"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("vllm", "torch", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+_prepare_environment()
+
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+EOS_TOKEN_ID = 2
+VOCAB_SIZE = 32000
+
+
+def _model_dir() -> Path:
+    """A tiny llama `config.json` (no weights, no tokenizer): enough for ModelConfig."""
+    path = _TMP / "tiny-llama"
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": NUM_KV_HEADS * HEAD_SIZE * 2,
+            "intermediate_size": 128,
+            "num_attention_heads": NUM_KV_HEADS * 2,
+            "num_key_value_heads": NUM_KV_HEADS,
+            "num_hidden_layers": NUM_LAYERS,
+            "vocab_size": VOCAB_SIZE,
+            "max_position_embeddings": 1 << 16,
+            "rms_norm_eps": 1e-5,
+            "torch_dtype": "float32",
+            "bos_token_id": 1,
+            "eos_token_id": EOS_TOKEN_ID,
+        }))
+    return path
+
+
+# ----------------------------------------------------------------------------- vLLM, lazily
+_OFFLOAD = "vllm.distributed.kv_transfer.kv_connector.v1"
+
+
+@cache
+def _v() -> SimpleNamespace:
+    """vLLM's classes (imported on first use; about 8 s)."""
+
+    def mod(name: str) -> Any:
+        return importlib.import_module(name)
+
+    vllm = mod("vllm")
+    config = mod("vllm.config")
+    kv_utils = mod("vllm.v1.core.kv_cache_utils")
+    hashing = mod("vllm.utils.hashing")
+    kv_iface = mod("vllm.v1.kv_cache_interface")
+    output = mod("vllm.v1.core.sched.output")
+    kv_utils.init_none_hash(hashing.sha256)
+    return SimpleNamespace(
+        vllm=vllm,
+        version=vllm.__version__,
+        file=vllm.__file__,
+        torch=mod("torch"),
+        config=config,
+        SamplingParams=vllm.SamplingParams,
+        KVConnectorRole=mod(_OFFLOAD).KVConnectorRole,
+        OffloadingConnector=mod(f"{_OFFLOAD}.offloading_connector").OffloadingConnector,
+        OffloadingWorkerMetadata=mod(f"{_OFFLOAD}.offloading.common").OffloadingWorkerMetadata,
+        sha256=hashing.sha256,
+        KVCacheBlocks=mod("vllm.v1.core.kv_cache_manager").KVCacheBlocks,
+        KVCacheBlock=kv_utils.KVCacheBlock,
+        get_request_block_hasher=kv_utils.get_request_block_hasher,
+        NewRequestData=output.NewRequestData,
+        CachedRequestData=output.CachedRequestData,
+        SchedulerOutput=output.SchedulerOutput,
+        FullAttentionSpec=kv_iface.FullAttentionSpec,
+        KVCacheConfig=kv_iface.KVCacheConfig,
+        KVCacheGroupSpec=kv_iface.KVCacheGroupSpec,
+        KVCacheTensor=kv_iface.KVCacheTensor,
+        CPUOffloadingManager=mod("vllm.v1.kv_offload.cpu.manager").CPUOffloadingManager,
+        CPUOffloadingSpec=mod("vllm.v1.kv_offload.cpu.spec").CPUOffloadingSpec,
+        make_offload_key=mod("vllm.v1.kv_offload.base").make_offload_key,
+        KVConnectorOutput=mod("vllm.v1.outputs").KVConnectorOutput,
+        Request=mod("vllm.v1.request").Request,
+        RequestStatus=mod("vllm.v1.request").RequestStatus,
+    )
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    parts: list[int] = []
+    for piece in text.split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    while len(parts) < 3:
+        parts.append(0)
+    return parts[0], parts[1], parts[2]
+
+
+def vllm_version() -> tuple[int, int, int]:
+    """The installed (or VLLM_SRC) vLLM's version, as (major, minor, patch)."""
+    return _parse_version(str(_v().version))
+
+
+def vllm_file() -> str:
+    """`vllm.__file__`: which tree is under test (an installed wheel or a VLLM_SRC checkout)."""
+    return str(_v().file)
+
+
+def has_reset_fence() -> bool:
+    """0.33 tracks stale jobs' outstanding reports (`_reset_fence`); 0.25 does not."""
+    return vllm_version() >= (0, 26, 0)
+
+
+@cache
+def _model_config(max_model_len: int) -> Any:
+    path = str(_model_dir())
+    return _v().config.ModelConfig(model=path, tokenizer=path, skip_tokenizer_init=True,
+                                   dtype="float32", max_model_len=max_model_len, seed=0)
+
+
+# ----------------------------------------------------------------------------- the setup
+@dataclass
+class VLLMSetup:
+    """One freshly built scheduler-side connector and what it was built from."""
+
+    version: tuple[int, int, int]
+    connector: Any
+    """vLLM's `OffloadingConnector` (role SCHEDULER): the hooks the core scheduler calls."""
+    scheduler: Any
+    """`connector.connector_scheduler`: the `OffloadingConnectorScheduler` with the tables."""
+    manager: Any
+    """The `CPUOffloadingManager`."""
+    block_size: int
+    """Tokens per GPU block (= tokens per block hash)."""
+    blocks_per_chunk: int
+    num_gpu_blocks: int
+    num_cpu_chunks: int
+    num_workers: int
+    eviction_policy: str
+    vllm_config: Any
+    kv_cache_config: Any
+    block_hasher: Any
+    vllm_file: str
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+
+def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool) -> Any:
+    v = _v()
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                               head_size=HEAD_SIZE, dtype=v.torch.float32)
+    page = spec.page_size_bytes
+    if v33:  # one backing allocation for all layers, layer-outermost
+        tensors = [v.KVCacheTensor(size=page * NUM_LAYERS * num_gpu_blocks, layers=layers,
+                                   layer_stride=page * num_gpu_blocks, block_stride=page)]
+    else:  # one tensor per layer
+        tensors = [v.KVCacheTensor(size=page * num_gpu_blocks, shared_by=[name])
+                   for name in layers]
+    return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                           kv_cache_groups=[v.KVCacheGroupSpec(layers, spec)])
+
+
+def _chunk_bytes(block_size: int, blocks_per_chunk: int, num_workers: int) -> int:
+    """CPU bytes one chunk takes, as the CPU spec computes it (aligned)."""
+    v = _v()
+    spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                               head_size=HEAD_SIZE, dtype=v.torch.float32)
+    raw = int(spec.page_size_bytes) * NUM_LAYERS * num_workers * blocks_per_chunk
+    align = int(getattr(v.CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
+    return -(-raw // align) * align
+
+
+def manager_num_chunks(manager: Any) -> int:
+    for name in ("_num_chunks", "_num_blocks", "num_chunks", "num_blocks"):
+        if hasattr(manager, name):
+            return int(getattr(manager, name))
+    raise AttributeError(f"cannot find the chunk count of {type(manager).__name__}")
+
+
+def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: int = 1,
+               cpu_bytes: int | None = None, num_cpu_chunks: int | None = None,
+               eviction_policy: str = "lru", max_num_seqs: int = 16,
+               max_model_len: int = 1024, num_workers: int = 1,
+               enable_prefix_caching: bool = True,
+               extra_config: Mapping[str, Any] | None = None) -> VLLMSetup:
+    """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
+    null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
+    of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
+    every job then waits for that many acks."""
+    v = _v()
+    version = vllm_version()
+    v33 = version >= (0, 26, 0)
+    if num_cpu_chunks is not None:
+        if cpu_bytes is not None:
+            raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
+        cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers)
+    if cpu_bytes is None:
+        cpu_bytes = 64 << 20
+    extra: dict[str, Any] = {
+        "spec_name": "CPUOffloadingSpec",
+        "cpu_bytes_to_use": cpu_bytes,
+        "eviction_policy": eviction_policy,
+        "offload_prompt_only": False,
+    }
+    if blocks_per_chunk != 1:  # understood by both versions ("blocks_per_chunk" is 0.33 only)
+        extra["block_size"] = block_size * blocks_per_chunk
+    extra.update(extra_config or {})
+    cfg = v.config
+    parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1
+                else cfg.ParallelConfig())
+    vllm_config = cfg.VllmConfig(
+        model_config=_model_config(max_model_len),
+        cache_config=cfg.CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
+                                     cache_dtype="auto",
+                                     enable_prefix_caching=enable_prefix_caching),
+        scheduler_config=cfg.SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_model_len, 2048),
+            max_model_len=max_model_len, enable_chunked_prefill=True,
+            is_encoder_decoder=False),
+        parallel_config=parallel,
+        device_config=cfg.DeviceConfig(device="cpu"),
+        kv_transfer_config=cfg.KVTransferConfig(kv_connector="OffloadingConnector",
+                                                kv_role="kv_both",
+                                                kv_connector_extra_config=extra),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+    world = int(vllm_config.parallel_config.world_size)
+    if world != num_workers:
+        raise RuntimeError(f"asked for {num_workers} workers, vLLM's world size is {world}")
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33)
+    connector = v.OffloadingConnector(vllm_config, v.KVConnectorRole.SCHEDULER,
+                                      kv_cache_config)
+    scheduler = connector.connector_scheduler
+    manager = scheduler.manager
+    if not isinstance(manager, v.CPUOffloadingManager):
+        raise RuntimeError(f"expected a CPUOffloadingManager, got {type(manager).__name__}")
+    chunks = manager_num_chunks(manager)
+    if num_cpu_chunks is not None and chunks != num_cpu_chunks:
+        raise RuntimeError(f"asked for {num_cpu_chunks} CPU chunks, vLLM made {chunks}")
+    return VLLMSetup(
+        version=version, connector=connector, scheduler=scheduler, manager=manager,
+        block_size=block_size, blocks_per_chunk=blocks_per_chunk,
+        num_gpu_blocks=num_gpu_blocks, num_cpu_chunks=chunks, num_workers=world,
+        eviction_policy=eviction_policy, vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_hasher=v.get_request_block_hasher(block_size, v.sha256),
+        vllm_file=str(v.file), extra_config=extra,
+    )
+
+
+# ----------------------------------------------------------------------------- messages
+def make_request(setup: VLLMSetup, req_id: str, prompt_token_ids: list[int],
+                 max_tokens: int = 100) -> Any:
+    """A real vLLM `Request` with the block hasher (its `block_hashes` cover every full
+    block of the prompt). The caller calls `connector.on_new_request` itself."""
+    v = _v()
+    params = v.SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return v.Request(request_id=req_id, prompt_token_ids=list(prompt_token_ids),
+                     sampling_params=params, pooling_params=None,
+                     block_hasher=setup.block_hasher)
+
+
+def offload_key(block_hash: Any, group: int = 0) -> Any:
+    """The manager's key of the chunk ending at `block_hash` (one KV-cache group)."""
+    return _v().make_offload_key(block_hash, group)
+
+
+def request_status() -> Any:
+    """vLLM's `RequestStatus` enum."""
+    return _v().RequestStatus
+
+
+def kv_blocks(block_ids: Sequence[int]) -> Any:
+    """`KVCacheBlocks` of one KV-cache group (what `update_state_after_alloc` receives)."""
+    v = _v()
+    return v.KVCacheBlocks(([v.KVCacheBlock(int(b)) for b in block_ids],))
+
+
+class SortedIdSet(set[str]):
+    """A set of request ids that iterates in sorted order.
+
+    vLLM's core keeps `finished_req_ids` and `preempted_req_ids` in plain sets, so the
+    connector visits them in string-hash order, which changes from process to process
+    (PYTHONHASHSEED). Where the order matters (finished requests competing for the last CPU
+    chunks in one step), a reproducible test needs one order: this set gives the sorted one,
+    which is also the spec's (translation FINISHED-ORDER in CONFORMANCE.md)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(set.__iter__(self)))
+
+
+def scheduler_output(setup: VLLMSetup, *,
+                     new: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
+                     resumed: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
+                     cached: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
+                     num_scheduled_tokens: Mapping[str, int] | None = None,
+                     finished_req_ids: set[str] | frozenset[str] | None = None,
+                     preempted_req_ids: set[str] | frozenset[str] | None = None) -> Any:
+    """A real `SchedulerOutput`.
+
+    - `new`: first scheduling of a request, `{req_id: (request, whole block table)}`;
+    - `resumed`: a request scheduled again after a preemption (or a reset), with its whole
+      new block table (vLLM sends it as a cached request marked resumed);
+    - `cached`: a request that keeps running, `{req_id: (request, blocks added this step)}`;
+    - `num_scheduled_tokens`: tokens computed this step per scheduled request;
+    - `finished_req_ids`: requests finished since the previous step;
+    - `preempted_req_ids`: requests the core preempted since the previous step.
+    """
+    v = _v()
+    out = v.SchedulerOutput.make_empty()
+    out.scheduled_new_reqs = [v.NewRequestData.from_request(req, (list(map(int, blocks)),))
+                              for req, blocks in (new or {}).values()]
+    ids: list[str] = []
+    new_blocks: list[Any] = []
+    computed: list[int] = []
+    outputs: list[int] = []
+    all_tokens: dict[str, list[int]] = {}
+    resumed_ids: set[str] = set()
+    for kind, table in (("resumed", resumed or {}), ("cached", cached or {})):
+        for req_id, (req, blocks) in table.items():
+            ids.append(req_id)
+            new_blocks.append((list(map(int, blocks)),))
+            computed.append(int(req.num_computed_tokens))
+            outputs.append(len(req.output_token_ids))
+            if kind == "resumed":
+                resumed_ids.add(req_id)
+                all_tokens[req_id] = list(req.all_token_ids)
+    out.scheduled_cached_reqs = v.CachedRequestData(
+        req_ids=ids, resumed_req_ids=resumed_ids, new_token_ids=[[] for _ in ids],
+        all_token_ids=all_tokens, new_block_ids=new_blocks, num_computed_tokens=computed,
+        num_output_tokens=outputs)
+    sched = {k: int(n) for k, n in (num_scheduled_tokens or {}).items()}
+    out.num_scheduled_tokens = sched
+    out.total_num_scheduled_tokens = sum(sched.values())
+    out.finished_req_ids = SortedIdSet(finished_req_ids or ())
+    out.preempted_req_ids = SortedIdSet(preempted_req_ids) if preempted_req_ids else None
+    return out
+
+
+def connector_output(setup: VLLMSetup, completed_jobs: Mapping[int, int], *,
+                     finished_recving: set[str] | frozenset[str] | None = None,
+                     finished_sending: set[str] | frozenset[str] | None = None) -> Any:
+    """A real `KVConnectorOutput` carrying `OffloadingWorkerMetadata(completed_jobs)` (the
+    counts summed over the workers, as vLLM's output aggregator does)."""
+    v = _v()
+    meta = v.OffloadingWorkerMetadata(
+        completed_jobs={int(j): int(n) for j, n in completed_jobs.items()})
+    return v.KVConnectorOutput(
+        finished_sending=set(finished_sending) if finished_sending else None,
+        finished_recving=set(finished_recving) if finished_recving else None,
+        kv_connector_worker_meta=meta)
+
+
+__all__ = ["EOS_TOKEN_ID", "SortedIdSet", "VLLMSetup", "connector_output",
+           "has_reset_fence", "kv_blocks", "make_request", "make_setup",
+           "manager_num_chunks", "offload_key", "request_status", "scheduler_output",
+           "vllm_file", "vllm_version"]

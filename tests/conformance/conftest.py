@@ -1,0 +1,44 @@
+"""Conformance tests: the project's machine against vLLM's own scheduler-side connector.
+
+They need vLLM (make conformance builds `.venv-vllm`); without it every test here is
+skipped. The report header names the vLLM under test and where it was imported from, so a
+`VLLM_SRC=path make conformance` run shows which source tree it tested.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not HAVE_VLLM:
+        return ["vllm: not importable (conformance tests skipped)"]
+    from conformance import vllm_env
+
+    return [f"vllm: {'.'.join(map(str, vllm_env.vllm_version()))} "
+            f"from {vllm_env.vllm_file()}"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAVE_VLLM:
+        return
+    skip = pytest.mark.skip(reason="vllm is not importable (make conformance builds a venv)")
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def vllm_ready() -> Any:
+    """Import vLLM and build the cached ModelConfig once (about 20 s)."""
+    from conformance import vllm_env
+
+    vllm_env.make_setup(num_gpu_blocks=4, num_cpu_chunks=2)
+    return vllm_env

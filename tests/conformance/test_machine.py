@@ -1,0 +1,185 @@
+"""The model-based machine of `statemachine.testing` against vLLM's scheduler-side connector.
+
+- vLLM 0.26+ (0.33.0 pinned): refinement after every step, every invariant, the drain; at
+  least 2,000 model steps in one run. The documented divergences (CONFORMANCE.md) are each
+  replayed with the machine's restriction lifted, to show they still diverge as written.
+- vLLM 0.22-0.25 (0.25.1): the same machine must find the PR #48102 stuck request by itself
+  (hypothesis search and shrinking, deterministic), shrunk to at most 12 steps.
+
+KVSPEC_CONFORMANCE_EXAMPLES sets the number of hypothesis runs of the long test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from spec import model as M
+
+pytestmark = pytest.mark.conformance
+
+MIN_STEPS = 2000
+MAX_TRACE = 12
+
+
+def _settings(examples: int, steps: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    derandomize=True, database=None, print_blob=False,
+                    suppress_health_check=list(HealthCheck))
+
+
+def _needs(vllm_env: Any, at_least: bool) -> None:
+    new = vllm_env.vllm_version() >= (0, 26, 0)
+    if new != at_least:
+        pytest.skip(f"for vLLM {'>=' if at_least else '<'} 0.26 "
+                    f"(this is {'.'.join(map(str, vllm_env.vllm_version()))})")
+
+
+def _fresh(machine: Any, name: str) -> Any:
+    """A subclass with its own counters and settings (hypothesis keeps per-class state)."""
+    return type(name, (machine,), {"steps_taken": 0, "runs": 0, "last_trace": [],
+                                   "last_error": "", "seconds": 0.0})
+
+
+# ============================================================================ 0.26 and later
+def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> None:
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMMachine
+
+    machine = _fresh(VLLMMachine, "VLLMConformance")
+    examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "300"))
+    t0 = time.perf_counter()
+    machine.TestCase.settings = _settings(examples, 50)
+    machine.TestCase().runTest()
+    seconds = time.perf_counter() - t0
+    print(f"vLLM {vllm_ready.vllm_version()}: {machine.steps_taken} model steps in "
+          f"{machine.runs} runs, {seconds:.1f} s ({machine.seconds:.1f} s in the steps)")
+    record_property("model_steps", machine.steps_taken)
+    record_property("seconds", round(seconds, 1))
+    assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
+
+
+def _replay(machine: Any, bounds: M.Bounds, trace: str) -> Any:
+    from statemachine.testing import replay
+
+    return replay(parse_trace(trace), bounds, machine)
+
+
+def parse_trace(text: str) -> list[M.Event]:
+    """`arrive(r0) ; step(admit=r0) ; ack(job 0, count 2) ; reset()` -> events."""
+    import re
+
+    out = []
+    for item in (t.strip() for t in text.split(";")):
+        m = re.fullmatch(r"(\w+)\((.*)\)", item)
+        assert m is not None, item
+        kind, arg = m.group(1), m.group(2)
+        if kind == "step":
+            out.append(M.Event("step", arg.split("=")[1] if arg else None))
+        elif kind in ("ack", "fail"):
+            job, count = (int(x) for x in re.findall(r"\d+", arg))
+            out.append(M.Event("report", job=job, count=count, failed=kind == "fail"))
+        else:
+            out.append(M.Event(kind, arg or None))  # type: ignore[arg-type]
+    return out
+
+
+B0 = M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+              failures=0, preemptions=2)
+
+F1_RESET_TWICE = "arrive(r0) ; step(admit=r0) ; reset() ; reset()"
+D2_PREEMPT_THEN_FINISH = "arrive(r0) ; step(admit=r0) ; preempt(r0) ; abort(r0) ; step()"
+D3_LOADED_UNSCHEDULED = ("arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 2) "
+                         "; ack(job 1, count 2) ; ack(job 2, count 2) ; arrive(r1) ; "
+                         "step(admit=r1) ; ack(job 3, count 2) ; reset() ; abort(r1) ; step()")
+
+
+def test_finding_f1_second_reset_before_a_step_crashes(vllm_ready: Any) -> None:
+    """F1: reset_cache leaves its flush in _current_batch_jobs_to_flush for the next step,
+    then asserts that set is empty: a second reset before that step raises."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMMachine
+
+    with pytest.raises(AssertionError) as err:
+        _replay(VLLMMachine, B0, F1_RESET_TWICE)
+    assert "reset_cache" in "".join(str(e.name) for e in err.traceback)
+    # the same trace with a step between the resets conforms
+    _replay(VLLMMachine, B0, "arrive(r0) ; step(admit=r0) ; reset() ; step() ; reset()")
+
+
+def test_divergence_d1_whole_prompt_hit(vllm_ready: Any) -> None:
+    """D1: without the bound, vLLM offers a block-aligned prompt whole (the core recomputes
+    its last token, CS:3515-3516); the spec leaves the last block to compute."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMAdapter, VLLMMachine
+
+    trace = "arrive(r0) ; step(admit=r0) ; step() ; step() ; preempt(r0) ; " \
+            "ack(job 0, count 2) ; ack(job 1, count 2) ; ack(job 2, count 2) ; step(admit=r0)"
+    _replay(VLLMMachine, B0, trace)  # with the bound: conforms
+
+    class Unbounded(VLLMAdapter):
+        last_token_bound = False
+
+    class UnboundedMachine(VLLMMachine):
+        adapter_factory = Unbounded
+
+    with pytest.raises(AssertionError, match=r"answered \(3, True\), the model \(2, True\)"):
+        _replay(UnboundedMachine, B0, trace)
+
+
+@pytest.mark.parametrize("trace", [D2_PREEMPT_THEN_FINISH, D3_LOADED_UNSCHEDULED],
+                         ids=["D2-preempt-then-finish", "D3-loaded-unscheduled"])
+def test_documented_divergences_still_diverge(vllm_ready: Any, trace: str) -> None:
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMMachine
+
+    class Lifted(VLLMMachine):
+        allow_known_divergences = True
+
+    with pytest.raises(AssertionError, match="left the model"):
+        _replay(Lifted, B0, trace)
+
+
+def test_the_48102_trace_conforms_after_the_fix(vllm_ready: Any) -> None:
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMMachine
+
+    _replay(VLLMMachine, B0, "arrive(r0) ; step(admit=r0) ; reset() ; step() ; "
+                             "ack(job 0, count 2)")
+
+
+# ============================================================================ before 0.26
+def test_machine_finds_the_48102_stuck_request(vllm_ready: Any, record_property: Any,
+                                                tmp_path: Any) -> None:
+    """The machine, not a scenario, finds PR #48102: after a reset a request keeps a job id
+    that left `_jobs`; its next lookups answer None forever (stuck)."""
+    _needs(vllm_ready, at_least=False)
+    from conformance.adapter import VLLM025Machine
+
+    machine = _fresh(VLLM025Machine, "VLLM025Search")
+    machine.TestCase.settings = _settings(50, 20)
+    t0 = time.perf_counter()
+    try:
+        machine.TestCase().runTest()
+    except AssertionError as exc:
+        found: BaseException = exc
+    except BaseException as exc:  # several distinct failures, or a crash: not the finding
+        pytest.fail(f"the machine failed, but not (only) with the #48102 finding: {exc!r}")
+    else:
+        pytest.fail("the machine did not find the #48102 stuck request")
+    seconds = time.perf_counter() - t0
+    trace = list(machine.last_trace)
+    text = (f"vLLM {vllm_ready.vllm_version()}: shrunk trace of {len(trace)} steps "
+            f"(search and shrink {seconds:.1f} s):\n  " + " ;\n  ".join(trace)
+            + f"\n{machine.last_error}")
+    print(text)
+    (tmp_path / "48102-trace.txt").write_text(text + "\n")
+    record_property("trace", " ; ".join(trace))
+    assert "INV-1" in str(found) or "stuck" in str(found), found
+    assert "request 'r" in str(found) and "job" in str(found), found
+    assert "reset()" in trace, trace
+    assert 0 < len(trace) <= MAX_TRACE, trace
