@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test campaign check diagrams clean
+.PHONY: venv demo test campaign check diagrams conformance bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign" --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance" --cov=statemachine --cov=spec --cov-report=term:skip-covered
 	$(BIN)/kvspec diagrams --check
 
 # the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)
@@ -39,5 +39,25 @@ check: $(STAMP)
 diagrams: $(STAMP)
 	$(BIN)/kvspec diagrams
 
+# Conformance: the model-based tests against vLLM's own scheduler side (CONFORMANCE.md).
+# VLLM_VERSION picks the release (its own venv: .venv-vllm for 0.33.0, .venv-vllm-X else);
+# VLLM_SRC=path tests a vLLM source tree (a pull request's checkout) instead: its Python tree
+# goes ahead of the installed wheel on the path (the scheduler side is pure Python).
+VLLM_VERSION ?= 0.33.0
+VLLM_SRC ?=
+VLLM_VENV := .venv-vllm$(if $(filter 0.33.0,$(VLLM_VERSION)),,-$(VLLM_VERSION))
+VLLM_STAMP := $(VLLM_VENV)/.vllm-version
+
+$(VLLM_STAMP): scripts/vllm-venv.sh
+	PY=$(PY) scripts/vllm-venv.sh $(VLLM_VENV) $(VLLM_VERSION)
+
+conformance: $(VLLM_STAMP)
+	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
+		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -rfEsP -m conformance tests/conformance
+
+# Our scheduler against vLLM's, the same trace, CPU time per step (bench/scheduler.py)
+bench-scheduler: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python bench/scheduler.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm* .pytest_cache .mypy_cache .ruff_cache .hypothesis
