@@ -20,10 +20,26 @@ Deviations from vLLM's CPU manager, all deliberate:
 * `complete_store(success=False)` and the timeout quarantine (`quarantine_store`,
   `release_slots`) exist, although the 0.33.0 connector never fails a store;
 * contract violations raise `ManagerError` (leaving the manager unchanged) where vLLM
-  asserts.
+  asserts; a `prepare_store` after `on_request_finished` is always refused (vLLM asserts
+  only on a key new to the request) and a later load records no access;
+* an offer is deduplicated (vLLM gives an absent key listed twice two slots).
+
+Eviction choices, slot choices and recency are vLLM's, call for call
+(tests/conformance/test_manager_vs_vllm.py checks it against vLLM 0.33.0).
 
 `reset_cache` frees every slot, quarantined ones included, as vLLM's reset frees every
 slot: keeping a late copy from landing in a reused slot is the scheduler's reset fence's job.
+
+Recency, as in vLLM 0.33.0 (reference §4.2, §4.3). Each request has an *access record* for
+the current cache generation: the keys it has seen (first-seen order), the ones it inserted
+and the ones it reused (found already stored and ready, unless it had inserted them itself).
+A key enters the record the first time the request loads it, stores it, or offers it for
+storing while it is absent or ready; an offered key that is still write pending is not an
+access. New keys are reported to the policy at once (`on_request_access`: *provisional*
+recency, LRU's request rank); the whole record is replayed head first when the request
+finishes (`on_request_finished`: *committed* recency). Head-first order is the order of the
+*positions* the caller set on the request context (`ReqContext.set_position`, vLLM's end
+token of the chunk) when every seen key has one, else first-seen order.
 """
 
 from __future__ import annotations
@@ -80,10 +96,18 @@ class LookupResult(enum.Enum):
 
 @dataclass(frozen=True)
 class ReqContext:
-    """A request as the manager knows it; ``generation`` is the cache generation at creation."""
+    """A request as the manager knows it; ``generation`` is the cache generation at creation.
+
+    ``positions`` maps the request's keys to their position in it (vLLM's end token of the
+    chunk); the caller sets them, before offering or loading the keys, with `set_position`.
+    """
 
     req_id: str
     generation: int
+    positions: dict[OffloadKey, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def set_position(self, key: OffloadKey, position: int) -> None:
+        self.positions[key] = position
 
 
 @dataclass(frozen=True)
@@ -108,15 +132,13 @@ class _Chunk:
 
 @dataclass(slots=True)
 class _Access:
-    """What one request did with the cache, for the recency update when it finishes."""
+    """One request's access record in the current cache generation (see the module doc)."""
 
-    generation: int
-    positions: dict[OffloadKey, int] = field(default_factory=dict)   # first-seen order
+    token: int                       # names the request to the policy (its request rank)
+    seen: dict[OffloadKey, None] = field(default_factory=dict)   # first-seen order
+    inserted: set[OffloadKey] = field(default_factory=set)
     reused: set[OffloadKey] = field(default_factory=set)
     store_missed: set[OffloadKey] = field(default_factory=set)
-
-    def position(self, key: OffloadKey) -> int:
-        return self.positions.setdefault(key, len(self.positions))
 
 
 _STAT_NAMES = ("lookups", "hits", "hits_pending", "misses", "store_calls", "stores",
@@ -140,7 +162,8 @@ class CPUOffloadingManager:
         self._num_evictable = 0           # ready keys with ref_cnt == 0
         self._num_write_pending = 0       # keys with ref_cnt == -1
         self._generation = 0
-        self._access: dict[str, _Access] = {}
+        self._access: dict[str, _Access] = {}    # req_id -> record; cleared by a reset
+        self._next_token = 0
         self._finished: set[str] = set()
         self._events: list[OffloadingEvent] = []
         self.finished_signals: dict[str, int] = {}
@@ -193,21 +216,40 @@ class CPUOffloadingManager:
     # ------------------------------------------------------------------ requests
     def on_new_request(self, req_id: str) -> ReqContext:
         self._finished.discard(req_id)
-        self._access[req_id] = _Access(self._generation)
+        self._access[req_id] = self._new_access()
         return ReqContext(req_id, self._generation)
 
-    def _record(self, ctx: ReqContext) -> _Access:
+    def _new_access(self) -> _Access:
+        self._next_token += 1
+        return _Access(self._next_token)
+
+    def _access_of(self, ctx: ReqContext) -> _Access | None:
+        """The request's access record (a fresh one after a reset); None once it finished."""
+        if ctx.req_id in self._finished:
+            return None
         rec = self._access.get(ctx.req_id)
-        if rec is None or rec.generation != ctx.generation:
-            rec = self._access[ctx.req_id] = _Access(ctx.generation)
+        if rec is None:
+            rec = self._access[ctx.req_id] = self._new_access()
         return rec
+
+    def _record_access(self, rec: _Access, ctx: ReqContext, keys: Iterable[OffloadKey],
+                       reused: Iterable[OffloadKey] = ()) -> None:
+        """Add ``keys`` to the record, reporting the new ones to the policy (provisional
+        recency); ``reused`` ones count as reuses unless this request inserted them."""
+        new = [k for k in dict.fromkeys(keys) if k not in rec.seen]
+        if new:
+            rec.seen.update(dict.fromkeys(new))
+            self._policy.on_request_access(new, ctx.positions, request=rec.token)
+        rec.reused.update(k for k in reused if k not in rec.inserted)
 
     def on_request_finished(self, ctx: ReqContext) -> None:
         """The request will issue no further prepare_store/prepare_load.
 
-        Every call is counted in `finished_signals`. The recency update is skipped when the
-        context predates the last reset or the request already finished. The request is
-        marked finished in every case, so a later `prepare_store` is refused.
+        Every call is counted in `finished_signals`. The first one commits the request's
+        recency: its access record, head first (ordered by position when every seen key has
+        one), goes to the policy. A request with no access since the last reset commits
+        nothing. The request is marked finished in every case, so a later `prepare_store` is
+        refused and later loads record nothing.
         """
         req_id = ctx.req_id
         self.finished_signals[req_id] = self.finished_signals.get(req_id, 0) + 1
@@ -215,10 +257,14 @@ class CPUOffloadingManager:
             return
         self._finished.add(req_id)
         rec = self._access.pop(req_id, None)
-        if ctx.generation != self._generation or rec is None or rec.generation != ctx.generation:
+        if rec is None:
             return
-        held = [k for k in rec.positions if k in self._index]
-        self._policy.on_request_finished(held, rec.reused & set(held), request=req_id)
+        order = list(rec.seen)
+        if all(k in ctx.positions for k in order):
+            order.sort(key=ctx.positions.__getitem__)
+        held = [k for k in order if k in self._index]
+        self._policy.on_request_finished(held, rec.reused, request=rec.token,
+                                         inserted=rec.inserted - rec.reused)
 
     # ------------------------------------------------------------------ lookup and loads
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -241,7 +287,6 @@ class CPUOffloadingManager:
         if bad:
             raise ManagerError("prepare_load", "every key must be stored and ready",
                                req_id=ctx.req_id, states=bad)
-        rec = self._record(ctx)
         out: list[int] = []
         for key in keys:
             chunk = self._index[key]
@@ -249,11 +294,16 @@ class CPUOffloadingManager:
                 self._num_evictable -= 1
             chunk.ref_cnt += 1
             out.append(chunk.chunk_id)
-            rec.position(key)
-            rec.reused.add(key)
-        self._policy.touch(list(dict.fromkeys(keys)), self._ref_cnt)
+        if (rec := self._access_of(ctx)) is not None:
+            self._record_access(rec, ctx, keys, reused=keys)
         self.stats["loads"] += len(keys)
         return tuple(out)
+
+    def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
+        """Mark ``keys`` (head first) as just used, outside any request's access record.
+        Part of vLLM's manager API; its scheduler never calls it."""
+        del ctx
+        self._policy.touch(list(keys), self._ref_cnt)
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """Unpin every key (ref_cnt -= 1); a key listed twice is unpinned twice."""
@@ -276,33 +326,32 @@ class CPUOffloadingManager:
         """Reserve slots for the offered keys that are not held yet.
 
         Returns None (allocating and evicting nothing) when the free slots plus the evictable
-        chunks outside the offer cannot cover them. The reuse touches and store-miss records
-        happen before that check, as in vLLM.
+        chunks outside the offer cannot cover them. The store-miss report and the access
+        record (absent and ready offered keys; write-pending ones are not accesses) happen
+        before that check, as in vLLM.
         """
-        if ctx.req_id in self._finished:
+        rec = self._access_of(ctx)
+        if rec is None:
             self.stores_after_finish.append(ctx.req_id)
             raise ManagerError("prepare_store", "new cache keys offered after the request "
                                "finished", req_id=ctx.req_id,
                                states={k: self.describe(k) for k in keys})
         self.stats["store_calls"] += 1
-        rec = self._record(ctx)
         offered = list(dict.fromkeys(keys))
         candidates: list[OffloadKey] = []
         reuses: list[OffloadKey] = []
         for key in offered:
-            rec.position(key)
             chunk = self._index.get(key)
             if chunk is None:
                 candidates.append(key)
             elif chunk.ref_cnt >= 0:
                 reuses.append(key)
-        if reuses:
-            rec.reused.update(reuses)
-            self._policy.touch(reuses, self._ref_cnt)
-            self.stats["store_reuses"] += len(reuses)
         if misses := [k for k in candidates if k not in rec.store_missed]:
             rec.store_missed.update(misses)
             self._policy.on_store_miss(misses)
+        accessed = set(candidates) | set(reuses)
+        self._record_access(rec, ctx, [k for k in offered if k in accessed], reused=reuses)
+        self.stats["store_reuses"] += len(reuses)
         if not candidates:
             return PrepareStoreOutput((), (), ())
 
@@ -328,8 +377,9 @@ class CPUOffloadingManager:
         for key in candidates:
             chunk_id = self._allocate()
             self._index[key] = _Chunk(chunk_id, -1)
-            self._policy.insert(key, chunk_id, request=ctx.req_id, position=rec.positions[key])
+            self._policy.insert(key, chunk_id, request=rec.token, position=ctx.positions.get(key))
             chunk_ids.append(chunk_id)
+        rec.inserted.update(candidates)
         self._num_write_pending += len(candidates)
         self.stats["stores"] += len(candidates)
         return PrepareStoreOutput(tuple(candidates), tuple(chunk_ids), tuple(evicted))
@@ -345,11 +395,12 @@ class CPUOffloadingManager:
                                "state is now inconsistent", states=wrong)
 
     def _allocate(self) -> int:
-        """A fresh slot from the bump allocator while any is left, else the oldest free one."""
+        """A fresh slot from the bump allocator while any is left, else the most recently
+        freed one (vLLM pops its free list from the end)."""
         if self._num_allocated < self.num_chunks:
             self._num_allocated += 1
             return self._num_allocated - 1
-        return self._free.popleft()
+        return self._free.pop()
 
     def _pending(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The distinct keys among ``keys`` that are indexed and write pending, in order."""

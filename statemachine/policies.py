@@ -11,6 +11,21 @@ Two policies:
   and, inside it, later positions (tails) go before earlier ones (heads).
 * `ARCPolicy`: adaptive replacement cache: T1 (seen once), T2 (seen again), ghost lists B1
   and B2 of recently evicted keys, and an adaptive target size ``p`` for T1.
+
+Recency from requests comes in two stages, as in vLLM 0.33.0 (reference §4.3):
+
+* provisional, while the request is active: `on_request_access` reports the keys the
+  request reads or stores for the first time. LRU raises each to the request's rank at the
+  key's position (so an active request's keys sit together, tails before heads); ARC does
+  nothing yet.
+* committed, when the request finishes: `on_request_finished` replays the request's keys
+  head first. LRU gives them fresh ranks, the head becoming the most recent; ARC promotes the
+  keys the request found already stored (T1 to T2) and refreshes those it only inserted.
+
+`touch` is an immediate, unscoped use (vLLM's scheduler never calls it).
+
+A *position* is where a key sits in its request: the end token of its chunk (any increasing
+number will do). A key without a known position gets no request rank.
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import Literal, TypeAlias
 
 from statemachine.errors import ConfigError
@@ -68,15 +83,28 @@ class EvictionPolicy(ABC):
         """Mark ``keys`` (head first) as just used. ``ref_cnt`` None means every key is ready."""
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        """``keys`` were offered for storing but are not held (called once per request)."""
+        """``keys`` (head first) were offered for storing but are not held (once per request
+        and key)."""
         del keys
+
+    def on_request_access(self, keys: Sequence[OffloadKey], positions: Mapping[OffloadKey, int],
+                          request: Hashable) -> None:
+        """``request`` reads or stores ``keys`` for the first time (provisional recency).
+
+        ``positions`` gives the request's position of each key it knows; the keys need not be
+        tracked yet."""
+        del keys, positions, request
 
     @abstractmethod
     def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
                             reused: Collection[OffloadKey],
-                            request: Hashable | None = None) -> None:
-        """A request ended. ``keys_in_order`` are its held keys, head first; ``reused`` is the
-        subset it found already stored (loads and store reuses), the rest it inserted."""
+                            request: Hashable | None = None,
+                            inserted: Collection[OffloadKey] | None = None) -> None:
+        """A request ended (committed recency). ``keys_in_order`` are the keys it accessed,
+        head first; ``reused`` the ones it found already stored (loads and store reuses);
+        ``inserted`` the ones it only stored itself. A key in neither was seen but never
+        used (an offer that failed to allocate). ``inserted`` None means every key not in
+        ``reused``."""
 
     @abstractmethod
     def evict(self, n: int, protected: Collection[OffloadKey],
@@ -108,10 +136,13 @@ class LRUPolicy(EvictionPolicy):
     """Least recently used first.
 
     Every key has a rank ``(major, minor)``; the smallest rank is evicted first. A monotonic
-    clock hands out majors. A key stored by a request gets ``(request_rank, -position)``,
-    the request's rank being fixed at its first insert, so within one request the tail is
-    older than the head. `touch` and `on_request_finished` hand out fresh ranks from the
-    tail to the head, so the head ends up the most recent.
+    clock hands out majors: fresh ranks ``(tick, 0)`` and *request ranks*. A request's rank
+    is one tick, taken the first time the request accesses or inserts anything, and shared
+    by all its keys as ``(request_rank, -position)``: within one active request the tail is
+    older than the head. A stored key gets its request's rank at insert (a fresh rank when
+    its position is unknown); a reused key is raised to it on access, never lowered.
+    `touch` and `on_request_finished` hand out fresh ranks from the tail to the head, so the
+    head ends up the most recent.
 
     Equal ranks (which the manager never produces) go in the order the keys started being
     tracked. Eviction pops a heap of ``(rank, order, key)`` entries, so it costs
@@ -147,6 +178,13 @@ class LRUPolicy(EvictionPolicy):
         """The key's current rank (smaller is older)."""
         return self._rank[key]
 
+    def request_rank(self, request: Hashable) -> int:
+        """The request's rank, taken from the clock on first use."""
+        major = self._request_rank.get(request)
+        if major is None:
+            major = self._request_rank[request] = self._tick()
+        return major
+
     def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
                position: int | None = None) -> None:
         if key not in self._chunks:
@@ -154,12 +192,20 @@ class LRUPolicy(EvictionPolicy):
             self._next_order += 1
         self._chunks[key] = chunk_id
         if request is not None and position is not None:
-            major = self._request_rank.get(request)
-            if major is None:
-                major = self._request_rank[request] = self._tick()
-            self._set_rank(key, (major, -position))
+            self._set_rank(key, (self.request_rank(request), -position))
         else:
             self._set_rank(key, (self._tick(), 0))
+
+    def on_request_access(self, keys: Sequence[OffloadKey], positions: Mapping[OffloadKey, int],
+                          request: Hashable) -> None:
+        major = self.request_rank(request)
+        for key in keys:
+            position = positions.get(key)
+            if position is None or key not in self._chunks:
+                continue
+            rank = (major, -position)
+            if self._rank[key] < rank:
+                self._set_rank(key, rank)
 
     def remove(self, key: OffloadKey) -> None:
         self._chunks.pop(key, None)
@@ -177,8 +223,9 @@ class LRUPolicy(EvictionPolicy):
 
     def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
                             reused: Collection[OffloadKey],
-                            request: Hashable | None = None) -> None:
-        del reused
+                            request: Hashable | None = None,
+                            inserted: Collection[OffloadKey] | None = None) -> None:
+        del reused, inserted
         self._refresh(keys_in_order)
         if request is not None:
             self._request_rank.pop(request, None)
@@ -243,7 +290,8 @@ class ARCPolicy(EvictionPolicy):
 
     * T1 holds keys seen once, T2 keys used again; each is ordered LRU first.
     * B1/B2 remember keys recently evicted from T1/T2 (keys only, at most ``capacity`` each).
-    * A ghost hit in B1 grows the target ``p`` of T1, one in B2 shrinks it.
+    * A ghost hit in B1 grows the target ``p`` of T1, one in B2 shrinks it, and moves the
+      ghost to the MRU end of its list.
     * `evict` takes from T1 while ``|T1| >= int(p)``, else from T2, falling back to the other
       list when the preferred one has no eligible key.
     """
@@ -274,8 +322,10 @@ class ARCPolicy(EvictionPolicy):
     def _ghost_hit(self, key: OffloadKey) -> None:
         if key in self.b1:
             self.p = min(self.p + max(1.0, len(self.b2) / len(self.b1)), float(self.capacity))
+            self.b1.move_to_end(key)
         elif key in self.b2:
             self.p = max(self.p - max(1.0, len(self.b1) / len(self.b2)), 0.0)
+            self.b2.move_to_end(key)
 
     def _promote(self, key: OffloadKey) -> None:
         self.t2[key] = self.t1.pop(key)
@@ -293,21 +343,24 @@ class ARCPolicy(EvictionPolicy):
                 self._ghost_hit(key)
 
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
+        for key in reversed(keys):       # tail first, as touch: the order moves ghosts and p
             self._ghost_hit(key)
 
     def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
                             reused: Collection[OffloadKey],
-                            request: Hashable | None = None) -> None:
+                            request: Hashable | None = None,
+                            inserted: Collection[OffloadKey] | None = None) -> None:
         del request
         for key in reversed(keys_in_order):
-            if key in self.t1:
-                if key in reused:
+            if key in reused:            # one frequency hit: T1 -> T2, or T2's MRU end
+                if key in self.t1:
                     self._promote(key)
-                else:
-                    self.t1.move_to_end(key)
-            elif key in self.t2:
-                self.t2.move_to_end(key)
+                elif key in self.t2:
+                    self.t2.move_to_end(key)
+            elif inserted is None or key in inserted:   # a store is no hit: refresh in place
+                for lst in (self.t1, self.t2):
+                    if key in lst:
+                        lst.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[OffloadKey],
               ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:

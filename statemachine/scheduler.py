@@ -152,6 +152,15 @@ class OffloadingScheduler(SchedulerEffects):
         hashes = request.block_hashes
         return [hashes[(c + 1) * bpc - 1] for c in range(len(hashes) // bpc)]
 
+    def _request_keys(self, req: RequestState, request: Request) -> list[int]:
+        """`offload_keys`, telling the manager (through the request context) each key's
+        position: the end token of its chunk, as vLLM's scheduler does (S:412-429)."""
+        keys = self.offload_keys(request)
+        positions, tpc = req.ctx.positions, self.config.tokens_per_chunk
+        for c in range(len(positions), len(keys)):
+            positions.setdefault(keys[c], (c + 1) * tpc)
+        return keys
+
     # =================================================================== the hooks
     def on_new_request(self, request: Request) -> None:
         with self._hook(f"on_new_request({request.request_id!r})"):
@@ -213,7 +222,7 @@ class OffloadingScheduler(SchedulerEffects):
         if request.skip_reading_prefix_cache:
             return 0
         tpc = self.config.tokens_per_chunk
-        keys = self.offload_keys(request)
+        keys = self._request_keys(req, request)
         start = n // tpc
         end_limit = min(len(keys), (request.num_tokens - 1) // tpc)
         if req.max_load_tokens is not None:
@@ -262,7 +271,7 @@ class OffloadingScheduler(SchedulerEffects):
             if len(block_ids) < end:
                 raise InvalidArgument(f"{hook}: {len(block_ids)} blocks cannot hold {end} "
                                       "blocks of computed and loaded tokens")
-            keys = tuple(self.offload_keys(request)[first // bpc: end // bpc])
+            keys = tuple(self._request_keys(req, request)[first // bpc: end // bpc])
             self._open_step()
             self._batch_allocated_blocks.update(block_ids)
             self._fire(self._requests_life, req, trigger, keys=keys,
@@ -372,7 +381,7 @@ class OffloadingScheduler(SchedulerEffects):
         start = req.next_stored_chunk_idx
         if start >= n_chunks:  # most steps of a decoding request: no new full chunk
             return
-        offered = self.offload_keys(request)[start:n_chunks]
+        offered = self._request_keys(req, request)[start:n_chunks]
         result = self.manager.prepare_store(offered, req.ctx)
         if result is None:
             self._fire(self._requests_life, req, "store_alloc_failed")

@@ -160,12 +160,70 @@ def test_finish_is_counted_and_refreshes_recency_once() -> None:
     assert out is not None and out.evicted_keys == (4,)
 
 
+def positioned(m: CPUOffloadingManager, req_id: str, keys: list[OffloadKey]) -> ReqContext:
+    """A new request whose chunks are ``keys``, head first (positions 16, 32, ...)."""
+    ctx = m.on_new_request(req_id)
+    for i, key in enumerate(keys):
+        ctx.set_position(key, 16 * (i + 1))
+    return ctx
+
+
 def test_without_finish_lru_evicts_the_request_tail_first() -> None:
     m = CheckedManager(3)
-    r1 = m.on_new_request("r1")
+    r1 = positioned(m, "r1", [1, 2, 3])
     stored(m, r1, [1, 2, 3])
     out = m.prepare_store([9], m.on_new_request("r2"))
     assert out is not None and out.evicted_keys == (3,)
+
+
+def test_without_positions_lru_evicts_in_insert_order() -> None:
+    m = CheckedManager(3)
+    stored(m, m.on_new_request("r1"), [1, 2, 3])       # no position: fresh ranks
+    out = m.prepare_store([9], m.on_new_request("r2"))
+    assert out is not None and out.evicted_keys == (1,)
+
+
+def test_lru_reuse_is_provisional_until_the_request_finishes() -> None:
+    """An active request raises the keys it reuses to its own rank (tails before heads);
+    finishing it makes its head the most recent."""
+    m = CheckedManager(4)
+    stored(m, positioned(m, "a", [1, 2]), [1, 2])
+    b = positioned(m, "b", [1, 3])
+    assert m.prepare_load([1], b) == (0,)
+    m.complete_load([1], b)
+    stored(m, b, [3])                    # b's rank: 1 at its head, 3 at its tail
+    stored(m, positioned(m, "c", [4]), [4])
+    out = m.prepare_store([5], m.on_new_request("d"))
+    assert out is not None and out.evicted_keys == (2,)   # a's tail; then b's tail 3, head 1
+    m.on_request_finished(b)             # committed: 3 then 1 (the head) most recent
+    out = m.prepare_store([6, 7], m.on_new_request("e"))
+    assert out is not None and out.evicted_keys == (4, 3)
+
+
+def test_a_write_pending_offer_is_not_an_access() -> None:
+    """Offering a key another request is still writing records nothing: finishing the
+    request does not refresh that chunk."""
+    m = CheckedManager(3)
+    a = positioned(m, "a", [1])
+    m.prepare_store([1], a)
+    b = positioned(m, "b", [1])
+    assert m.prepare_store([1], b) == PrepareStoreOutput((), (), ())  # 1 is write pending
+    m.complete_store([1], a)
+    stored(m, positioned(m, "c", [2]), [2])
+    m.on_request_finished(b)             # b saw nothing: 1 stays the oldest
+    out = m.prepare_store([3, 4], m.on_new_request("d"))
+    assert out is not None and out.evicted_keys == (1,)
+
+
+def test_an_access_after_a_reset_is_committed_at_finish() -> None:
+    m = CheckedManager(2)
+    a = positioned(m, "a", [1, 2])
+    m.reset_cache()
+    stored(m, a, [1])                    # the pre-reset context records afresh
+    stored(m, positioned(m, "b", [2]), [2])
+    m.on_request_finished(a)             # 1 becomes the most recent
+    out = m.prepare_store([3], m.on_new_request("c"))
+    assert out is not None and out.evicted_keys == (2,)
 
 
 def test_store_after_finish_is_refused_and_recorded() -> None:
@@ -280,12 +338,15 @@ def test_arc_manager_keeps_reused_chunks_and_adapts_on_ghost_misses() -> None:
     m = CheckedManager(3, "arc")
     arc = m.policy
     assert isinstance(arc, ARCPolicy)
+    writer = m.on_new_request("writer")
+    stored(m, writer, [1, 2, 3])
     ctx = m.on_new_request("r")
-    stored(m, ctx, [1, 2, 3])
-    m.prepare_load([1], ctx)                                # a reuse: 1 moves to T2
+    m.prepare_load([1], ctx)                                # a reuse, committed at finish
     m.complete_load([1], ctx)
+    assert list(arc.t2) == []
+    m.on_request_finished(ctx)                              # 1 moves to T2
     assert list(arc.t2) == [1]
-    out = m.prepare_store([4], ctx)
+    out = m.prepare_store([4], writer)
     assert out is not None and out.evicted_keys == (2,)    # LRU end of T1
     assert list(arc.b1) == [2]
     other = m.on_new_request("other")
@@ -298,15 +359,25 @@ def test_arc_manager_keeps_reused_chunks_and_adapts_on_ghost_misses() -> None:
 def test_lru_and_arc_differ_on_a_reused_head() -> None:
     victims = {}
     for policy in ("lru", "arc"):
-        m = CheckedManager(3, policy)
+        m = CheckedManager(2, policy)  # type: ignore[arg-type]
+        stored(m, m.on_new_request("writer"), [1, 2])
         ctx = m.on_new_request("r")
-        stored(m, ctx, [1, 2, 3])
-        m.prepare_load([3], ctx)
-        m.complete_load([3], ctx)
-        out = m.prepare_store([4], ctx)
+        m.prepare_load([1], ctx)
+        m.complete_load([1], ctx)
+        m.on_request_finished(ctx)           # LRU: 1 most recent; ARC: 1 moves to T2
+        stored(m, m.on_new_request("s"), [3])                 # both evict 2
+        out = m.prepare_store([4], m.on_new_request("t"))
         assert out is not None
         victims[policy] = out.evicted_keys
-    assert victims == {"lru": (2,), "arc": (1,)}
+    assert victims == {"lru": (1,), "arc": (3,)}            # ARC keeps the reused key
+    # ARC only: a key the request loads after inserting it is not a reuse (no T2 promotion)
+    m = CheckedManager(3, "arc")
+    ctx = m.on_new_request("r")
+    stored(m, ctx, [1, 2, 3])
+    m.prepare_load([1], ctx)
+    m.complete_load([1], ctx)
+    m.on_request_finished(ctx)
+    assert isinstance(m.policy, ARCPolicy) and list(m.policy.t2) == []
 
 
 # ------------------------------------------------------------------------------ stateful

@@ -1,0 +1,363 @@
+"""Differential test: our `CPUOffloadingManager` against vLLM 0.33.0's, call for call.
+
+Both managers get the same random sequences of calls (requests with chunk positions,
+lookups, loads, stores that succeed or fail, touches, request finishes, cache resets) on a
+small cache, so that evictions are frequent. After every call the test compares:
+
+* the return values: lookup results, load slots, `prepare_store`'s keys to store, slots and
+  evicted keys (in order), or None;
+* the resident keys with their reference counts and slots;
+* the events;
+* the policy's recency state: LRU's eviction order of every resident key; ARC's T1, T2, B1,
+  B2 (in order) and target ``p``. A divergence shows here before it changes an eviction.
+
+vLLM's manager is built directly, as its CPU offloading spec builds it (store threshold off,
+events on). Our keys are ints; vLLM's are bytes (hash + group index), mapped one to one.
+
+Cases where the two differ on purpose are never generated; `SKIPPED` names each with its
+reason (they are listed in CONFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import conformance.vllm_env  # (before vLLM: offline, quiet, temporary caches)
+
+if conformance.vllm_env.vllm_version() < (0, 26, 0):
+    pytest.skip("the manager's request-access API is 0.26+ (0.25 has no ReqContext positions)",
+                allow_module_level=True)
+
+# isort: split
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from vllm.v1.kv_offload.base import ReqContext as VReqContext
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.cpu.manager import (
+    CPUOffloadingManager as VllmManager,
+)
+
+from statemachine.manager import CPUOffloadingManager, LookupResult, ReqContext
+from statemachine.policies import ARCPolicy, LRUPolicy
+
+pytestmark = [pytest.mark.conformance]
+
+# Deliberate differences: these cases are never generated (reasons also in CONFORMANCE.md).
+SKIPPED = {
+    "duplicate-absent-key-in-offer": (
+        "vLLM's prepare_store does not deduplicate the offer: an absent key listed twice "
+        "gets two slots and two policy inserts (one slot leaks). Ours deduplicates. The "
+        "connector never offers a key twice."),
+    "prepare-after-finish": (
+        "a prepare_store/prepare_load after on_request_finished breaks the manager contract "
+        "(B:430-448). Ours refuses every such prepare_store with ManagerError and records "
+        "nothing for such loads; vLLM asserts only when a key is new to the request."),
+    "contract-violation-asserts": (
+        "prepare_load of an absent or write-pending key, complete_load of an unpinned key: "
+        "vLLM asserts part-way (earlier keys already changed); ours raises ManagerError and "
+        "changes nothing (tests/test_manager.py)."),
+    "lru-equal-rank-ties": (
+        "two keys of one request at one position (several KV cache groups) share an LRU "
+        "rank: vLLM evicts them in key byte order, ours in tracking order. Our model has one "
+        "group; the generator gives each key of a request its own position."),
+    "ours-only-calls": (
+        "quarantine_store/release_slots (timed-out stores) and the store-admission threshold "
+        "(store_threshold >= 2) exist on one side only."),
+}
+
+KEYS = list(range(10))
+TOKENS_PER_CHUNK = 16
+
+
+def vkey(key: int) -> bytes:
+    return bytes(make_offload_key(key.to_bytes(4, "big"), 0))
+
+
+def ikey(key: bytes) -> int:
+    return int.from_bytes(key[:-4], "big")
+
+
+def vkeys(keys: list[int]) -> list[Any]:
+    return [vkey(k) for k in keys]
+
+
+def slots(spec: Any) -> list[int]:
+    """The chunk slots of vLLM's `CPULoadStoreSpec`."""
+    return [int(c) for c in spec.block_ids]
+
+
+@dataclass
+class Request:
+    """One request, as both managers see it."""
+
+    ours: ReqContext
+    theirs: VReqContext
+    chunks: list[int]                     # its keys, head first
+    finished: bool = False
+
+
+@dataclass
+class Job:
+    req: Request
+    keys: list[int]
+
+
+@dataclass
+class Counts:
+    """What a run exercised, summed over all examples (for sizing the test)."""
+
+    calls: int = 0
+    evictions: int = 0
+    failed_allocations: int = 0
+    by_rule: dict[str, int] = field(default_factory=dict)
+
+
+COUNTS = Counts()
+
+
+class ManagerVsVllm(RuleBasedStateMachine):
+    policy = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours = CPUOffloadingManager(1, self.policy)  # type: ignore[arg-type]
+        self.theirs = VllmManager(num_chunks=1, cache_policy=self.policy, enable_events=True)
+        self.requests: dict[int, Request] = {}
+        self.stores: list[Job] = []
+        self.loads: list[Job] = []
+
+    def _count(self, name: str) -> None:
+        COUNTS.calls += 1
+        COUNTS.by_rule[name] = COUNTS.by_rule.get(name, 0) + 1
+
+    @initialize(num_chunks=st.integers(1, 5),
+                first=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True),
+                second=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True))
+    def setup(self, num_chunks: int, first: list[int], second: list[int]) -> None:
+        self.ours = CPUOffloadingManager(num_chunks, self.policy)  # type: ignore[arg-type]
+        self.theirs = VllmManager(num_chunks=num_chunks, cache_policy=self.policy,
+                                  enable_events=True)
+        self._start(0, first, None)
+        self._start(1, second, None)
+
+    # ------------------------------------------------------------------ helpers
+    def _live(self) -> list[int]:
+        """Requests that may still prepare (SKIPPED["prepare-after-finish"])."""
+        return sorted(i for i, r in self.requests.items() if not r.finished)
+
+    def _pick(self, data: st.DataObject, live_only: bool) -> Request:
+        slots = self._live() if live_only else sorted(self.requests)
+        return self.requests[data.draw(st.sampled_from(slots), label="request")]
+
+    def _keys_for(self, data: st.DataObject, req: Request, max_size: int = 4) -> list[int]:
+        """Mostly the request's own chunks (any subset, any order), sometimes other keys."""
+        pool = st.sampled_from(req.chunks) | st.sampled_from(KEYS)
+        return data.draw(st.lists(pool, min_size=1, max_size=max_size,
+                                  unique=True),   # SKIPPED["duplicate-absent-key-in-offer"]
+                         label="keys")
+
+    def _ready(self) -> list[int]:
+        """Loadable keys (SKIPPED["contract-violation-asserts"])."""
+        return sorted(k for k, n in self.ours.chunk_ref_counts().items() if n >= 0)
+
+    # ------------------------------------------------------------------ requests
+    @rule(slot=st.integers(0, 3),
+          chunks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True),
+          unpositioned=st.one_of(st.none(), st.integers(0, 5)))
+    def new_request(self, slot: int, chunks: list[int], unpositioned: int | None) -> None:
+        """A request (replacing any in the slot) whose chunks get end-token positions, except
+        possibly one (no position: vLLM's fallback paths)."""
+        self._start(slot, chunks, unpositioned)
+
+    def _start(self, slot: int, chunks: list[int], unpositioned: int | None) -> None:
+        self._count("new_request")
+        req_id = f"r{slot}"
+        ours = self.ours.on_new_request(req_id)
+        theirs = VReqContext(req_id=req_id)
+        self.theirs.on_new_request(theirs)
+        for i, key in enumerate(chunks):
+            if i != unpositioned:
+                # one position per key: SKIPPED["lru-equal-rank-ties"]
+                ours.set_position(key, (i + 1) * TOKENS_PER_CHUNK)
+                theirs.set_offload_key_position(vkey(key), (i + 1) * TOKENS_PER_CHUNK)
+        self.requests[slot] = Request(ours, theirs, chunks)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), go=st.sampled_from([False, False, True]))
+    def finish(self, data: st.DataObject, go: bool) -> None:
+        """One draw in three, so that requests live long enough to fill the cache."""
+        if not go:
+            return
+        self._count("finish")
+        req = self._pick(data, live_only=False)      # a second finish is ignored by both
+        self.ours.on_request_finished(req.ours)
+        self.theirs.on_request_finished(req.theirs)
+        req.finished = True
+
+    # ------------------------------------------------------------------ lookups, loads
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), key=st.sampled_from(KEYS))
+    def lookup(self, data: st.DataObject, key: int) -> None:
+        self._count("lookup")
+        req = self._pick(data, live_only=False)
+        ours = self.ours.lookup(key, req.ours)
+        theirs = self.theirs.lookup(vkey(key), req.theirs)
+        assert ours.name == theirs.name and ours is not LookupResult.RETRY
+
+    @precondition(lambda self: any(not r.finished for r in self.requests.values()))
+    @rule(data=st.data(), complete_now=st.booleans())
+    def prepare_load(self, data: st.DataObject, complete_now: bool) -> None:
+        """Load ready keys (the request's own when it has any ready); complete the load at
+        once or leave it in flight (pinned)."""
+        req = self._pick(data, live_only=True)
+        ready = self._ready()
+        own = [k for k in req.chunks if k in ready]
+        if not ready:
+            return
+        self._count("prepare_load")
+        keys = data.draw(st.lists(st.sampled_from(own or ready), min_size=1, max_size=3),
+                         label="load keys")            # duplicates allowed: pinned twice
+        ours = self.ours.prepare_load(keys, req.ours)
+        theirs = self.theirs.prepare_load(vkeys(keys), req.theirs)
+        assert list(ours) == slots(theirs)
+        self.loads.append(Job(req, keys))
+        if complete_now:
+            self._complete_load(len(self.loads) - 1)
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        self._complete_load(data.draw(st.integers(0, len(self.loads) - 1), label="load job"))
+
+    def _complete_load(self, index: int) -> None:
+        self._count("complete_load")
+        job = self.loads.pop(index)
+        self.ours.complete_load(job.keys, job.req.ours)
+        self.theirs.complete_load(vkeys(job.keys), job.req.theirs)
+
+    # ------------------------------------------------------------------ stores
+    @precondition(lambda self: any(not r.finished for r in self.requests.values()))
+    @rule(data=st.data(), then=st.sampled_from(["complete", "complete", "fail", "in flight"]))
+    def prepare_store(self, data: st.DataObject, then: str) -> None:
+        """Offer keys; complete the store at once (mostly), fail it, or leave it in flight."""
+        self._count("prepare_store")
+        req = self._pick(data, live_only=True)
+        keys = self._keys_for(data, req)
+        ours = self.ours.prepare_store(keys, req.ours)
+        theirs = self.theirs.prepare_store(vkeys(keys), req.theirs)
+        if theirs is None:
+            COUNTS.failed_allocations += 1
+            assert ours is None
+            return
+        assert ours is not None
+        assert list(ours.keys_to_store) == [ikey(k) for k in theirs.keys_to_store]
+        assert list(ours.evicted_keys) == [ikey(k) for k in theirs.evicted_keys]
+        assert list(ours.chunk_ids) == slots(theirs.store_spec)
+        COUNTS.evictions += len(ours.evicted_keys)
+        if ours.keys_to_store:
+            self.stores.append(Job(req, list(ours.keys_to_store)))
+            if then != "in flight":
+                self._complete_store(len(self.stores) - 1, then == "complete", [])
+
+    @precondition(lambda self: self.stores)
+    @rule(data=st.data(), success=st.booleans(),
+          extra=st.lists(st.sampled_from(KEYS), max_size=2, unique=True))
+    def complete_store(self, data: st.DataObject, success: bool, extra: list[int]) -> None:
+        """Complete a store job, sometimes with keys it does not hold (both skip them)."""
+        self._complete_store(data.draw(st.integers(0, len(self.stores) - 1), label="store job"),
+                             success, extra)
+
+    def _complete_store(self, index: int, success: bool, extra: list[int]) -> None:
+        self._count("complete_store")
+        job = self.stores.pop(index)
+        keys = job.keys + [k for k in extra if k not in job.keys]
+        self.ours.complete_store(keys, job.req.ours, success=success)
+        self.theirs.complete_store(vkeys(keys), job.req.theirs, success=success)
+
+    # ------------------------------------------------------------------ touch, reset
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        self._count("touch")
+        req = self._pick(data, live_only=False)
+        keys = self._keys_for(data, req, max_size=3)
+        self.ours.touch(keys, req.ours)
+        self.theirs.touch(vkeys(keys), req.theirs)
+
+    @rule(go=st.sampled_from([False] * 7 + [True]))
+    def reset(self, go: bool) -> None:
+        """Now and then (one draw in eight). Requests live on across it. In-flight loads are
+        dropped: vLLM's scheduler never completes a pre-reset load (its stale-job threshold);
+        late store completions are still sent, and both managers skip or apply them alike."""
+        if not go:
+            return
+        self._count("reset")
+        self.ours.reset_cache()
+        self.theirs.reset_cache()
+        self.loads.clear()
+
+    # ------------------------------------------------------------------ comparisons
+    def _their_chunks(self) -> dict[int, Any]:
+        policy: Any = self.theirs._policy
+        table = {**policy.t1, **policy.t2} if self.policy == "arc" else policy.chunks
+        return {ikey(k): c for k, c in table.items()}
+
+    @invariant()
+    def same_resident_chunks(self) -> None:
+        theirs = self._their_chunks()
+        assert self.ours.chunk_ref_counts() == {k: c.ref_cnt for k, c in theirs.items()}
+        assert {k: self.ours.chunk_id(k) for k in theirs} == \
+            {k: c.chunk_id for k, c in theirs.items()}
+        assert self.ours.num_free_slots() == self.theirs._get_num_free_chunks()
+        assert self.ours.num_evictable() == self.theirs._num_evictable_cache_chunks
+        assert self.ours.num_write_pending() == self.theirs._num_write_pending_chunks
+        assert self.ours.check_consistency() == []
+
+    @invariant()
+    def same_recency(self) -> None:
+        theirs: Any = self.theirs._policy
+        ours = self.ours.policy
+        if isinstance(ours, LRUPolicy):
+            resident = list(self._their_chunks())
+            assert sorted(resident, key=ours.rank) == \
+                sorted(resident, key=lambda k: theirs._ranks[vkey(k)])
+        else:
+            assert isinstance(ours, ARCPolicy)
+            for mine, their in ((ours.t1, theirs.t1), (ours.t2, theirs.t2),
+                                (ours.b1, theirs.b1), (ours.b2, theirs.b2)):
+                assert list(mine) == [ikey(k) for k in their]
+            assert ours.p == theirs.target_t1_size
+
+    @invariant()
+    def same_events(self) -> None:
+        ours = [(e.kind, list(e.keys), e.metadata_only) for e in self.ours.take_events()]
+        theirs = [("removed" if e.removed else "stored", [ikey(k) for k in e.keys],
+                   e.metadata_only) for e in self.theirs.take_events()]
+        assert ours == theirs
+
+
+class LRUVsVllm(ManagerVsVllm):
+    policy = "lru"
+
+
+class ARCVsVllm(ManagerVsVllm):
+    policy = "arc"
+
+
+_SETTINGS = settings(max_examples=200, stateful_step_count=80, deadline=None)
+LRUVsVllm.TestCase.settings = _SETTINGS
+ARCVsVllm.TestCase.settings = _SETTINGS
+TestLRUVsVllm = LRUVsVllm.TestCase
+TestARCVsVllm = ARCVsVllm.TestCase
