@@ -13,11 +13,10 @@ one token per step for 8 to 96 tokens (the first cohort, admitted at step 0, fro
 finishes spread at once); finished requests are replaced the next step. Every job is acked
 one step after the metadata that carried it; a loaded request is scheduled the step after
 its ack. New full blocks give store jobs every step. Freed GPU blocks are reused in FIFO
-order. The CPU cache holds 48 chunks per active request, so nothing is evicted during a run:
-our manager's LRU recency differs from vLLM 0.33.0's (a request that offers a chunk another
-request is still writing counts it as its own access in ours, not in vLLM's, and refreshes it
-when it finishes), so under eviction the two sides would keep different chunks and do
-different work. The trace is planned once against our scheduler; every replay checks each
+order. The CPU cache holds 8 chunks per active request, fewer than a request offers, so the
+LRU evicts throughout the run; our manager chooses the same victims as vLLM 0.33.0's (the
+differential test tests/conformance/test_manager_vs_vllm.py checks that call for call). The
+trace is planned once against our scheduler; every replay checks each
 lookup answer against the plan and each step's counts (lookups, hits, deferrals, load and
 store jobs, chunks loaded and stored, flushes) against the plan's, so both sides provably
 do the same work; any difference aborts (exit 1).
@@ -94,7 +93,7 @@ MAX_MODEL_LEN = 1024
 VOCAB = (3, 1000)          # token ids drawn from here (0-2 left to special tokens)
 ACTIVE_PER_FAMILY = 16     # one shared prefix per this many active requests
 SHARE = 0.5                # fraction of requests that start with a shared prefix
-CPU_CHUNKS_PER_REQUEST = 48   # enough that nothing is evicted during a run (see the docstring)
+CPU_CHUNKS_PER_REQUEST = 8   # fewer than a request offers: the LRU evicts (see the docstring)
 DECODE = (8, 96)           # decode lengths (the first cohort's start at 1)
 
 
