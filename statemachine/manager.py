@@ -292,6 +292,7 @@ class CPUOffloadingManager:
             chunk = self._index[key]
             if chunk.ref_cnt == 0:
                 self._num_evictable -= 1
+                self._policy.on_evictable(key, False)
             chunk.ref_cnt += 1
             out.append(chunk.chunk_id)
         if (rec := self._access_of(ctx)) is not None:
@@ -318,6 +319,7 @@ class CPUOffloadingManager:
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
                 self._num_evictable += 1
+                self._policy.on_evictable(key, True)
         self.stats["loads_completed"] += len(keys)
 
     # ------------------------------------------------------------------ stores
@@ -378,6 +380,7 @@ class CPUOffloadingManager:
             chunk_id = self._allocate()
             self._index[key] = _Chunk(chunk_id, -1)
             self._policy.insert(key, chunk_id, request=rec.token, position=ctx.positions.get(key))
+            self._policy.on_evictable(key, False)  # write pending
             chunk_ids.append(chunk_id)
         rec.inserted.update(candidates)
         self._num_write_pending += len(candidates)
@@ -424,6 +427,7 @@ class CPUOffloadingManager:
         if success:
             for key in pending:
                 self._index[key].ref_cnt = 0
+                self._policy.on_evictable(key, True)
             self._num_write_pending -= len(pending)
             self._num_evictable += len(pending)
             if pending:
@@ -534,6 +538,11 @@ class CPUOffloadingManager:
             problems.append(f"policy tracks {sorted(tracked.items())}, index holds "
                             f"{sorted((k, c.chunk_id) for k, c in self._index.items())}")
         problems.extend(self._policy.check_consistency())
+        told = getattr(self._policy, "pinned", None)
+        if told is not None and (busy := {k for k, c in self._index.items()
+                                          if c.ref_cnt != 0}) != told():
+            problems.append(f"policy takes {sorted(told())} as pinned, the keys not idle are "
+                            f"{sorted(busy)}")
         expected_free = len(self._free) + sum(1 for s in owner.values() if s == "unallocated")
         if self.num_free_slots() != expected_free:
             problems.append(f"num_free_slots() {self.num_free_slots()} != {expected_free}")

@@ -20,6 +20,7 @@ from spec import job as J
 from statemachine.effects import SchedulerEffects
 from statemachine.manager import CPUOffloadingManager
 from statemachine.models import JobStatus, RequestState
+from statemachine.policies import LRUPolicy
 from statemachine.scheduler import OffloadingScheduler
 
 Patch = Callable[[], contextlib.AbstractContextManager[None]]
@@ -160,8 +161,14 @@ def _evict_pinned() -> Iterator[None]:
         finally:
             self._num_evictable = sum(1 for n in self.chunk_ref_counts().values() if n == 0)
 
+    def never_pinned(self: LRUPolicy, key: int, evictable: bool) -> None:
+        if evictable:
+            on_evictable(self, key, evictable)
+
+    on_evictable = LRUPolicy.__dict__["on_evictable"]
     with _replaced(CPUOffloadingManager, "_ref_cnt", fake_ref_cnt), \
-            _replaced(CPUOffloadingManager, "prepare_store", store):
+            _replaced(CPUOffloadingManager, "prepare_store", store), \
+            _replaced(LRUPolicy, "on_evictable", never_pinned):
         yield
 
 

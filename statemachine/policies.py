@@ -82,6 +82,12 @@ class EvictionPolicy(ABC):
     def touch(self, keys: Sequence[OffloadKey], ref_cnt: RefCount | None = None) -> None:
         """Mark ``keys`` (head first) as just used. ``ref_cnt`` None means every key is ready."""
 
+    def on_evictable(self, key: OffloadKey, evictable: bool) -> None:
+        """The tracked ``key`` stopped being idle and ready (inserted write pending, or pinned
+        by a load) or became so again (its store completed, its last load ended). A policy
+        may use this to skip such keys cheaply; ``evict`` still checks ``ref_cnt``."""
+        del key, evictable
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """``keys`` (head first) were offered for storing but are not held (once per request
         and key)."""
@@ -161,6 +167,9 @@ class LRUPolicy(EvictionPolicy):
         self._order: dict[OffloadKey, int] = {}
         """When each key started being tracked (its place in `_chunks`): breaks rank ties."""
         self._next_order = 0
+        self._pinned: set[OffloadKey] = set()
+        """Keys the manager said are not idle (write pending, or being loaded): they leave the
+        heap until they are idle again, so an eviction never wades through them."""
         self._heap: list[tuple[tuple[int, int], int, OffloadKey]] = []
 
     def _tick(self) -> int:
@@ -169,10 +178,24 @@ class LRUPolicy(EvictionPolicy):
 
     def _set_rank(self, key: OffloadKey, rank: tuple[int, int]) -> None:
         self._rank[key] = rank
-        heapq.heappush(self._heap, (rank, self._order[key], key))
-        if len(self._heap) > 2 * len(self._rank) + 64:
-            self._heap = [(r, self._order[k], k) for k, r in self._rank.items()]
+        if key not in self._pinned:
+            self._push(key)
+
+    def _push(self, key: OffloadKey) -> None:
+        heapq.heappush(self._heap, (self._rank[key], self._order[key], key))
+        if len(self._heap) > 2 * (len(self._rank) - len(self._pinned)) + 64:
+            self._heap = [(r, self._order[k], k) for k, r in self._rank.items()
+                          if k not in self._pinned]
             heapq.heapify(self._heap)
+
+    def on_evictable(self, key: OffloadKey, evictable: bool) -> None:
+        if key not in self._chunks:
+            return
+        if not evictable:
+            self._pinned.add(key)  # its heap entries go stale
+        elif key in self._pinned:
+            self._pinned.discard(key)
+            self._push(key)
 
     def rank(self, key: OffloadKey) -> tuple[int, int]:
         """The key's current rank (smaller is older)."""
@@ -211,6 +234,7 @@ class LRUPolicy(EvictionPolicy):
         self._chunks.pop(key, None)
         self._rank.pop(key, None)
         self._order.pop(key, None)
+        self._pinned.discard(key)
 
     def _refresh(self, keys: Sequence[OffloadKey]) -> None:
         for key in reversed(keys):
@@ -234,15 +258,15 @@ class LRUPolicy(EvictionPolicy):
               ref_cnt: RefCount) -> list[tuple[OffloadKey, int]] | None:
         if n <= 0:
             return []
-        heap, rank, order = self._heap, self._rank, self._order
+        heap, rank, order, pinned = self._heap, self._rank, self._order, self._pinned
         victims: list[OffloadKey] = []
         taken: list[tuple[tuple[int, int], int, OffloadKey]] = []
         kept: list[tuple[tuple[int, int], int, OffloadKey]] = []
         while heap and len(victims) < n:
             entry = heapq.heappop(heap)
             r, o, key = entry
-            if rank.get(key) != r or order.get(key) != o or key in victims:
-                continue  # stale: the key left, or was re-ranked, since this was pushed
+            if key in pinned or rank.get(key) != r or order.get(key) != o or key in victims:
+                continue  # stale: the key left, was pinned or was re-ranked since the push
             if key in protected or ref_cnt(key) != 0:
                 kept.append(entry)
             else:
@@ -264,6 +288,7 @@ class LRUPolicy(EvictionPolicy):
         self._rank.clear()
         self._request_rank.clear()
         self._order.clear()
+        self._pinned.clear()
         self._heap.clear()
 
     def chunks(self) -> dict[OffloadKey, int]:
@@ -279,10 +304,16 @@ class LRUPolicy(EvictionPolicy):
         if set(self._rank) != set(self._chunks):
             return [f"LRU: ranked keys {sorted(set(self._rank) ^ set(self._chunks))} "
                     "differ from tracked keys"]
-        live = {(r, self._order[k], k) for k, r in self._rank.items()}
+        if stray := self._pinned - set(self._chunks):
+            return [f"LRU: untracked keys {sorted(stray)} marked pinned"]
+        live = {(r, self._order[k], k) for k, r in self._rank.items() if k not in self._pinned}
         if not live <= set(self._heap):
-            return ["LRU: a tracked key's rank is missing from the eviction heap"]
+            return ["LRU: an unpinned key's rank is missing from the eviction heap"]
         return []
+
+    def pinned(self) -> frozenset[OffloadKey]:
+        """The keys the manager reported not idle (for consistency checks)."""
+        return frozenset(self._pinned)
 
 
 class ARCPolicy(EvictionPolicy):
