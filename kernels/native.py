@@ -91,6 +91,13 @@ static void *kvspec_copy_part(void *arg) {
         while (j < p->end && p->dst_rows[j] == p->dst_rows[j - 1] + 1 &&
                p->src_rows[j] == p->src_rows[j - 1] + 1)
             ++j;
+        if (p->stream && j < p->end) {
+            /* DRAM-bound: start reading the next run's first page while this one copies
+               (the hardware prefetcher cannot guess a scattered row) */
+            const char *next = p->src + p->src_rows[j] * p->row_bytes;
+            int64_t ahead = p->row_bytes < 4096 ? p->row_bytes : 4096;
+            for (int64_t off = 0; off < ahead; off += 64) __builtin_prefetch(next + off, 0, 0);
+        }
         kvspec_copy(p->dst + p->dst_rows[i] * p->row_bytes,
                     p->src + p->src_rows[i] * p->row_bytes, (j - i) * p->row_bytes, p->stream);
         i = j;
@@ -143,7 +150,9 @@ STREAM_MIN_BYTES = 8 * 1024 * 1024
 """Jobs (per tensor) of at least this many bytes write with non-temporal stores (x86): larger
 than the caches, where reading each destination line before writing it costs a third of the
 traffic; smaller jobs stay in cache, where ordinary stores are faster. Measured on the 2-core
-development machine: 4 KiB x 4096 rows +17%, 256 KiB x 256 rows +42%, 4 KiB x 512 rows -18%."""
+development machine: 4 KiB x 4096 rows +17%, 256 KiB x 256 rows +42%, 4 KiB x 512 rows -18%.
+Such jobs also prefetch the next scattered row's first page while copying one (+6 to 18% at
+4 KiB x 4096 over streaming alone, medians of 30 interleaved runs)."""
 
 
 class NativeCopyError(ValueError):
