@@ -547,6 +547,18 @@ class VLLM025Machine(VLLMMachine):
         OffloadingStateMachine.start(self, which, swarm)
 
 
+class VLLM025LivenessMachine(VLLM025Machine):
+    """`VLLM025Machine` checking liveness alone: no refinement, no invariants, only the
+    drain (every report delivered, steps) asking that no request is left holding a job.
+    It shows that the #48102 state is a hang, found as such, not only an invariant."""
+
+    CHECK_REFINEMENT: ClassVar[bool] = False
+    CHECK_INVARIANTS_FIRST: ClassVar[bool] = False
+
+    def invariants_hold(self) -> None:
+        """Not an invariant here (liveness alone)."""
+
+
 def machine_for(version: tuple[int, int, int]) -> type[VLLMMachine]:
     """The machine for a vLLM version (0.26+ has the lifecycle the spec describes)."""
     return VLLMMachine if version >= (0, 26, 0) else VLLM025Machine
@@ -556,6 +568,7 @@ __all__ = [
     "BLOCK_SIZE",
     "VLLM025_SWARM",
     "VLLM_SWARM",
+    "VLLM025LivenessMachine",
     "VLLM025Machine",
     "VLLMAdapter",
     "VLLMMachine",

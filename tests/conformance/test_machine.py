@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from typing import Any
 
 import pytest
@@ -183,3 +184,33 @@ def test_machine_finds_the_48102_stuck_request(vllm_ready: Any, record_property:
     assert "request 'r" in str(found) and "job" in str(found), found
     assert "reset()" in trace, trace
     assert 0 < len(trace) <= MAX_TRACE, trace
+
+
+def test_liveness_alone_finds_the_48102_hang(vllm_ready: Any, record_property: Any) -> None:
+    """With refinement and invariants off, the machine still finds #48102, by what it does
+    next: the stale job id makes vLLM's next store for the request look it up in `_jobs`
+    (KeyError: 0, offloading/scheduler.py:994 in 0.25.1), or, where no store follows, the
+    drain finds the request stuck holding a job no ack can remove."""
+    _needs(vllm_ready, at_least=False)
+    from conformance.adapter import VLLM025LivenessMachine
+
+    machine = _fresh(VLLM025LivenessMachine, "VLLM025Liveness")
+    # without refinement a run goes on past the divergence, where vLLM fails in several
+    # ways: report the simplest failure only
+    machine.TestCase.settings = settings(_settings(100, 20), report_multiple_bugs=False)
+    try:
+        machine.TestCase().runTest()
+    except (AssertionError, KeyError) as exc:
+        found: BaseException = exc
+    else:
+        pytest.fail("the liveness machine did not find the #48102 hang")
+    trace = list(machine.last_trace)
+    print(f"shrunk trace of {len(trace)} steps: {' ; '.join(trace)}\n{machine.last_error}")
+    record_property("trace", " ; ".join(trace))
+    if isinstance(found, KeyError):  # the stale id, looked up by vLLM's own scheduler
+        assert found.args == (0,), found
+        frames = [f.filename for f in traceback.extract_tb(found.__traceback__)]
+        assert frames[-1].endswith("offloading/scheduler.py"), frames[-3:]
+    else:
+        assert "requests stuck after the drain" in str(found), found
+    assert "reset()" in trace and 0 < len(trace) <= MAX_TRACE, trace
