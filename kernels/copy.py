@@ -35,11 +35,10 @@ arithmetic), so any byte pattern, NaN payloads included, round-trips exactly.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -515,7 +514,7 @@ def _copy_job(
     same = device.type == "cpu"
     pol = policy if policy is not None else CopyPolicy.for_device(device, host_mapped=False)
     if not same and pol.native:
-        pol = dataclasses.replace(pol, native=False)  # the compiled copy is host-only
+        pol = replace(pol, native=False)  # the compiled copy is host-only
     if not same and pol.index_kernels:
         raise KernelSpecError("index kernels across devices need the CopyEngine's host mapping")
     itemsize = 16 if same else 8

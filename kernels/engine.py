@@ -31,12 +31,11 @@ then copies nothing and completes (in its FIFO position) with ``success=False`` 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Protocol, cast
 
@@ -221,7 +220,7 @@ class CopyEngine:
         self.policy = policy if policy is not None else CopyPolicy.for_device(
             dev, self.host_mapped)
         if dev.type == "cuda" and self.policy.native:
-            self.policy = dataclasses.replace(self.policy, native=False)  # host-only copy
+            self.policy = replace(self.policy, native=False)  # host-only copy
         if self.policy.index_kernels and not self.host_mapped:
             raise KernelSpecError("policy.index_kernels needs CPU tensors mapped into the device "
                                   "address space; use index_kernels=False")

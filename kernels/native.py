@@ -219,6 +219,13 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def _library() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native copy unavailable: {_reason}")
+    return lib
+
+
 def available() -> bool:
     """Whether the compiled copy can be used (built on first call)."""
     return _load() is not None
@@ -240,9 +247,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     :data:`PARALLEL_MIN_BYTES`. Raises :class:`NativeCopyError` naming the first pair out of
     range (nothing copied), ``RuntimeError`` if the library is unavailable.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native copy unavailable: {_reason}")
+    lib = _library()
     for t in (dst, src):
         if t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
             raise ValueError("native copy needs contiguous 2-D CPU tensors")
@@ -264,9 +269,7 @@ def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     """:func:`copy_rows` for callers that already hold valid arguments: contiguous ``int8``
     2-D tensors of equal row size, and contiguous 1-D int64 index tensors of equal length
     (:mod:`kernels.copy` guarantees this). Row ranges are still checked, in C."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native copy unavailable: {_reason}")
+    lib = _library()
     _call(lib, dst, src, dst_rows, src_rows, dst_rows.shape[0], dst.shape[1], None)
 
 
