@@ -8,7 +8,7 @@
 #   2. the vLLM wheel itself with --no-deps;
 #   3. the packages its scheduler-side imports need;
 #   4. xgrammar and apache-tvm-ffi with --no-deps (with their deps, triton, ~1 GB, comes along);
-#   5. this project (editable, --no-deps) and its test dependencies.
+#   5. this project (editable) with the dependencies pyproject.toml names.
 set -euo pipefail
 venv=${1:?usage: vllm-venv.sh VENV_DIR VLLM_VERSION}
 version=${2:?usage: vllm-venv.sh VENV_DIR VLLM_VERSION}
@@ -24,8 +24,7 @@ pip=("$venv/bin/python" -m pip)
     requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
     py-cpuinfo prometheus-client fastapi partial-json-parser llguidance einops
 "${pip[@]}" install -q --no-deps xgrammar apache-tvm-ffi
-"${pip[@]}" install -q "transitions>=0.9.2" "hypothesis>=6.100" "pytest>=8" "graphviz>=0.20"
-"${pip[@]}" install -q --no-deps -e .
+"${pip[@]}" install -q -e .   # with its own dependencies (pyproject.toml); torch is already there
 "$venv/bin/python" -c "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix)"
 echo "$version" > "$venv/.vllm-version"
 echo "built $venv (vLLM $version) in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
