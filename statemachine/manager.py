@@ -538,10 +538,10 @@ class CPUOffloadingManager:
             problems.append(f"policy tracks {sorted(tracked.items())}, index holds "
                             f"{sorted((k, c.chunk_id) for k, c in self._index.items())}")
         problems.extend(self._policy.check_consistency())
-        told = getattr(self._policy, "pinned", None)
+        told = self._policy.pinned()
         if told is not None and (busy := {k for k, c in self._index.items()
-                                          if c.ref_cnt != 0}) != told():
-            problems.append(f"policy takes {sorted(told())} as pinned, the keys not idle are "
+                                          if c.ref_cnt != 0}) != told:
+            problems.append(f"policy takes {sorted(told)} as pinned, the keys not idle are "
                             f"{sorted(busy)}")
         expected_free = len(self._free) + sum(1 for s in owner.values() if s == "unallocated")
         if self.num_free_slots() != expected_free:

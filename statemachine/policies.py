@@ -88,6 +88,11 @@ class EvictionPolicy(ABC):
         may use this to skip such keys cheaply; ``evict`` still checks ``ref_cnt``."""
         del key, evictable
 
+    def pinned(self) -> frozenset[OffloadKey] | None:
+        """The keys the policy holds as not idle (from ``on_evictable``); None if it keeps
+        no such record (for the manager's consistency check)."""
+        return None
+
     def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """``keys`` (head first) were offered for storing but are not held (once per request
         and key)."""
@@ -312,7 +317,6 @@ class LRUPolicy(EvictionPolicy):
         return []
 
     def pinned(self) -> frozenset[OffloadKey]:
-        """The keys the manager reported not idle (for consistency checks)."""
         return frozenset(self._pinned)
 
 
