@@ -34,7 +34,7 @@ import time
 from typing import Any, ClassVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize
 
 from conformance import vllm_env as E
 from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
@@ -230,6 +230,8 @@ class VLLMAdapter:
         if hit and self.last_async.get(req_id, False):
             self.obs.core_status[req_id] = "remote"
             req.status = self.status.WAITING_FOR_REMOTE_KVS
+        else:  # the core schedules it in this very step (CS:1482-1486 then running)
+            self.obs.core_status[req_id] = "running"
         self._memo_jobs()
         return out
 
@@ -385,45 +387,33 @@ class VLLMMachine(OffloadingStateMachine):
         t0 = time.perf_counter()
         try:
             super()._step(ev)
-        except BaseException as exc:
-            self._record_failure(exc)
-            raise
         finally:
             type(self).seconds += time.perf_counter() - t0
             if len(self.trace) > before:
                 type(self).steps_taken += 1
 
     def _record_failure(self, exc: BaseException) -> None:
-        """Keep the run's first failure (hypothesis still runs teardown after it)."""
-        if getattr(self, "_failed", False):
-            return
-        self._failed = True
-        type(self).last_trace = list(self.trace)
-        type(self).last_error = f"{type(exc).__name__}: {exc}"
+        """Keep the run's first failure where the tests read it (class-wide: hypothesis
+        replays the shrunk run last)."""
+        if self.failure is None:
+            type(self).last_trace = list(self.trace)
+            type(self).last_error = f"{type(exc).__name__}: {exc}"
+        super()._record_failure(exc)
 
-    @precondition(lambda self: self._enabled("reset") and not self.reset_would_trip())
-    @rule()
-    def reset(self) -> None:
-        """A cache reset, except where vLLM is known to crash (restriction RESET-TWICE)."""
-        self._step(M.Event("reset"))
+    def allows(self, rule: str, ev: M.Event) -> bool:
+        """vLLM's restrictions: no reset where vLLM is known to crash (RESET-TWICE), no
+        finish or abort down a documented divergence."""
+        if rule == "reset":
+            return not self.reset_would_trip()
+        if rule in ("finish", "abort"):
+            return not self.finish_diverges(ev.req)
+        return True
 
     def reset_would_trip(self) -> bool:
         """A second reset before any step, while the first one's flush is still pending:
         vLLM asserts `not _current_batch_jobs_to_flush` (finding F1 in CONFORMANCE.md)."""
         return (self.model is not None and self.model.reset_since_step
                 and bool(self.model.to_flush) and not self.allow_known_crashes)
-
-    @precondition(lambda self: self._enabled("finish"))
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
-        """A request finishes, except where vLLM's documented divergences lie."""
-        self._do(data, lambda e: e.kind == "finish" and not self.finish_diverges(e.req))
-
-    @precondition(lambda self: self._enabled("abort"))
-    @rule(data=st.data())
-    def abort(self, data: st.DataObject) -> None:
-        """A request is aborted, except where vLLM's documented divergences lie."""
-        self._do(data, lambda e: e.kind == "abort" and not self.finish_diverges(e.req))
 
     def finish_diverges(self, req_id: str | None) -> bool:
         """Finishing `req_id` now would take vLLM down a documented divergence:
@@ -446,19 +436,13 @@ class VLLMMachine(OffloadingStateMachine):
         """Not a rule here: vLLM answers a report for an ended job with a bare KeyError (and
         an over-ack with an assert); the spec's typed refusal is beyond vLLM."""
 
-    @invariant()
-    def invariants_hold(self) -> None:
-        try:
-            super().invariants_hold()
-        except BaseException as exc:
-            self._record_failure(exc)
-            raise
-
     DRAIN_FINISHES: ClassVar[bool] = True
     """The drain aborts every request (the base machine's drain). False: it only delivers
     every report and steps, then asks that every request is left idle, holding no job."""
 
     def teardown(self) -> None:
+        if self.failure is not None:
+            return  # the first failure stands; vLLM stopped mid-hook
         try:
             if self.DRAIN_FINISHES:
                 self._drain()
@@ -476,11 +460,11 @@ class VLLMMachine(OffloadingStateMachine):
             return
         for _ in range(300):
             m = self.model
-            reports = [e for e in M.events(m) if e.kind == "report" and not e.failed
+            reports = [e for e in self._possible() if e.kind == "report" and not e.failed
                        and e.count == max(1, self._unreported(e.job))]
-            admit = [e for e in M.events(m) if e.kind == "step" and e.req is not None
+            admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
                      and dict(m.core)[e.req].blocks]
-            aborts = [e for e in M.events(m) if e.kind == "abort"
+            aborts = [e for e in self._possible() if e.kind == "abort"
                       and not self.finish_diverges(e.req)]
             step = [M.Event("step")]
             order = (reports, step if m.pending_preempted else [], admit, aborts, step)
@@ -500,7 +484,7 @@ class VLLMMachine(OffloadingStateMachine):
         if self.model is None:
             return
         for _ in range(200):
-            evs = [e for e in M.events(self.model)
+            evs = [e for e in self._possible()
                    if (e.kind == "report" and not e.failed
                        and e.count == max(1, self._unreported(e.job)))
                    or (e.kind == "step" and e.req is None)]
@@ -554,6 +538,7 @@ class VLLM025LivenessMachine(VLLM025Machine):
 
     CHECK_REFINEMENT: ClassVar[bool] = False
     CHECK_INVARIANTS_FIRST: ClassVar[bool] = False
+    CHECK_EVERY_HOOK: ClassVar[bool] = False
 
     def invariants_hold(self) -> None:
         """Not an invariant here (liveness alone)."""

@@ -120,9 +120,10 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
     loads = [j for j in jobs if j is not None and not j.is_store]
     if any(not _first(j, "is_sync_load", default=False) for j in loads):
         return R.LOADING_ASYNC
-    if loads:
-        return R.LOADING_SYNC
     core = obs.core_status.get(req_id, "waiting")
+    if loads:  # a sync load: waited on in its step while the core runs the request; once
+        # the core preempted it, the load is flushed with the request's stores
+        return R.LOADING_SYNC if core == "running" else R.PREEMPTED_FLUSHING
     if core == "running":
         return R.STORING if st.transfer_jobs else R.RUNNING
     if core == "remote" and not st.transfer_jobs:

@@ -36,6 +36,8 @@ class Counterexample:
     summary: str
     steps: list[Step]
     violations: list[Violation] = field(default_factory=list)
+    inside: tuple[str, AbstractState] | None = None
+    """For a violation inside the last step: the hook it followed and the state it left."""
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -45,10 +47,19 @@ class Counterexample:
         lines = [f"counterexample ({self.kind}, {len(self.steps)} steps): {self.summary}"]
         prev = M.abstract(M.initial(self.steps[0].state.bounds)) if self.steps else None
         for i, step in enumerate(self.steps, 1):
-            lines.append(f"{i:3}. {step.event}")
-            cur = M.abstract(step.state)
+            last = i == len(self.steps) and self.inside is not None
+            if last and self.inside is not None:
+                hook, cur = self.inside
+                lines.append(f"{i:3}. {step.event}, inside the step, after {hook}")
+            else:
+                lines.append(f"{i:3}. {step.event}")
+                cur = M.abstract(step.state)
             if prev is not None:
-                lines.extend(f"       {d}" for d in diff(prev, cur))
+                changes = diff(prev, cur)
+                if not changes and step.event.kind == "preempt":
+                    changes = [f"the core preempts {step.event.req} and frees its GPU blocks; "
+                               "the connector hears of it in the next build_connector_meta"]
+                lines.extend(f"       {d}" for d in changes)
             prev = cur
         lines.extend(f"  violated: {v}" for v in self.violations)
         return "\n".join(lines)
@@ -67,6 +78,11 @@ def diff(a: AbstractState, b: AbstractState) -> list[str]:
         if sx != sy or jx != jy:
             out.append(f"request {rid}: {sx} -> {sy}, transfer_jobs "
                        + (f"{jx} -> {jy}" if jx != jy else f"{jy} (kept)"))
+        bx = x.gpu_blocks if x else ()
+        by = y.gpu_blocks if y else ()
+        if bx != by:
+            out.append(f"request {rid} holds GPU blocks {list(by)}" if by
+                       else f"request {rid} holds no GPU block")
     ja, jb = {j.id: j for j in a.jobs}, {j.id: j for j in b.jobs}
     for jid in sorted(ja.keys() | jb.keys()):
         x2, y2 = ja.get(jid), jb.get(jid)
@@ -152,7 +168,7 @@ def check_model(bounds: M.Bounds, faults: frozenset[str] = frozenset(),
     while queue:
         i = queue.popleft()
         s = states[i]
-        for ev, nxt, _calls, world in M.successors(s, faults):
+        for ev, nxt, _calls, world in M.successors(s, faults, inside=True):
             result.edges += 1
             if isinstance(nxt, M.ModelError):
                 bad = Step(ev, s, ())
@@ -161,6 +177,15 @@ def check_model(bounds: M.Bounds, faults: frozenset[str] = frozenset(),
                 return _finish(result, t0, len(states), max(depth))
             assert world is not None
             result.covered.update(world.fired)
+            for call, inner in world.inside:  # where the implementation checks them too
+                violations = check(inner)
+                if violations:
+                    hook = f"{call.hook}{call.args}"
+                    result.counterexample = Counterexample(
+                        "invariant", f"inside the step, after {hook}: {violations[0]}",
+                        trace(i, Step(ev, nxt, tuple(world.moves))), violations,
+                        inside=(hook, inner))
+                    return _finish(result, t0, len(states), max(depth))
             key = M.canonical(nxt)
             j = index.get(key)
             if j is None:

@@ -237,6 +237,12 @@ def _inv15(s: AbstractState) -> Iterator[Violation]:
                 continue
             if holder == j.owner or j.flush_requested or j.failed:
                 continue  # still held; or finished before any reuse; or its bytes are void
+            if s.step_open:
+                # inside a step the core may already have preempted the owner and handed
+                # its blocks to a request admitted in the same step; the connector learns
+                # of the preemption in build_connector_meta, which flushes the store before
+                # the workers run the step's loads or forward pass: judge between steps
+                continue
             if j.id not in fence.get(b, frozenset()):
                 yield Violation("INV-15", f"store source block {b} left its owner without a "
                                 "fence entry or a flush", j.owner, (j.id,))
@@ -290,6 +296,18 @@ def _inv18(s: AbstractState) -> Iterator[Violation]:
                             r.id)
 
 
+def _inv19(s: AbstractState) -> Iterator[Violation]:
+    for r in s.requests:
+        if not r.load_invalid:
+            continue
+        for jid in sorted(r.transfer_jobs):
+            j = s.job(jid)
+            if j is not None and j.kind == "store" and not j.failed:
+                yield Violation("INV-19", "a live store reads KV that a failed load "
+                                "invalidated and is not poisoned (it would publish that KV)",
+                                r.id, (jid,))
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("INV-1", "jobs-in-table", "every id in any transfer_jobs is a key of _jobs",
               "implicit; broken before PR #48102", _inv1),
@@ -323,12 +341,13 @@ INVARIANTS: tuple[Invariant, ...] = (
               "S:2213-2214, CS:3177", None),
     Invariant("INV-14", "no-permanent-wait", "no unfinished request stays PREEMPTED_FLUSHING or "
               "LOOKUP_DEFERRED forever", "S:1247-1252", None),
-    Invariant("INV-15", "gpu-data-safety", "a GPU block a live store reads is held by its owner, "
-              "or the store is flushed or failing (its bytes are rolled back), or the block is "
-              "fenced and the store flushed in the "
-              "step that re-allocates it; a live load's "
-              "destination blocks are held by its request, or the load is flushed",
-              "S:658-663, W:219-244", _inv15),
+    Invariant("INV-15", "gpu-data-safety", "between steps, a GPU block a live store reads is "
+              "held by its owner, or the store is flushed or failing (its bytes are rolled "
+              "back), or the block is fenced and the store flushed in the step that "
+              "re-allocates it; a live load's destination blocks are held by its request, or "
+              "the load is flushed (inside a step the connector has not yet seen the core's "
+              "preemptions of that step: build_connector_meta flushes their jobs before the "
+              "workers run the step)", "S:658-663, S:2136-2151, W:219-244", _inv15),
     Invariant("INV-16", "cpu-data-safety", "no chunk written by two live stores, or written "
               "while a live load reads it; pre-reset jobs flushed before new submissions",
               "M:452-456", _inv16),
@@ -336,6 +355,10 @@ INVARIANTS: tuple[Invariant, ...] = (
               "fence and the quarantine, and below the counter", "S:750-753", _inv17),
     Invariant("INV-18", "hit-pinned-in-step", "a lookup HIT is pinned by prepare_load in the "
               "same step or dropped", "S:687-693, S:1365-1367", _inv18),
+    Invariant("INV-19", "invalid-kv-unpublished", "a request whose loaded tokens are "
+              "invalid (a load of it failed or timed out) holds no live store that is not "
+              "failing: no chunk is made loadable from KV a failed load produced",
+              "beyond vLLM (a failed transfer asserts, W:299-301)", _inv19),
 )
 
 SAFETY = tuple(i for i in INVARIANTS if not i.is_progress)

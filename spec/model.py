@@ -19,6 +19,7 @@ chunk key of request template `t` at position `c` is `key(t.family, c)`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
@@ -91,6 +92,8 @@ class MReq(NamedTuple):
     blocks: tuple[int, ...] = ()
     cursor: int = 0
     local: int = 0
+    kv_load: int | None = None
+    """The sync load the request's KV depends on, until its next restart."""
 
 
 class MJob(NamedTuple):
@@ -248,7 +251,13 @@ class World:
         t = self.template(req_id)
         return [key(t.family, c) for c in range(t.tokens)]
 
+    keep_inside: bool = False
+    inside: list[tuple[Call, AbstractState]] = field(default_factory=list)
+    """With `apply(..., inside=True)`: (hook call, abstract state) at each hook that returns
+    inside a step (lookup, allocation), before the step's build_connector_meta."""
     pending_new: MJob | None = None
+    last_job: int = -1
+    """The id of the job that entered the table last."""
     victim_choice: tuple[int, ...] | None = None
     """Eviction victims to take (an implementation's observed choice); default: lowest keys."""
 
@@ -362,7 +371,7 @@ def create_request_status(w: World, k: str, **kw: Any) -> None:
 
 
 def restart_from_token_zero(w: World, k: str, **kw: Any) -> None:
-    _set_req(w, _req(w, k)._replace(blocks=(), cursor=0, hit=None))
+    _set_req(w, _req(w, k)._replace(blocks=(), cursor=0, hit=None, kv_load=None))
 
 
 def record_lookup_hit(w: World, k: str, hit_tokens: int = 0, sync: bool = False,
@@ -383,7 +392,8 @@ def create_load_job(w: World, k: str, keys: tuple[int, ...] = (),
                          blocks=block_ids, unreported=w.bounds.workers)
     fire(w, "job", -1, "create_load")
     r = _req(w, k)
-    _set_req(w, r._replace(hit=None, cursor=first_block_index + len(block_ids)))
+    _set_req(w, r._replace(hit=None, cursor=first_block_index + len(block_ids),
+                           kv_load=w.last_job if sync else None))
 
 
 def mark_chunks_being_loaded(w: World, k: str, keys: tuple[int, ...] = (), **kw: Any) -> None:
@@ -496,11 +506,11 @@ def enter_job_table(w: World, k: int, **kw: Any) -> None:
     w.batch_jobs.add(j.id)
     if j.kind == "load":
         w.batch_loads.add(j.id)
-    w.last_job = j.id  # type: ignore[attr-defined]
+    w.last_job = j.id
 
 
 def register_store_fences(w: World, k: int, **kw: Any) -> None:
-    jid = w.last_job  # type: ignore[attr-defined]
+    jid = w.last_job
     j = w.jobs[jid]
     if _req(w, j.owner).finished:
         for b in sorted(j.deferred):
@@ -629,6 +639,13 @@ def invalidate_orphaned_load(w: World, k: int, **kw: Any) -> None:
         w.reqs[owner.id] = owner._replace(load_invalid=True)
 
 
+def invalidate_owner_kv(w: World, k: int, **kw: Any) -> None:
+    j = _job(w, k)
+    owner = w.reqs.get(j.owner)
+    if j.kind == "load" and j.sync and owner is not None and owner.kv_load == k:
+        fire(w, "request", owner.id, "kv_invalidated")
+
+
 def leave_reset_fence(w: World, k: int, **kw: Any) -> None:
     w.held.pop(k, None)
     w.quarantined_blocks.pop(k, None)
@@ -747,6 +764,8 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
 
 def _store(w: World, r: str, scheduled: int) -> None:
     req = _req(w, r)
+    if req.load_invalid:
+        return  # no store reads KV that a failed load invalidated
     core = w.core[r]
     t = w.template(r)
     if req.finished:
@@ -873,8 +892,43 @@ class Event:
         return f"{self.kind}({self.req})" if self.req else f"{self.kind}()"
 
 
+def parse_events(text: str) -> list[Event]:
+    """The inverse of `str(Event)` over a `;`-separated program:
+    ``"arrive(r0) ; step(admit=r0) ; ack(job 0, count 2) ; reset()"`` -> events."""
+    out: list[Event] = []
+    for item in (t.strip() for t in text.split(";")):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\w+)\((.*)\)", item)
+        if m is None:
+            raise ValueError(f"not an event: {item!r}")
+        kind, arg = m.group(1), m.group(2).strip()
+        if kind == "step":
+            out.append(Event("step", arg.split("=", 1)[1] if arg else None))
+        elif kind in ("ack", "fail"):
+            nums = re.fullmatch(r"job (\d+), count (\d+)", arg)
+            if nums is None:
+                raise ValueError(f"not a report: {item!r}")
+            out.append(Event("report", job=int(nums.group(1)), count=int(nums.group(2)),
+                             failed=kind == "fail"))
+        elif kind in ("arrive", "finish", "abort", "preempt", "reset"):
+            out.append(Event(kind, arg or None))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown event kind {kind!r} in {item!r}")
+    return out
+
+
 def initial(bounds: Bounds) -> ModelState:
     return ModelState(bounds, free_blocks=frozenset(range(bounds.gpu_blocks)))
+
+
+def _behind_a_sync_load(w: World, j: MJob) -> bool:
+    """An earlier sync load of the same request still has reports due. A worker waits for a
+    sync load before the step's forward pass and reports it in that step (W:256-270,
+    W:286-329), before any later job of the request, which it submits in a later step
+    (W:272-284): so no worker reports a later job first."""
+    return any(o.owner == j.owner and o.kind == "load" and o.sync and o.id < j.id
+               and o.unreported > 0 for o in (*w.jobs.values(), *w.held.values()))
 
 
 def _free(w: World, blocks: tuple[int, ...]) -> None:
@@ -909,14 +963,24 @@ def _core_sync(w: World) -> None:
                 w.core[r] = c._replace(blocks=())
 
 
+def _inside(w: World, call: Call) -> None:
+    """Keep the abstract state as the hook `call` left it, inside the step."""
+    if w.keep_inside:
+        w.inside.append((call, abstract(w.freeze(), step_open=True)))
+
+
 def apply(s: ModelState, ev: Event, faults: frozenset[str] = frozenset(),
-          victims: tuple[int, ...] | None = None) -> tuple[ModelState, list[Call], World]:
+          victims: tuple[int, ...] | None = None,
+          inside: bool = False) -> tuple[ModelState, list[Call], World]:
     """The state after `ev`, the hook calls it stands for, and the working world (for its
     coverage record). NotEnabled: the environment cannot send `ev` here; any other
-    ModelError: the spec (or a fault) breaks on it."""
+    ModelError: the spec (or a fault) breaks on it. With `inside`, the world also keeps the
+    abstract state after each hook that returns inside a step (`World.inside`), where the
+    implementation checks the invariants too."""
     w = World.thaw(s)
     w.faults = faults
     w.victim_choice = victims
+    w.keep_inside = inside
     calls: list[Call] = []
     b = s.bounds
     if ev.kind == "arrive":
@@ -939,11 +1003,13 @@ def apply(s: ModelState, ev: Event, faults: frozenset[str] = frozenset(),
             if not c.blocks:
                 hit, is_async = lookup(w, r)
                 calls.append(Call("get_num_new_matched_tokens", (r, 0), (hit, is_async)))
+                _inside(w, calls[-1])
                 if hit is not None and len(w.free_blocks) >= tokens:
                     blocks = tuple(sorted(w.free_blocks)[:tokens])
                     w.free_blocks.difference_update(blocks)
                     alloc(w, r, blocks, hit)
                     calls.append(Call("update_state_after_alloc", (r, blocks, hit)))
+                    _inside(w, calls[-1])
                     if hit and is_async:
                         w.core[r] = MCore("remote", 0, blocks, loading=hit)
                     else:
@@ -982,6 +1048,8 @@ def apply(s: ModelState, ev: Event, faults: frozenset[str] = frozenset(),
             raise NotEnabled("not shipped")
         if ev.count < 1 or ev.count > due.unreported:
             raise NotEnabled("count")
+        if _behind_a_sync_load(w, due):
+            raise NotEnabled("each worker reports a request's sync load before its later jobs")
         if ev.count > due.pending:
             raise ModelError(f"job {ev.job}: {ev.count} reports from the workers but only "
                              f"{due.pending} due by the scheduler's count (over-ack)")
@@ -1042,6 +1110,7 @@ def apply(s: ModelState, ev: Event, faults: frozenset[str] = frozenset(),
         w.budget[0] += 1
         reset(w)
         calls.append(Call("reset_cache", ()))
+        _core_sync(w)
     return w.freeze(), calls, w
 
 
@@ -1080,12 +1149,13 @@ def events(s: ModelState) -> Iterator[Event]:
     yield Event("reset")
 
 
-def successors(s: ModelState, faults: frozenset[str] = frozenset()) -> Iterator[
+def successors(s: ModelState, faults: frozenset[str] = frozenset(),
+               inside: bool = False) -> Iterator[
         tuple[Event, ModelState | ModelError, list[Call], World | None]]:
     """(event, next state or the ModelError it raised, calls, world) for every enabled event."""
     for ev in events(s):
         try:
-            nxt, calls, w = apply(s, ev, faults)
+            nxt, calls, w = apply(s, ev, faults, inside=inside)
         except NotEnabled:
             continue
         except ModelError as exc:
@@ -1157,4 +1227,4 @@ def coverage_universe() -> set[tuple[str, int]]:
 
 __all__ = ["Bounds", "Call", "Event", "ModelError", "ModelState", "NotEnabled", "Template",
            "abstract", "apply", "canonical", "coverage_universe", "events", "fire", "initial",
-           "key", "successors"]
+           "key", "parse_events", "successors"]

@@ -79,12 +79,15 @@ GUARDS = (
 
 EFFECTS = (
     Effect("create_request_status", "create the request's status; manager.on_new_request"),
-    Effect("restart_from_token_zero", "clear block_ids, store cursor to 0 (S:1242-1245)"),
+    Effect("restart_from_token_zero", "clear block_ids, store cursor to 0 (S:1242-1245); the "
+           "request's KV no longer depends on any earlier load"),
     Effect("start_deferral_timer", "set deferred_lookup_start_time if unset"),
     Effect("record_lookup_hit", "num_hit_chunks; reserve the sync-load budget if it fits"),
     Effect("bypass_offload_lookup", "answer 0 without asking the manager; clear load_invalid"),
     Effect("create_load_job", "prepare_load (pins), new job id, pending_count = num_workers, "
-           "id into transfer_jobs and _jobs"),
+           "id into transfer_jobs and _jobs; a sync load's id is remembered as the load the "
+           "request's KV depends on until its next restart (beyond vLLM: its failure, even "
+           "after a reset made it stale, invalidates the request)"),
     Effect("mark_chunks_being_loaded", "add the load's keys to _chunks_being_loaded"),
     Effect("record_block_ids", "append the allocated GPU blocks to the request's block table"),
     Effect("create_store_job", "prepare_store; new job id into transfer_jobs and _jobs; fence "
@@ -100,7 +103,9 @@ EFFECTS = (
            "and enter the reset fence (the job machine's reset)"),
     Effect("mark_load_invalid", "remember that the loaded tokens must be recomputed"),
     Effect("poison_request_stores", "the request's live stores read KV computed from the "
-           "failed load: they end as failed and are rolled back"),
+           "failed load: they end as failed and are rolled back (a worker reports a request's "
+           "sync load before its later jobs, so none of them completed before the failure "
+           "was known)"),
     Effect("quarantine_load_blocks", "the timed-out load's destination GPU blocks are held "
            "out of the free pool until its late acks arrive"),
     Effect("signal_untracked_finished", "manager.on_new_request then on_request_finished for "
@@ -142,12 +147,14 @@ TRANSITIONS = (
                effects=("record_block_ids",), note="_update_req_states for a scheduled request"),
     # --- stores ---------------------------------------------------------------------
     Transition("store", (RUNNING, STORING), STORING, "build_connector_meta", "S:1815-2101",
-               effects=("create_store_job",)),
+               guards=("!load_invalid",), effects=("create_store_job",)),
     Transition("store", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, "build_connector_meta",
-               "S:1815-2101, S:2094-2099", effects=("create_store_job",),
-               note="beside a sync load; or the final store of a finished request"),
+               "S:1815-2101, S:2094-2099", guards=("!load_invalid",),
+               effects=("create_store_job",),
+               note="beside a sync load; or the final store of a finished request; never "
+               "from KV that a failed load invalidated (the hook offers nothing then)"),
     Transition("store_alloc_failed", (RUNNING, STORING, LOADING_SYNC, FINISHED_PENDING_FINAL),
-               SAME, "build_connector_meta", "S:1988-1996",
+               SAME, "build_connector_meta", "S:1988-1996", guards=("!load_invalid",),
                effects=("count_allocation_failure",), note="prepare_store returned None"),
     # --- job endings ----------------------------------------------------------------
     Transition("store_ended", (STORING,), SAME, _ENDING_STORE, "S:2283-2308",
@@ -205,9 +212,17 @@ TRANSITIONS = (
                         "delete_request_status"), path=Path.RESET),
     Transition("reset", (IDLE, LOOKUP_DEFERRED, RECOMPUTE, TIMED_OUT), SAME, "reset_cache",
                "S:2429-2433", effects=("reset_store_cursor",), path=Path.RESET),
-    Transition("reset", (RUNNING, STORING, LOADING_SYNC), RUNNING, "reset_cache",
+    Transition("reset", (RUNNING, STORING), RUNNING, "reset_cache",
                "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="the #48102 fix: transfer_jobs cleared with _jobs"),
+    Transition("reset", (LOADING_SYNC,), RUNNING, "reset_cache",
+               "S:2429-2433", guards=("!load_invalid",),
+               effects=("drop_request_jobs", "reset_store_cursor"), path=Path.RESET,
+               note="the request keeps running on its sync load's KV; a failure reported for "
+               "that load later (stale) still invalidates it (kv_invalidated)"),
+    Transition("reset", (LOADING_SYNC,), RECOMPUTE, "reset_cache", BEYOND_VLLM,
+               guards=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               path=Path.RESET, note="a worker already failed its sync load: recompute"),
     Transition("reset", (PREEMPTED_FLUSHING,), IDLE, "reset_cache", "S:2429-2433",
                guards=("!load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET),
@@ -237,18 +252,36 @@ TRANSITIONS = (
                note="its stores read KV computed from the failed load: poisoned, they end "
                "FAILED and are rolled back, so their source blocks need no fence"),
     Transition("load_failed", (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, BEYOND_VLLM,
-               guards=("other_jobs_remain",), effects=("mark_load_invalid",),
-               path=Path.FAILURE),
+               guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
+               note="the flushed stores read KV computed from the failed load"),
     Transition("load_failed", (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
                guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.FAILURE),
     Transition("load_failed", (FINISHED_PENDING_FINAL,), SAME, _ENDING_STORE, BEYOND_VLLM,
-               path=Path.FAILURE),
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
+               note="no final store is then made from its KV"),
     Transition("load_failed", (FINISHED_DRAINING,), SAME, _ENDING_STORE, BEYOND_VLLM,
-               guards=("other_jobs_remain",), path=Path.FAILURE),
+               guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE),
     Transition("load_failed", (FINISHED_DRAINING,), ABSENT, _ENDING_STORE, BEYOND_VLLM,
                guards=("!other_jobs_remain",), effects=("delete_request_status",),
                path=Path.FAILURE),
+    # --- a failure reported for the sync load the request's KV depends on (beyond vLLM) ---
+    Transition("kv_invalidated", (LOADING_SYNC, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
+                                  FINISHED_DRAINING), SAME, _ENDING_STORE, BEYOND_VLLM,
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
+               note="at the first failure report, before the load's other reports: no store "
+               "reads that KV from now on"),
+    Transition("kv_invalidated", (RUNNING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
+               effects=("mark_load_invalid",), path=Path.FAILURE,
+               note="a reset made its sync load stale; a worker now reports it failed"),
+    Transition("kv_invalidated", (STORING,), PREEMPTED_FLUSHING, _ENDING_STORE, BEYOND_VLLM,
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
+               note="as from RUNNING; its stores since the reset read that KV"),
+    Transition("kv_invalidated", (IDLE, RECOMPUTE, TIMED_OUT), SAME, _ENDING_STORE,
+               BEYOND_VLLM, path=Path.FAILURE,
+               note="preempted (its KV was dropped) or already recomputing: nothing to do"),
     Transition("load_timed_out", (LOADING_ASYNC,), TIMED_OUT, "build_connector_meta",
                BEYOND_VLLM, effects=("mark_load_invalid", "quarantine_load_blocks"),
                path=Path.TIMEOUT),
@@ -260,16 +293,19 @@ TRANSITIONS = (
                effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (PREEMPTED_FLUSHING,), SAME, "build_connector_meta",
-               BEYOND_VLLM, guards=("other_jobs_remain",), effects=("mark_load_invalid",),
-               path=Path.TIMEOUT),
+               BEYOND_VLLM, guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "poison_request_stores"), path=Path.TIMEOUT),
     Transition("load_timed_out", (PREEMPTED_FLUSHING,), RECOMPUTE, "build_connector_meta",
                BEYOND_VLLM, guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.TIMEOUT, note="preempted: its blocks were already freed behind the "
                "flush"),
     Transition("load_timed_out", (FINISHED_PENDING_FINAL,), SAME, "build_connector_meta",
-               BEYOND_VLLM, effects=("quarantine_load_blocks",), path=Path.TIMEOUT),
+               BEYOND_VLLM,
+               effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
+               path=Path.TIMEOUT),
     Transition("load_timed_out", (FINISHED_DRAINING,), SAME, "build_connector_meta",
-               BEYOND_VLLM, guards=("other_jobs_remain",), effects=("quarantine_load_blocks",),
+               BEYOND_VLLM, guards=("other_jobs_remain",),
+               effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (FINISHED_DRAINING,), ABSENT, "build_connector_meta",
                BEYOND_VLLM, guards=("!other_jobs_remain",),

@@ -40,13 +40,20 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=0,
                     failures=1, preemptions=0, sync_loads=False, partial_reports=True)),
     Scenario("sync-loads",
-             "synchronous loads beside stores, their failure poisoning the stores, a reset",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+             "synchronous loads beside stores, their failure poisoning the stores at the "
+             "first failure report; a reset after one worker failed the load (recompute)",
+             Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=2, resets=1,
                     failures=1, preemptions=0, sync_loads=True)),
     Scenario("sync-preemption",
-             "a request preempted while its synchronous load is unreported; that load fails",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=0,
+             "a request preempted while its synchronous load is unreported; that load fails, "
+             "before or after a reset made it stale",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=1,
                     failures=1, preemptions=1, sync_loads=True)),
+    Scenario("sync-load-fails-after-reset",
+             "a reset makes a sync load stale while its request keeps running and storing on "
+             "its KV; the stale failure report invalidates the request and poisons its stores",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=1,
+                    failures=1, preemptions=0, sync_loads=True)),
     Scenario("timeouts",
              "lost reports: jobs time out, late reports drain the quarantine, a reset moves "
              "it to the fence",

@@ -62,7 +62,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
         print(json.dumps({"machines": rows, **inv}, indent=2))
     else:
         _print_table(rows)
-        print(f"\ninvariants of reference 6.5: {inv['invariants_total']} "
+        print(f"\ninvariants: {inv['invariants_total']} "
               f"({inv['safety_invariants']} safety predicates checked on every state; the "
               f"other {inv['invariants_total'] - inv['safety_invariants']} are progress, "
               f"checked as {inv['progress_properties']} progress properties)")

@@ -58,6 +58,7 @@ class SchedulerEffects:
         req.block_ids.clear()
         req.next_stored_chunk_idx = 0
         req.lookup_hit_tokens = None
+        req.kv_load_id = None
 
     def start_deferral_timer(self, req: RequestState, **_: Any) -> None:
         if req.deferred_lookup_since_step is None:
@@ -90,6 +91,8 @@ class SchedulerEffects:
                         gpu_block_ids=block_ids, first_block_index=first_block_index)
         self._jobs_life.add(job)
         self._fire(self._jobs_life, job, "create_load")
+        if sync:
+            req.kv_load_id = job.job_id
         req.loaded_from_offload = True
         req.lookup_hit_tokens = None
         # CHUNK_LEVEL policy: loaded chunks are not stored again (S:1471-1472)
@@ -283,6 +286,12 @@ class SchedulerEffects:
         owner = self._req_status.get(job.owner.req_id)
         if not job.is_store and owner is job.owner and owner.state == R.ORPHANED_LOAD:
             owner.loaded_tokens_invalid = True
+
+    def invalidate_owner_kv(self, job: JobStatus, **_: Any) -> None:
+        owner = self._req_status.get(job.owner.req_id)
+        if (not job.is_store and job.sync and owner is job.owner
+                and owner.kv_load_id == job.job_id):
+            self._fire(self._requests_life, owner, "kv_invalidated")
 
     def leave_reset_fence(self, job: JobStatus, **_: Any) -> None:
         del self.fence.entries[job.job_id]

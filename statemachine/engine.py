@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec import job as J
 from spec import request as R
 from statemachine.config import OffloadingConfig
 from statemachine.errors import ConfigError, KVSpecError
@@ -59,6 +60,7 @@ from statemachine.messages import (
     RequestStatus,
     SchedulerOutput,
 )
+from statemachine.models import JobStatus
 from statemachine.oracle import CorruptedBytes, first_mismatch, first_mismatch_rows, pattern_for
 from statemachine.scheduler import OffloadingScheduler
 from statemachine.worker import Worker, WorkerJob, WorkerReport, aggregate, make_workers
@@ -218,6 +220,11 @@ class Engine:
         self.connector_held: set[int] = set()
         """GPU blocks in the connector's quarantine (timed-out loads' destinations)."""
         self._quarantine_seen: set[int] = set()
+        self._unpublished: list[tuple[JobStatus, CorruptedBytes]] = []
+        """Stores that copied wrong bytes, held until the connector decides their fate: a
+        store it completes publishes them (CorruptedBytes); one it fails, resets or times out
+        never does (its request's load failed and poisoned it, say, before every report
+        came in)."""
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
         self._recv_counts: Counter[int] = Counter()
@@ -477,14 +484,21 @@ class Engine:
                 raise EngineError(f"job {job.job_id} for unknown request {job.req_id!r}")
             if not job.is_store:
                 self._check_load(w, job, r)
-            elif self.config.check_stores and not self._store_void(job.job_id):
+            elif self.config.check_stores:
                 self._check_store(w, job, r)
 
-    def _store_void(self, job_id: int) -> bool:
-        """A store the connector will roll back (poisoned by its request's failed load): its
-        bytes are void, so it needs no fence (INV-15) and no check."""
-        job = self.scheduler.jobs.get(job_id) or self.scheduler.jobs.quarantine.get(job_id)
-        return job is not None and job.failed
+    def _judge_unpublished(self) -> None:
+        """Raise for a wrong store the connector completed; forget one it voided."""
+        still = []
+        for status, wrong in self._unpublished:
+            if status.state == J.COMPLETED:
+                self.stats["corrupted_blocks"] += wrong.bad_blocks
+                raise wrong
+            if status.state in J.LIVE or status.state == J.CREATED:
+                still.append((status, wrong))
+            else:
+                self.stats["void_stores_discarded"] += 1
+        self._unpublished = still
 
     def _chunk_key(self, r: EngineRequest, index: int) -> int | None:
         bpc = self.config.blocks_per_chunk
@@ -520,13 +534,18 @@ class Engine:
             if m is None:
                 continue
             index = spec.first_block_index + m.position
-            self.stats["corrupted_blocks"] += m.bad_blocks
-            raise CorruptedBytes(
+            status = self.scheduler.job_status(job.job_id)
+            if status is None:
+                raise EngineError(f"store job {job.job_id} copied, but the connector does not "
+                                  "know it")
+            self._unpublished.append((status, CorruptedBytes(
                 req_id=r.id, what="stored block", rank=w.rank, layer=layer, block_index=index,
                 gpu_block=spec.gpu_blocks[m.position], offset=m.offset, expected=m.expected,
                 actual=m.actual, job_id=job.job_id,
                 chunk=spec.cpu_chunks[(spec.skip(bpc) + m.position) // bpc],
-                chunk_key=self._chunk_key(r, index), bad_blocks=m.bad_blocks)
+                chunk_key=self._chunk_key(r, index), bad_blocks=m.bad_blocks)))
+            self._judge_unpublished()  # already completed: raise now
+            return
         self.stats["stored_blocks_verified"] += spec.num_blocks
 
     def verify_request(self, req_id: str, include_loaded: bool = True) -> int:
@@ -658,6 +677,7 @@ class Engine:
 
     # ================================================================ following the connector
     def _after_connector(self) -> None:
+        self._judge_unpublished()
         self._sync_quarantine()
         self._free(self._take_released())
         self._reconcile()

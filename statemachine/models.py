@@ -40,6 +40,9 @@ class RequestState:
     """Set by a lookup that hit; consumed by update_state_after_alloc or dropped at step end."""
     sync_load_reserved: bool = False
     deferred_lookup_since_step: int | None = None
+    kv_load_id: int | None = None
+    """Beyond vLLM: the sync load whose copy the request's KV depends on, until its next
+    restart; a failure reported for it (even after a reset) invalidates the request."""
     loaded_from_offload: bool = False
     max_load_tokens: int | None = None
     max_offload_tokens: int | None = None

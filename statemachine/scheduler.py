@@ -363,6 +363,9 @@ class OffloadingScheduler(SchedulerEffects):
             self._require(self._requests_life, req, "schedule")
 
     def _build_store_job(self, req: RequestState, num_scheduled: int) -> None:
+        if req.loaded_tokens_invalid:
+            self.stats["stores_withheld_invalid_kv"] += 1
+            return  # no store reads KV that a failed load invalidated
         request: Request = req.request
         cfg = self.config
         if req.is_finished:
@@ -545,6 +548,12 @@ class OffloadingScheduler(SchedulerEffects):
 
     def get_stats(self) -> dict[str, int]:
         return {**self.stats, **{f"manager_{k}": v for k, v in self.manager.stats.items()}}
+
+    def job_status(self, job_id: int) -> JobStatus | None:
+        """The job's status while the scheduler still knows it: live, in the timeout
+        quarantine, or in the reset fence (its `state` stays final once it ends)."""
+        return (self.jobs.get(job_id) or self.jobs.quarantine.get(job_id)
+                or self._fenced_jobs.get(job_id))
 
     def take_released_gpu_blocks(self) -> list[int]:
         out, self.released_gpu_blocks = self.released_gpu_blocks, []

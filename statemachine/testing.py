@@ -27,7 +27,6 @@ implementation onto `spec.AbstractState` (reference 6.1 and 6.3 give the predica
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
@@ -86,6 +85,11 @@ class ReferenceAdapter:
 
     def make_scheduler(self, config: OffloadingConfig) -> OffloadingScheduler:
         return OffloadingScheduler(config)
+
+    @property
+    def checks_every_hook(self) -> bool:
+        """The scheduler checks every invariant after each of its hooks itself."""
+        return bool(self.scheduler.config.check_invariants)
 
     def _request(self, req_id: str) -> Request:
         if req_id not in self.requests:
@@ -166,6 +170,10 @@ class RefinementError(AssertionError):
     pass
 
 
+class InsideStepViolation(AssertionError):
+    """An invariant broken at a hook that returned inside a step."""
+
+
 class OffloadingStateMachine(RuleBasedStateMachine):
     """The model-based test. Subclass to change the adapter or the bounds."""
 
@@ -188,11 +196,20 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     the model's, so that a broken invariant is reported as such rather than as the state
     difference it also causes (the conformance machine sets it)."""
 
+    CHECK_EVERY_HOOK: ClassVar[bool] = True
+    """Also check the invariants after each hook that returns inside an event (a step's
+    lookup and allocation), where the implementation's state is mid-step, unless the adapter
+    says its implementation checks them itself after every hook (`checks_every_hook`)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.model: M.ModelState | None = None
         self.impl: Any = None
         self.trace: list[str] = []
+        self.events: list[M.Event] = []
+        """The program so far, as model events (`trace` is the same, as text)."""
+        self.failure: BaseException | None = None
+        """The run's first failure; teardown then leaves the broken implementation alone."""
         self._possible_cache: list[M.Event] = []
         self._possible_for: M.ModelState | None = None
         self.swarm: frozenset[str] = frozenset(self.SWARM)
@@ -211,13 +228,35 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         self.impl = self.adapter_factory(bounds)
 
     def _step(self, ev: M.Event) -> None:
+        try:
+            self._step_checked(ev)
+        except BaseException as exc:
+            self._record_failure(exc)
+            raise
+
+    def _record_failure(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    def _step_checked(self, ev: M.Event) -> None:
         assert self.model is not None
         try:
             nxt, calls, _w = M.apply(self.model, ev, self.faults)
         except M.NotEnabled:
             return
         self.trace.append(str(ev))
-        answers = [self.impl.call(c) for c in calls]
+        self.events.append(ev)
+        check_inside = (self.CHECK_EVERY_HOOK and len(calls) > 1
+                        and not getattr(self.impl, "checks_every_hook", False))
+        answers = []
+        for i, c in enumerate(calls):
+            answers.append(self.impl.call(c))
+            if check_inside and i < len(calls) - 1:
+                violations = check_invariants(self.impl.abstract_state())
+                if violations:
+                    raise InsideStepViolation(
+                        f"after {' ; '.join(self.trace)}, inside the step, after "
+                        f"{c.hook}{c.args}:\n" + "\n".join(map(str, violations)))
         evicted = self.impl.evicted()
         if evicted:
             nxt, calls, _w = M.apply(self.model, ev, self.faults, victims=evicted)
@@ -254,17 +293,50 @@ class OffloadingStateMachine(RuleBasedStateMachine):
             self._possible_cache, self._possible_for = out, self.model
         return self._possible_cache
 
-    def _enabled(self, *kinds: str) -> bool:
-        """Some event of these kinds is possible now (hypothesis then spends its steps on
-        events that happen), and the run's swarm allows it."""
-        allowed = [k for k in kinds if k not in self.SWARM or k in self.swarm]
-        return any(e.kind in allowed for e in self._possible())
+    # -- the event rules: (rule, swarm switch or None, which events it takes) ------------
+    EVENT_RULES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
+        ("new_request", None, "arrive"),
+        ("step", None, "step"),
+        ("partial_ack", "partial", "report"),
+        ("complete_ack", None, "report"),
+        ("late_ack", "late", "report"),
+        ("worker_failure", "failure", "report"),
+        ("finish", "finish", "finish"),
+        ("abort", "abort", "abort"),
+        ("preempt", "preempt", "preempt"),
+        ("reset", "reset", "reset"),
+    )
+    """Each rule draws one event among those the model can take now that are of its kind,
+    pass its `takes_*` filter and the machine's `allows`, while its swarm switch is on."""
 
-    def _filtered(self, pred: Callable[[M.Event], bool]) -> list[M.Event]:
-        return [e for e in self._possible() if pred(e)]
+    def candidates(self, rule: str) -> list[M.Event]:
+        """The events rule `rule` may draw now (empty: its precondition fails)."""
+        switch, kind = next((sw, k) for name, sw, k in self.EVENT_RULES if name == rule)
+        if switch is not None and switch not in self.swarm:
+            return []
+        takes = getattr(self, f"takes_{rule}", None)
+        return [e for e in self._possible() if e.kind == kind
+                and (takes is None or takes(e)) and self.allows(rule, e)]
 
-    def _do(self, data: st.DataObject, pred: Callable[[M.Event], bool]) -> None:
-        evs = self._filtered(pred)
+    def allows(self, rule: str, ev: M.Event) -> bool:
+        """Whether the machine lets `rule` take `ev` (a subclass restricts)."""
+        return True
+
+    def takes_partial_ack(self, e: M.Event) -> bool:
+        return not e.failed and not self._held(e) and e.count < self._unreported(e.job)
+
+    def takes_complete_ack(self, e: M.Event) -> bool:
+        return not e.failed and not self._held(e) and e.count == self._unreported(e.job)
+
+    def takes_late_ack(self, e: M.Event) -> bool:
+        """A report for a job that left the table (stale after a reset, or timed out)."""
+        return not e.failed and self._held(e)
+
+    def takes_worker_failure(self, e: M.Event) -> bool:
+        return e.failed
+
+    def _draw(self, data: st.DataObject, rule: str) -> None:
+        evs = self.candidates(rule)
         if evs:
             self._step(data.draw(st.sampled_from(evs)))
 
@@ -272,59 +344,56 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         assert self.model is not None
         return any(j.id == e.job for j in self.model.held)
 
-    @precondition(lambda self: self._enabled("arrive"))
+    @precondition(lambda self: bool(self.candidates("new_request")))
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "arrive")
+        self._draw(data, "new_request")
 
-    @precondition(lambda self: self._enabled("step"))
+    @precondition(lambda self: bool(self.candidates("step")))
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         """An engine step, admitting a waiting request or not (jobs age: timeouts)."""
-        self._do(data, lambda e: e.kind == "step")
+        self._draw(data, "step")
 
-    @precondition(lambda self: "partial" in self.swarm and self._enabled("report"))
+    @precondition(lambda self: bool(self.candidates("partial_ack")))
     @rule(data=st.data())
     def partial_ack(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
-                 and e.count < self._unreported(e.job))
+        self._draw(data, "partial_ack")
 
-    @precondition(lambda self: self._enabled("report"))
+    @precondition(lambda self: bool(self.candidates("complete_ack")))
     @rule(data=st.data())
     def complete_ack(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "report" and not e.failed and not self._held(e)
-                 and e.count == self._unreported(e.job))
+        self._draw(data, "complete_ack")
 
-    @precondition(lambda self: "late" in self.swarm and self._enabled("report"))
+    @precondition(lambda self: bool(self.candidates("late_ack")))
     @rule(data=st.data())
     def late_ack(self, data: st.DataObject) -> None:
-        """A report for a job that left the table (stale after a reset, or timed out)."""
-        self._do(data, lambda e: e.kind == "report" and not e.failed and self._held(e))
+        self._draw(data, "late_ack")
 
-    @precondition(lambda self: "failure" in self.swarm and self._enabled("report"))
+    @precondition(lambda self: bool(self.candidates("worker_failure")))
     @rule(data=st.data())
     def worker_failure(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "report" and e.failed)
+        self._draw(data, "worker_failure")
 
-    @precondition(lambda self: self._enabled("finish"))
+    @precondition(lambda self: bool(self.candidates("finish")))
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "finish")
+        self._draw(data, "finish")
 
-    @precondition(lambda self: self._enabled("abort"))
+    @precondition(lambda self: bool(self.candidates("abort")))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "abort")
+        self._draw(data, "abort")
 
-    @precondition(lambda self: self._enabled("preempt"))
+    @precondition(lambda self: bool(self.candidates("preempt")))
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        self._do(data, lambda e: e.kind == "preempt")
+        self._draw(data, "preempt")
 
-    @precondition(lambda self: self._enabled("reset"))
-    @rule()
-    def reset(self) -> None:
-        self._step(M.Event("reset"))
+    @precondition(lambda self: bool(self.candidates("reset")))
+    @rule(data=st.data())
+    def reset(self, data: st.DataObject) -> None:
+        self._draw(data, "reset")
 
     @rule()
     def duplicate_report_is_rejected(self) -> None:
@@ -350,13 +419,19 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     def invariants_hold(self) -> None:
         if self.impl is not None:
             violations = check_invariants(self.impl.abstract_state())
-            assert not violations, "\n".join(map(str, violations))
+            if violations:
+                exc = AssertionError("\n".join(map(str, violations)))
+                self._record_failure(exc)
+                raise exc
 
     def teardown(self) -> None:
-        if self.model is None:
+        """Drain: deliver every report, finish everything, step; then nothing may be left.
+        Skipped after a failed step: the implementation stopped mid-hook, and what a drain
+        would find next must not bury the first failure."""
+        if self.model is None or self.failure is not None:
             return
         for _ in range(200):  # drain: deliver every report, finish everything, step
-            evs = [e for e in M.events(self.model)
+            evs = [e for e in self._possible()
                    if (e.kind == "report" and not e.failed
                        and e.count == max(1, self._unreported(e.job)))
                    or e.kind in ("abort",) or (e.kind == "step" and e.req is None)]
@@ -455,7 +530,12 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         live = sorted(self.engine.requests)
         if live:
-            self.engine.abort(data.draw(st.sampled_from(live)))
+            self.abort_request(data.draw(st.sampled_from(live)))
+
+    def abort_request(self, req_id: str) -> None:
+        """Abort `req_id` if it is still live (a replayed program may name a finished one)."""
+        if req_id in self.engine.requests:
+            self.engine.abort(req_id)
 
     @rule(running=st.booleans())
     def reset(self, running: bool) -> None:

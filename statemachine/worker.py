@@ -137,6 +137,9 @@ class Worker:
         self._failing: set[int] = set()
         self._copied: list[WorkerJob] = []
         self._withheld: dict[int, CopyResult] = {}
+        self._behind: dict[int, list[int]] = {}
+        """A hung sync load -> the later jobs of its request whose completions wait for its
+        report (a rank reports a request's sync load before its later jobs)."""
         self._meta = OffloadingWorkerMetadata()
         self._reported_any = False
         self._recving: dict[int, str] = {}
@@ -228,8 +231,13 @@ class Worker:
                 self._withheld[result.job_id] = result
                 fresh.add(result.job_id)
                 continue
+            blocker = self._hung_sync_load_before(job)
+            if blocker is not None:
+                self._withheld[result.job_id] = result
+                self._behind.setdefault(blocker, []).append(result.job_id)
+                continue
             self._fire(job, "copy_done", result=result)
-        for job_id in sorted(self._withheld.keys() - fresh):
+        for job_id in sorted((self._withheld.keys() & self._hung.keys()) - fresh):
             countdown = self._hung[job_id]
             if countdown is None:
                 continue
@@ -317,6 +325,19 @@ class Worker:
         result = self._withheld.pop(job_id)
         del self._hung[job_id]
         self._fire(self.jobs[job_id], "copy_done", result=result)
+        for later in self._behind.pop(job_id, []):
+            self._fire(self.jobs[later], "copy_done", result=self._withheld.pop(later))
+
+    def _hung_sync_load_before(self, job: WorkerJob) -> int | None:
+        """An earlier sync load of the same request whose report this rank withholds: the
+        rank reports a sync load in the step that waited for it, so before any later job of
+        its request (W:256-270, W:286-329); a hung one holds those back too."""
+        for job_id in sorted(self._hung):
+            held = self.jobs.get(job_id)
+            if (held is not None and job_id < job.job_id and held.req_id == job.req_id
+                    and held.kind == "load" and held.sync):
+                return job_id
+        return None
 
     # ================================================================ the oracle's view
     def _copy_known_complete(self, job: WorkerJob) -> None:

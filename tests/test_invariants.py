@@ -75,6 +75,7 @@ def _break(name: str) -> AbstractState:
         "INV-17": replace(s, reset_fence=(HeldJob(5, "store", 1, flushed=True),),
                           stale_threshold=7),
         "INV-18": replace(s, requests=(r1, replace(r2, lookup_hit_pending=True))),
+        "INV-19": replace(s, requests=(replace(r1, load_invalid=True), r2)),
     }
     return cases[name]
 
@@ -91,8 +92,18 @@ def test_an_unflushed_pre_reset_job_is_a_cpu_safety_violation() -> None:
     assert "INV-16" in ids(_break("INV-16b"))
 
 
-def test_every_invariant_of_reference_6_5_is_named() -> None:
-    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 19)]
+def test_a_poisoned_store_of_an_invalidated_request_is_allowed() -> None:
+    s = healthy()
+    store, load = s.jobs
+    r1, r2 = s.requests
+    assert store.owner == r1.id
+    poisoned = replace(s, requests=(replace(r1, load_invalid=True), r2),
+                       jobs=(replace(store, failed=True, state=J.FAILING), load))
+    assert "INV-19" not in ids(poisoned)
+
+
+def test_every_invariant_is_named() -> None:
+    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 20)]
     progress = {i.id for i in spec.INVARIANTS if i.is_progress}
     assert progress == {"INV-13", "INV-14"}
     covered = {inv for p in spec.PROGRESS for inv in p.invariant.split(", ")}

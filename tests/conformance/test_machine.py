@@ -67,26 +67,7 @@ def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> Non
 def _replay(machine: Any, bounds: M.Bounds, trace: str) -> Any:
     from statemachine.testing import replay
 
-    return replay(parse_trace(trace), bounds, machine)
-
-
-def parse_trace(text: str) -> list[M.Event]:
-    """`arrive(r0) ; step(admit=r0) ; ack(job 0, count 2) ; reset()` -> events."""
-    import re
-
-    out = []
-    for item in (t.strip() for t in text.split(";")):
-        m = re.fullmatch(r"(\w+)\((.*)\)", item)
-        assert m is not None, item
-        kind, arg = m.group(1), m.group(2)
-        if kind == "step":
-            out.append(M.Event("step", arg.split("=")[1] if arg else None))
-        elif kind in ("ack", "fail"):
-            job, count = (int(x) for x in re.findall(r"\d+", arg))
-            out.append(M.Event("report", job=job, count=count, failed=kind == "fail"))
-        else:
-            out.append(M.Event(kind, arg or None))  # type: ignore[arg-type]
-    return out
+    return replay(M.parse_events(trace), bounds, machine)
 
 
 B0 = M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,

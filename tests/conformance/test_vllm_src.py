@@ -37,8 +37,9 @@ from conformance import vllm_env
 print("imported from", vllm_env.vllm_file(), flush=True)
 from conformance.adapter import machine_for
 from statemachine.testing import replay
-from tests.conformance.test_machine import B0, parse_trace
-replay(parse_trace({TRACE!r}), B0, machine_for(vllm_env.vllm_version()))
+from spec.model import parse_events
+from tests.conformance.test_machine import B0
+replay(parse_events({TRACE!r}), B0, machine_for(vllm_env.vllm_version()))
 print("conforms", flush=True)
 """
 

@@ -1,0 +1,73 @@
+"""Directed programs: event sequences that once exposed a bug, replayed on every change.
+
+Each is a program of model events (`spec.model.parse_events` reads the text) under its bounds,
+with where it was found and what went wrong then. The reference implementation replays each
+(`tests/test_regressions.py`), and so does vLLM's own scheduler side in `make conformance`
+(`tests/conformance/test_regressions.py`); both must pass every check the random runs make:
+refinement, every invariant after every hook (inside steps too), and the drain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec.model import Bounds, Event, parse_events
+
+
+@dataclass(frozen=True)
+class Regression:
+    name: str
+    found: str
+    """How it was found."""
+    cause: str
+    """What was wrong, and where it was fixed."""
+    bounds: Bounds
+    program: str
+
+    def events(self) -> list[Event]:
+        return parse_events(self.program)
+
+
+_THREE = Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+                failures=2, preemptions=2)
+
+REGRESSIONS: tuple[Regression, ...] = (
+    Regression(
+        "store-block-reused-inside-the-step",
+        "a 15,000-example random campaign (13 events, two preemptions)",
+        "INV-15 demanded at every hook that a live store's source block stay with its owner "
+        "or be fenced. Inside a step the core may already have preempted the owner and given "
+        "its blocks to a request admitted in the same step; the connector hears of the "
+        "preemption in build_connector_meta, which flushes the store before the workers run "
+        "the step. The invariant now judges store sources between steps, as it did loads.",
+        _THREE,
+        "arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; step() ; preempt(r0) ; "
+        "ack(job 0, count 2) ; ack(job 1, count 2) ; step(admit=r0) ; ack(job 2, count 2) ; "
+        "step(admit=r0) ; preempt(r0) ; step(admit=r1)"),
+    Regression(
+        "store-block-reused-inside-the-step-shortest",
+        "the model checker, once it checked the invariants inside steps "
+        "(scenario preemption-and-fences)",
+        "the same statement of INV-15, reached with one preemption and two requests",
+        Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=1,
+               failures=0, preemptions=1),
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; preempt(r0) ; "
+        "ack(job 0, count 1) ; step(admit=r1)"),
+    Regression(
+        "preempted-sync-load",
+        "make conformance with the sync-load bounds, on vLLM 0.33.0",
+        "the conformance projection called a request with a live sync load LOADING_SYNC "
+        "whatever the core's status; once the core preempted it, its jobs (the sync load "
+        "among them) are flushed and it is PREEMPTED_FLUSHING, as the model says.",
+        Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6, resets=2,
+               failures=0, preemptions=1, sync_loads=True),
+        "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 2) ; step(admit=r0) ; "
+        "preempt(r0) ; step()"),
+)
+
+
+def by_name(name: str) -> Regression:
+    for r in REGRESSIONS:
+        if r.name == name:
+            return r
+    raise KeyError(f"no regression {name!r}; known: {', '.join(r.name for r in REGRESSIONS)}")

@@ -1,0 +1,121 @@
+"""The directed programs of `spec.regressions` against the reference implementation, with
+every check of the random runs, and proof that each still reaches what it was found for."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from spec import model as M
+from spec.invariants import check
+from spec.regressions import REGRESSIONS, by_name
+from spec.state import AbstractState
+from statemachine.errors import InvariantViolation
+from statemachine.testing import OffloadingStateMachine, ReferenceAdapter, replay
+
+
+class Recording(ReferenceAdapter):
+    """The reference, keeping the projection after every hook call."""
+
+    seen: ClassVar[list[tuple[str, AbstractState]]] = []
+
+    def call(self, call: M.Call) -> Any:
+        out = super().call(call)
+        Recording.seen.append((call.hook, self.abstract_state()))
+        return out
+
+
+class RecordingMachine(OffloadingStateMachine):
+    adapter_factory = Recording
+
+
+def _store_block_with_another(s: AbstractState) -> list[tuple[int, int, str]]:
+    """(store job, source block, holder): an unflushed live store whose source block another
+    request holds."""
+    out = []
+    for j in s.jobs:
+        if j.kind != "store" or j.flush_requested or j.failed:
+            continue
+        for r in s.requests:
+            if r.id != j.owner:
+                out.extend((j.id, b, r.id) for b in sorted(j.blocks & set(r.gpu_blocks)))
+    return out
+
+
+@pytest.mark.parametrize("reg", REGRESSIONS, ids=[r.name for r in REGRESSIONS])
+def test_regression_replays_clean_on_the_reference(reg: Any) -> None:
+    replay(reg.events(), reg.bounds)
+
+
+@pytest.mark.parametrize("name", ["store-block-reused-inside-the-step",
+                                  "store-block-reused-inside-the-step-shortest"])
+def test_inside_the_step_a_store_block_is_with_another_request(name: str) -> None:
+    """The program reaches the state INV-15 once refused: inside the last step, after the
+    allocation, a request admitted in that step holds a block a live, unflushed store of
+    the preempted request still reads; every invariant holds there, and the step's
+    build_connector_meta flushes the store."""
+    reg = by_name(name)
+    Recording.seen = []
+    replay(reg.events(), reg.bounds, RecordingMachine)
+    inside = [(hook, s) for hook, s in Recording.seen if s.step_open
+              and _store_block_with_another(s)]
+    assert inside, "the program no longer reaches a reused store block inside a step"
+    hook, state = inside[0]
+    assert hook == "update_state_after_alloc"
+    assert check(state) == []
+    [(job, _block, _holder)] = _store_block_with_another(state)[:1]
+    after = next(s for h, s in Recording.seen if h == "build_connector_meta"
+                 and Recording.seen.index((h, s)) > Recording.seen.index((hook, state)))
+    flushed = after.job(job)
+    assert flushed is not None and flushed.flush_requested
+
+
+def test_the_old_inv15_statement_fails_on_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stated for every hook (the statement before the fix), INV-15 is broken there: the
+    reference scheduler raises at the allocation, as the campaign saw."""
+    import spec.invariants as inv
+
+    monkeypatch.setattr(inv, "_inv15", _old_inv15)
+    monkeypatch.setattr(inv, "SAFETY", tuple(
+        i if i.id != "INV-15" else type(i)(i.id, i.name, i.statement, i.vllm_ref, _old_inv15)
+        for i in inv.SAFETY))
+    reg = by_name("store-block-reused-inside-the-step")
+    with pytest.raises(InvariantViolation, match=r"(?s)update_state_after_alloc\('r1'.*"
+                       r"INV-15: store source block 2 left its owner"):
+        replay(reg.events(), reg.bounds)
+
+
+def _old_inv15(s: AbstractState) -> Any:
+    from spec.invariants import Violation
+
+    owner_of = {b: r.id for r in s.requests for b in r.gpu_blocks}
+    fence = dict(s.block_fence)
+    for j in s.jobs:
+        if j.kind != "store" or j.flush_requested or j.failed:
+            continue
+        for b in sorted(j.blocks):
+            if owner_of.get(b) != j.owner and j.id not in fence.get(b, frozenset()):
+                yield Violation("INV-15", f"store source block {b} left its owner without a "
+                                "fence entry or a flush", j.owner, (j.id,))
+
+
+def test_the_checker_finds_the_old_statement_inside_a_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker evaluates the invariants after each hook inside a step too, where the
+    implementation does: with INV-15 stated for every hook, it finds the shortest program
+    of `spec.regressions` in the scenario that has preemption and fences."""
+    import spec.invariants as inv
+    from spec.checker import check_model
+    from spec.scenarios import by_name as scenario
+
+    monkeypatch.setattr(inv, "SAFETY", tuple(
+        i if i.id != "INV-15" else type(i)(i.id, i.name, i.statement, i.vllm_ref, _old_inv15)
+        for i in inv.SAFETY))
+    r = check_model(scenario("preemption-and-fences").bounds)
+    ce = r.counterexample
+    assert ce is not None and ce.inside is not None
+    assert " ; ".join(str(s.event) for s in ce.steps) == \
+        by_name("store-block-reused-inside-the-step-shortest").program
+    assert ce.inside[0].startswith("update_state_after_alloc('r1'")
+    assert "inside the step, after update_state_after_alloc" in ce.render()
