@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test campaign check diagrams conformance bench-scheduler clean
+.PHONY: venv demo test campaign soak check diagrams conformance bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -26,12 +26,21 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance" --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak" --cov=statemachine --cov=spec --cov-report=term:skip-covered
 	$(BIN)/kvspec diagrams --check
 
 # the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)
 campaign: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider -m campaign -n auto -s tests/test_campaign.py
+
+# the soak: STEPS model steps of the model-based machine (and STEPS/5 of the data-plane one),
+# seeds split over every core; SEED picks the first seed, MUTANT switches a fault on
+STEPS ?= 1000000
+SEED ?= 0
+MUTANT ?=
+soak: $(STAMP)
+	KVSPEC_SOAK_STEPS=$(STEPS) KVSPEC_SOAK_SEED=$(SEED) KVSPEC_SOAK_MUTANT=$(MUTANT) \
+		$(BIN)/pytest -q -p no:cacheprovider -m soak -n auto -rN tests/test_soak.py
 
 check: $(STAMP)
 	$(BIN)/kvspec check

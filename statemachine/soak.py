@@ -1,0 +1,323 @@
+"""Soaks: long, seeded random runs of the model-based machines, with bounded shrinking.
+
+A soak drives `OffloadingStateMachine` (the reference scheduler against the abstract model)
+or `DataPlaneStateMachine` (engine, scheduler, workers, kernels, byte oracle) with programs
+drawn from a seeded `random.Random`, rule by rule as hypothesis would (each enabled rule
+equally likely), every check of the machines on. Unlike a hypothesis campaign, a soak:
+- counts model steps (events the model and the implementation both took) and stops at a
+  budget, so its size is a number of steps, not of examples;
+- reports a failure by the *first* thing that went wrong: the step that raised, never what
+  the teardown drain finds in the broken implementation afterwards;
+- shrinks a failing program within a time budget (a failing program is replayed with events
+  removed, keeping each removal that still fails the same way), then prints the seed, the
+  shrunk program and the command that reruns the seed.
+
+`make soak` splits the seeds over every core with pytest-xdist (`tests/test_soak.py`) and
+prints the totals; `python -m statemachine.soak --seed N` reruns one seed in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spec import model as M
+from statemachine.testing import DataPlaneStateMachine, OffloadingStateMachine
+
+MACHINES = ("model", "data-plane")
+
+Action = tuple[str, dict[str, Any]]
+"""One data-plane rule call: its method name and arguments."""
+
+
+@dataclass
+class Failure:
+    machine: str
+    seed: int
+    program: int
+    """Which program of the seed (0 is the first)."""
+    error: str
+    """The first failure of the shrunk program: its type and message."""
+    shrunk: str
+    """The shrunk program, as text (model events, or data-plane rule calls)."""
+    bounds: str
+    original_length: int
+    shrunk_length: int
+    shrink_seconds: float
+
+    def render(self) -> str:
+        first, _, rest = self.error.partition("\n")
+        lines = [f"{self.machine} seed {self.seed}, program {self.program}: {first}"]
+        lines += [f"    {line}" for line in rest.splitlines()[:12]]
+        lines.append(f"  shrunk program ({self.shrunk_length} of {self.original_length} "
+                     f"steps, {self.shrink_seconds:.1f} s of shrinking), {self.bounds}:")
+        lines.append(f"    {self.shrunk}")
+        lines.append(f"  rerun: python -m statemachine.soak --machine {self.machine} "
+                     f"--seed {self.seed}")
+        return "\n".join(lines)
+
+
+@dataclass
+class SoakResult:
+    machine: str
+    seed: int
+    steps: int = 0
+    programs: int = 0
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine, "seed": self.seed, "steps": self.steps,
+                "programs": self.programs, "seconds": round(self.seconds, 3),
+                "failures": [f.__dict__ for f in self.failures]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SoakResult:
+        return cls(d["machine"], d["seed"], d["steps"], d["programs"], d["seconds"],
+                   [Failure(**f) for f in d["failures"]])
+
+
+# ============================================================================ signatures
+def signature(exc: BaseException) -> str:
+    """What must stay the same while a program shrinks: the exception type and the
+    invariants it names (or, naming none, its first line with numbers masked)."""
+    text = str(exc)
+    invariants = sorted(set(re.findall(r"INV-\d+", text)))
+    if invariants:
+        return f"{type(exc).__name__}: {' '.join(invariants)}"
+    first = re.sub(r"\d+", "N", text.split("\n", 1)[0])
+    first = re.sub(r"after .*?: ", "", first)[:80]
+    return f"{type(exc).__name__}: {first}"
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def shrink(items: list[Any], fails: Callable[[list[Any]], BaseException | None], target: str,
+           seconds: float) -> list[Any]:
+    """Remove chunks of `items`, then single items, keeping each removal after which
+    `fails` still returns an exception of signature `target`; stop after `seconds`."""
+    deadline = time.monotonic() + seconds
+    best = list(items)
+    chunk = max(1, len(best) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        i, removed = 0, False
+        while i < len(best) and time.monotonic() < deadline:
+            trial = best[:i] + best[i + chunk:]
+            exc = fails(trial) if trial else None
+            if exc is not None and signature(exc) == target:
+                best, removed = trial, True
+            else:
+                i += chunk
+        if not removed:
+            chunk //= 2
+    return best
+
+
+# ============================================================================ the model machine
+def _swarm(rng: random.Random, kinds: Sequence[str]) -> set[str]:
+    n = rng.randint(2, len(kinds))
+    return set(rng.sample(list(kinds), n))
+
+
+def _model_program(cls: type[OffloadingStateMachine], rng: random.Random,
+                   length: int) -> tuple[OffloadingStateMachine, BaseException | None]:
+    """One random program of up to `length` rule draws, then the teardown drain."""
+    m = cls()
+    which = rng.randrange(101)
+    m.start(which=which, swarm=_swarm(rng, m.SWARM))
+    try:
+        for _ in range(length):
+            rules = [r for r, _, _ in m.EVENT_RULES if m.candidates(r)]
+            pick = rng.randrange(len(rules) + 1)
+            if pick == len(rules):  # hypothesis's rule of checks, drawn as often as any
+                m.duplicate_report_is_rejected()
+                continue
+            m._step(rng.choice(m.candidates(rules[pick])))
+            m.invariants_hold()
+        m.teardown()
+    except BaseException as exc:  # every check raises: the machine keeps the first
+        return m, m.failure or exc
+    return m, None
+
+
+def _model_replay(cls: type[OffloadingStateMachine], bounds: M.Bounds,
+                  events: list[M.Event]) -> BaseException | None:
+    from statemachine.testing import replay
+
+    try:
+        replay(events, bounds, cls)
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine] = OffloadingStateMachine,
+               program_length: int = 50, shrink_seconds: float = 60.0) -> SoakResult:
+    """Programs of `cls` drawn from `seed` until `steps` model steps ran or one failed."""
+    rng = random.Random(seed)
+    out = SoakResult("model", seed)
+    t0 = time.perf_counter()
+    while out.steps < steps:
+        m, exc = _model_program(cls, rng, program_length)
+        out.steps += len(m.events)
+        out.programs += 1
+        if exc is None:
+            continue
+        assert m.model is not None
+        bounds, events = m.model.bounds, list(m.events)
+        t1 = time.perf_counter()
+        small = shrink(events, functools.partial(_model_replay, cls, bounds), signature(exc),
+                       shrink_seconds)
+        final = _model_replay(cls, bounds, small) or exc
+        out.failures.append(Failure(
+            "model", seed, out.programs - 1, describe(final),
+            " ; ".join(map(str, small)), _bounds_text(bounds), len(events), len(small),
+            time.perf_counter() - t1))
+        break
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _bounds_text(b: M.Bounds) -> str:
+    default = M.Bounds()
+    return "Bounds(" + ", ".join(f"{k}={getattr(b, k)!r}" for k in b.__dataclass_fields__
+                                 if getattr(b, k) != getattr(default, k)) + ")"
+
+
+# ============================================================================ the data plane
+def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
+    live = sorted(m.engine.requests)
+    rules = ["new_request", "step", "worker_failure", "worker_hang", "reset"]
+    if live:
+        rules.append("abort_request")
+    rule = rng.choice(rules)
+    if rule == "new_request":
+        return rule, {"family": rng.randint(0, 2), "tokens": rng.randint(5, 20),
+                      "max_tokens": rng.randint(1, 6)}
+    if rule in ("worker_failure", "worker_hang"):
+        return rule, {"worker": rng.randint(0, 1)}
+    if rule == "abort_request":
+        return rule, {"req_id": rng.choice(live)}
+    if rule == "reset":
+        return rule, {"running": rng.random() < 0.5}
+    return rule, {}
+
+
+def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,
+                 length: int = 0) -> tuple[list[Action], BaseException | None]:
+    """Run `actions` (or, with `rng`, `length` random ones) on a fresh data-plane machine,
+    then its teardown; the actions taken and the first failure."""
+    m = DataPlaneStateMachine()
+    taken: list[Action] = []
+    try:
+        todo: Iterator[Action] = iter(actions) if rng is None else (
+            _data_actions(m, rng) for _ in range(length))
+        for name, kwargs in todo:
+            taken.append((name, kwargs))
+            getattr(m, name)(**kwargs)
+    except BaseException as exc:
+        with contextlib.suppress(BaseException):
+            m.engine.shutdown()
+        return taken, exc
+    try:
+        m.teardown()
+    except BaseException as exc:
+        return taken, exc
+    return taken, None
+
+
+def _action_text(a: Action) -> str:
+    return f"{a[0]}({', '.join(f'{k}={v!r}' for k, v in a[1].items())})"
+
+
+def soak_data_plane(seed: int, steps: int, program_length: int = 40,
+                    shrink_seconds: float = 60.0) -> SoakResult:
+    rng = random.Random(seed)
+    out = SoakResult("data-plane", seed)
+    t0 = time.perf_counter()
+    while out.steps < steps:
+        taken, exc = _run_actions((), rng, program_length)
+        out.steps += len(taken)
+        out.programs += 1
+        if exc is None:
+            continue
+        t1 = time.perf_counter()
+        small = shrink(taken, lambda acts: _run_actions(acts)[1], signature(exc),
+                       shrink_seconds)
+        final = _run_actions(small)[1] or exc
+        out.failures.append(Failure(
+            "data-plane", seed, out.programs - 1, describe(final),
+            " ; ".join(map(_action_text, small)), "DataPlaneStateMachine's engine",
+            len(taken), len(small), time.perf_counter() - t1))
+        break
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+# ============================================================================ reporting
+def summary(results: Sequence[SoakResult]) -> str:
+    lines = [f"{'machine':12} {'seeds':>5} {'programs':>9} {'steps':>10} {'seconds':>9} "
+             f"{'steps/s':>8} {'failures':>8}"]
+    for name in MACHINES:
+        rs = [r for r in results if r.machine == name]
+        if not rs:
+            continue
+        steps = sum(r.steps for r in rs)
+        secs = sum(r.seconds for r in rs)
+        lines.append(f"{name:12} {len(rs):5} {sum(r.programs for r in rs):9} {steps:10} "
+                     f"{secs:9.1f} {steps / secs if secs else 0:8.0f} "
+                     f"{sum(len(r.failures) for r in rs):8}")
+    failures = [f for r in results for f in r.failures]
+    if failures:
+        lines.append("")
+        lines.extend(f.render() for f in failures)
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def mutant(name: str | None) -> Iterator[None]:
+    """Switch the named fault of `statemachine.mutants` on in the implementation (the soak
+    then checks the faulty implementation against the correct model)."""
+    if not name:
+        yield
+        return
+    from statemachine.mutants import by_name
+
+    with by_name(name).patch():
+        yield
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m statemachine.soak",
+                                 description="Rerun one soak seed in this process.")
+    ap.add_argument("--machine", choices=MACHINES, default="model")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--mutant", default=None, help="a fault of statemachine.mutants")
+    ap.add_argument("--shrink-seconds", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    with mutant(args.mutant):
+        if args.machine == "model":
+            r = soak_model(args.seed, args.steps, shrink_seconds=args.shrink_seconds)
+        else:
+            r = soak_data_plane(args.seed, args.steps, shrink_seconds=args.shrink_seconds)
+    print(summary([r]))
+    return 1 if r.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

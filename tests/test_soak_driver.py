@@ -1,0 +1,78 @@
+"""The soak driver (`statemachine.soak`): seeded, counted, bounded shrinking, and a failure
+reported by its first violation, never by what the teardown drain found afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spec import model as M
+from spec.regressions import by_name
+from statemachine import soak
+from statemachine.errors import InvariantViolation
+from statemachine.testing import OffloadingStateMachine
+
+
+def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
+    a = soak.soak_model(3, 600)
+    b = soak.soak_model(3, 600)
+    assert a.failures == [] and a.steps >= 600 and a.programs >= 2
+    assert (a.steps, a.programs) == (b.steps, b.programs)
+    d = soak.soak_data_plane(3, 150)
+    assert d.failures == [] and d.steps >= 150
+
+
+def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> None:
+    with soak.mutant("reset-keeps-transfer-jobs"):
+        r = soak.soak_model(0, 20_000, shrink_seconds=10)
+    [f] = r.failures
+    first_line = f.render().splitlines()[0]
+    assert "InvariantViolation" in first_line and "after reset_cache()" in first_line
+    assert "INV-1" in f.error.splitlines()[1]
+    assert "drain" not in f.error
+    assert "reset()" in f.shrunk and f.shrunk_length <= 4 < f.original_length
+    # the shrunk program fails the same way when replayed
+    with soak.mutant("reset-keeps-transfer-jobs"):
+        exc = soak._model_replay(OffloadingStateMachine, M.Bounds(**_bounds(f.bounds)),
+                                 M.parse_events(f.shrunk))
+    assert exc is not None and soak.signature(exc) == "InvariantViolation: INV-1"
+
+
+def _bounds(text: str) -> dict[str, Any]:
+    inner = text[len("Bounds("):-1]
+    return {k: eval(v) for k, v in (kv.split("=") for kv in inner.split(", ") if kv)}
+
+
+def test_the_teardown_leaves_a_failed_run_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue-10 program under INV-15's old statement: the step raises; the teardown
+    must not drain the half-updated implementation and replace that error with its own."""
+    import spec.invariants as inv
+    from tests.test_regressions import _old_inv15
+
+    monkeypatch.setattr(inv, "SAFETY", tuple(
+        i if i.id != "INV-15" else type(i)(i.id, i.name, i.statement, i.vllm_ref, _old_inv15)
+        for i in inv.SAFETY))
+    reg = by_name("store-block-reused-inside-the-step")
+    m = OffloadingStateMachine()
+    m.model = M.initial(reg.bounds)
+    m.impl = m.adapter_factory(reg.bounds)
+    with pytest.raises(InvariantViolation, match="INV-15"):
+        for ev in reg.events():
+            m._step(ev)
+    m.teardown()  # no drain, no second error
+    assert isinstance(m.failure, InvariantViolation) and "INV-15" in str(m.failure)
+
+
+def test_shrinking_keeps_the_failure_and_stops_in_time() -> None:
+    def fails(items: list[int]) -> BaseException | None:
+        return ValueError("bad pair") if 3 in items and 7 in items else None
+
+    assert soak.shrink(list(range(10)), fails, "ValueError: bad pair", 5.0) == [3, 7]
+    assert soak.shrink(list(range(10)), fails, "ValueError: bad pair", 0.0) == list(range(10))
+
+
+def test_signature_names_the_invariants_or_the_masked_first_line() -> None:
+    assert soak.signature(AssertionError("x\nINV-3: a\nINV-1: b")) == \
+        "AssertionError: INV-1 INV-3"
+    assert soak.signature(KeyError(12)) == "KeyError: N"
