@@ -52,6 +52,7 @@ class Failure:
     original_length: int
     shrunk_length: int
     shrink_seconds: float
+    mutant: str | None = None
 
     def render(self) -> str:
         first, _, rest = self.error.partition("\n")
@@ -60,8 +61,9 @@ class Failure:
         lines.append(f"  shrunk program ({self.shrunk_length} of {self.original_length} "
                      f"steps, {self.shrink_seconds:.1f} s of shrinking), {self.bounds}:")
         lines.append(f"    {self.shrunk}")
+        flag = f" --mutant {self.mutant}" if self.mutant else ""
         lines.append(f"  rerun: python -m statemachine.soak --machine {self.machine} "
-                     f"--seed {self.seed}")
+                     f"--seed {self.seed}{flag}")
         return "\n".join(lines)
 
 
@@ -166,8 +168,16 @@ def _model_replay(cls: type[OffloadingStateMachine], bounds: M.Bounds,
 
 
 def soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine] = OffloadingStateMachine,
-               program_length: int = 50, shrink_seconds: float = 60.0) -> SoakResult:
-    """Programs of `cls` drawn from `seed` until `steps` model steps ran or one failed."""
+               program_length: int = 50, shrink_seconds: float = 60.0,
+               mutant: str | None = None) -> SoakResult:
+    """Programs of `cls` drawn from `seed` until `steps` model steps ran or one failed; with
+    `mutant`, that fault of `statemachine.mutants` is on in the implementation."""
+    with mutant_on(mutant):
+        return _soak_model(seed, steps, cls, program_length, shrink_seconds, mutant)
+
+
+def _soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine], program_length: int,
+                shrink_seconds: float, mutant: str | None) -> SoakResult:
     rng = random.Random(seed)
     out = SoakResult("model", seed)
     t0 = time.perf_counter()
@@ -186,7 +196,7 @@ def soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine] = Offloa
         out.failures.append(Failure(
             "model", seed, out.programs - 1, describe(final),
             " ; ".join(map(str, small)), _bounds_text(bounds), len(events), len(small),
-            time.perf_counter() - t1))
+            time.perf_counter() - t1, mutant))
         break
     out.seconds = time.perf_counter() - t0
     return out
@@ -245,7 +255,14 @@ def _action_text(a: Action) -> str:
 
 
 def soak_data_plane(seed: int, steps: int, program_length: int = 40,
-                    shrink_seconds: float = 60.0) -> SoakResult:
+                    shrink_seconds: float = 60.0, mutant: str | None = None) -> SoakResult:
+    """Data-plane programs drawn from `seed` until `steps` rule calls ran or one failed."""
+    with mutant_on(mutant):
+        return _soak_data_plane(seed, steps, program_length, shrink_seconds, mutant)
+
+
+def _soak_data_plane(seed: int, steps: int, program_length: int, shrink_seconds: float,
+                     mutant: str | None) -> SoakResult:
     rng = random.Random(seed)
     out = SoakResult("data-plane", seed)
     t0 = time.perf_counter()
@@ -262,7 +279,7 @@ def soak_data_plane(seed: int, steps: int, program_length: int = 40,
         out.failures.append(Failure(
             "data-plane", seed, out.programs - 1, describe(final),
             " ; ".join(map(_action_text, small)), "DataPlaneStateMachine's engine",
-            len(taken), len(small), time.perf_counter() - t1))
+            len(taken), len(small), time.perf_counter() - t1, mutant))
         break
     out.seconds = time.perf_counter() - t0
     return out
@@ -289,7 +306,7 @@ def summary(results: Sequence[SoakResult]) -> str:
 
 
 @contextlib.contextmanager
-def mutant(name: str | None) -> Iterator[None]:
+def mutant_on(name: str | None) -> Iterator[None]:
     """Switch the named fault of `statemachine.mutants` on in the implementation (the soak
     then checks the faulty implementation against the correct model)."""
     if not name:
@@ -310,11 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mutant", default=None, help="a fault of statemachine.mutants")
     ap.add_argument("--shrink-seconds", type=float, default=60.0)
     args = ap.parse_args(argv)
-    with mutant(args.mutant):
-        if args.machine == "model":
-            r = soak_model(args.seed, args.steps, shrink_seconds=args.shrink_seconds)
-        else:
-            r = soak_data_plane(args.seed, args.steps, shrink_seconds=args.shrink_seconds)
+    if args.machine == "model":
+        r = soak_model(args.seed, args.steps, shrink_seconds=args.shrink_seconds,
+                       mutant=args.mutant)
+    else:
+        r = soak_data_plane(args.seed, args.steps, shrink_seconds=args.shrink_seconds,
+                            mutant=args.mutant)
     print(summary([r]))
     return 1 if r.failures else 0
 

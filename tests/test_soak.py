@@ -32,11 +32,12 @@ CASES = [("model", FIRST + i) for i in range(SEEDS)] + \
 @pytest.mark.soak
 @pytest.mark.parametrize(("machine", "seed"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_soak(machine: str, seed: int, record_property: Any) -> None:
-    with soak.mutant(MUTANT):
-        if machine == "model":
-            result = soak.soak_model(seed, -(-STEPS // SEEDS), shrink_seconds=SHRINK)
-        else:
-            result = soak.soak_data_plane(seed, -(-DATA_STEPS // SEEDS), shrink_seconds=SHRINK)
+    if machine == "model":
+        result = soak.soak_model(seed, -(-STEPS // SEEDS), shrink_seconds=SHRINK,
+                                 mutant=MUTANT)
+    else:
+        result = soak.soak_data_plane(seed, -(-DATA_STEPS // SEEDS), shrink_seconds=SHRINK,
+                                      mutant=MUTANT)
     record_property("soak", json.dumps(result.as_dict()))
     if result.failures:
         pytest.fail("\n".join(f.render() for f in result.failures), pytrace=False)

@@ -24,16 +24,16 @@ def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
 
 
 def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> None:
-    with soak.mutant("reset-keeps-transfer-jobs"):
-        r = soak.soak_model(0, 20_000, shrink_seconds=10)
+    r = soak.soak_model(0, 20_000, shrink_seconds=10, mutant="reset-keeps-transfer-jobs")
     [f] = r.failures
+    assert f.render().splitlines()[-1].endswith("--seed 0 --mutant reset-keeps-transfer-jobs")
     first_line = f.render().splitlines()[0]
     assert "InvariantViolation" in first_line and "after reset_cache()" in first_line
     assert "INV-1" in f.error.splitlines()[1]
     assert "drain" not in f.error
     assert "reset()" in f.shrunk and f.shrunk_length <= 4 < f.original_length
     # the shrunk program fails the same way when replayed
-    with soak.mutant("reset-keeps-transfer-jobs"):
+    with soak.mutant_on("reset-keeps-transfer-jobs"):
         exc = soak._model_replay(OffloadingStateMachine, M.Bounds(**_bounds(f.bounds)),
                                  M.parse_events(f.shrunk))
     assert exc is not None and soak.signature(exc) == "InvariantViolation: INV-1"
