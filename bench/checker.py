@@ -14,8 +14,8 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 
 from spec.checker import check_model  # noqa: E402
-from spec.scenarios import SCENARIOS  # noqa: E402
-from statemachine.check_cli import mutant_bounds  # noqa: E402
+from spec.model import Fault  # noqa: E402
+from spec.scenarios import SCENARIOS, hunt_bounds  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +31,8 @@ def main() -> None:
     print(f"{'all':26} {total_states:8} {'':12} {'':6} {total_s:8.2f} "
           f"{total_states / total_s:9.0f}")
     t0 = time.perf_counter()
-    r = check_model(mutant_bounds("reset-keeps-transfer-jobs"),
-                    frozenset(["reset-keeps-transfer-jobs"]))
+    r = check_model(hunt_bounds(Fault.RESET_KEEPS_TRANSFER_JOBS),
+                    frozenset([Fault.RESET_KEEPS_TRANSFER_JOBS]))
     dt = time.perf_counter() - t0
     assert r.counterexample is not None
     print(f"\nPR #48102 (reset-keeps-transfer-jobs): counterexample of "

@@ -24,7 +24,7 @@ pip=("$venv/bin/python" -m pip)
     requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
     py-cpuinfo prometheus-client fastapi partial-json-parser llguidance einops
 "${pip[@]}" install -q --no-deps xgrammar apache-tvm-ffi
-"${pip[@]}" install -q -e .   # with its own dependencies (pyproject.toml); torch is already there
+"${pip[@]}" install -q -e ".[test]"   # the dependencies pyproject.toml names; torch is already there
 "$venv/bin/python" -c "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix)"
 echo "$version" > "$venv/.vllm-version"
 echo "built $venv (vLLM $version) in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"

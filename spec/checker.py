@@ -115,7 +115,7 @@ def diff(a: AbstractState, b: AbstractState) -> list[str]:
 @dataclass
 class CheckResult:
     bounds: M.Bounds
-    faults: frozenset[str]
+    faults: M.Faults
     states: int = 0
     edges: int = 0
     depth: int = 0
@@ -142,7 +142,7 @@ class CheckResult:
 Progress = Callable[[int, int, int], None]
 
 
-def check_model(bounds: M.Bounds, faults: frozenset[str] = frozenset(),
+def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
                 max_states: int | None = None, progress: Progress | None = None,
                 stuck: bool = True) -> CheckResult:
     """Explore every state reachable within `bounds`; stop at the first finding."""

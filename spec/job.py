@@ -12,7 +12,17 @@ and counted; anything else is an unknown job (typed error).
 
 from __future__ import annotations
 
-from spec.schema import BEYOND_VLLM, SAME, Effect, Guard, MachineSpec, Path, State, Transition
+from spec.schema import (
+    BEYOND_VLLM,
+    SAME,
+    Effect,
+    Guard,
+    MachineSpec,
+    Path,
+    State,
+    StateGroup,
+    Transition,
+)
 
 UNALLOCATED = "UNALLOCATED"
 CREATED = "CREATED"
@@ -59,7 +69,34 @@ STATES = (
           "id not in _reset_fence"),
 )
 
-LIVE = (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED, FAILING)
+# --- the groups other layers test membership of -------------------------------------
+LIVE = StateGroup(
+    "live", "shipped and in the job table, reports due from the workers",
+    (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED, FAILING))
+IN_TABLE = StateGroup(
+    "in_table", "in the job table `_jobs` and its owner's transfer_jobs (created or live)",
+    (CREATED, *LIVE.states))
+REPORTING = StateGroup(
+    "reporting", "live and not failing: a worker's ack or failure moves it",
+    (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED))
+TO_SHIP = StateGroup(
+    "to_ship", "goes into this step's metadata at the end of build_connector_meta",
+    (CREATED, FLUSH_REQUESTED))
+HELD = StateGroup(
+    "held", "out of the job table but still due worker reports: in the reset fence or the "
+    "timeout quarantine", (TIMED_OUT, STALE))
+GROUPS = (LIVE, IN_TABLE, REPORTING, TO_SHIP, HELD)
+
+ENDING_TRIGGER: dict[tuple[str, str], str] = {
+    ("store", COMPLETED): "store_ended",
+    ("store", FAILED): "store_ended",
+    ("store", TIMED_OUT): "store_ended",
+    ("load", COMPLETED): "load_ended",
+    ("load", FAILED): "load_failed",
+    ("load", TIMED_OUT): "load_timed_out",
+}
+"""The request trigger a job's leaving the table fires: (kind, the job's new state) -> trigger
+(`leave_job_table`; a reset, which moves jobs to STALE, moves their owner itself)."""
 
 GUARDS = (
     Guard("owner_has_no_jobs", "the owning request's transfer_jobs is empty (S:1487)"),
@@ -98,11 +135,10 @@ EFFECTS = (
 )
 
 _ACK = "update_connector_output"
-_REPORTING = (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED)
 
 TRANSITIONS = (
     Transition("create_load", (UNALLOCATED,), CREATED, "update_state_after_alloc",
-               "S:1474-1495", guards=("owner_has_no_jobs",),
+               "S:1474-1495", requires=("owner_has_no_jobs",),
                effects=("allocate_job_id", "pin_load_chunks", "enter_job_table")),
     Transition("create_store", (UNALLOCATED,), CREATED, "build_connector_meta",
                "S:2058-2080, S:1593-1602, S:1739-1749",
@@ -120,53 +156,53 @@ TRANSITIONS = (
                "S:2136-2165", effects=("add_to_jobs_to_flush",), path=Path.PREEMPT,
                note="already flushed, or failing: the flush demand is idempotent"),
     Transition("ack", (SHIPPED, PARTIALLY_ACKED), PARTIALLY_ACKED, _ACK, "S:2283-2286",
-               guards=("!reports_complete",), effects=("count_report",)),
+               unless=("reports_complete",), effects=("count_report",)),
     Transition("ack", (FLUSH_REQUESTED, FAILING), SAME, _ACK, "S:2283-2286",
-               guards=("!reports_complete",), effects=("count_report",)),
+               unless=("reports_complete",), effects=("count_report",)),
     Transition("ack", (SHIPPED, PARTIALLY_ACKED, FLUSH_REQUESTED), COMPLETED, _ACK,
-               "S:2287-2310", guards=("reports_complete",),
+               "S:2287-2310", requires=("reports_complete",),
                effects=("count_report", "complete_in_manager", "leave_job_table")),
-    Transition("ack", (FAILING,), FAILED, _ACK, BEYOND_VLLM, guards=("reports_complete",),
+    Transition("ack", (FAILING,), FAILED, _ACK, BEYOND_VLLM, requires=("reports_complete",),
                effects=("count_report", "roll_back_in_manager", "leave_job_table"),
                path=Path.FAILURE),
-    Transition("fail", (*_REPORTING, FAILING), FAILING, _ACK, BEYOND_VLLM,
-               guards=("!reports_complete",),
+    Transition("fail", (*REPORTING, FAILING), FAILING, _ACK, BEYOND_VLLM,
+               unless=("reports_complete",),
                effects=("count_report", "mark_failed", "invalidate_owner_kv"),
                path=Path.FAILURE),
-    Transition("fail", (*_REPORTING, FAILING), FAILED, _ACK, BEYOND_VLLM,
-               guards=("reports_complete",),
+    Transition("fail", (*REPORTING, FAILING), FAILED, _ACK, BEYOND_VLLM,
+               requires=("reports_complete",),
                effects=("count_report", "mark_failed", "invalidate_owner_kv",
                         "roll_back_in_manager", "leave_job_table"), path=Path.FAILURE),
-    Transition("poison", _REPORTING, FAILING, _ACK, BEYOND_VLLM, effects=("mark_failed",),
+    Transition("poison", REPORTING.states, FAILING, _ACK, BEYOND_VLLM, effects=("mark_failed",),
                path=Path.FAILURE, note="a store of a request whose sync load failed: the KV it "
                "reads was computed from bad data, so it must not become loadable"),
-    Transition("time_out", LIVE, TIMED_OUT, "build_connector_meta", BEYOND_VLLM,
+    Transition("time_out", LIVE.states, TIMED_OUT, "build_connector_meta", BEYOND_VLLM,
                effects=("leave_job_table", "enter_timeout_quarantine"), path=Path.TIMEOUT),
-    Transition("ack", (TIMED_OUT,), SAME, _ACK, BEYOND_VLLM, guards=("!reports_complete",),
+    Transition("ack", (TIMED_OUT,), SAME, _ACK, BEYOND_VLLM, unless=("reports_complete",),
                effects=("count_report",), path=Path.TIMEOUT),
-    Transition("fail", (TIMED_OUT,), SAME, _ACK, BEYOND_VLLM, guards=("!reports_complete",),
+    Transition("fail", (TIMED_OUT,), SAME, _ACK, BEYOND_VLLM, unless=("reports_complete",),
                effects=("count_report", "invalidate_owner_kv"), path=Path.TIMEOUT),
     Transition("ack", (TIMED_OUT,), TIMED_OUT_DRAINED, _ACK, BEYOND_VLLM,
-               guards=("reports_complete",), effects=("count_report", "release_quarantine"),
+               requires=("reports_complete",), effects=("count_report", "release_quarantine"),
                path=Path.TIMEOUT),
     Transition("fail", (TIMED_OUT,), TIMED_OUT_DRAINED, _ACK, BEYOND_VLLM,
-               guards=("reports_complete",),
+               requires=("reports_complete",),
                effects=("count_report", "invalidate_owner_kv", "release_quarantine"),
                path=Path.TIMEOUT),
     Transition("reset", (*LIVE, TIMED_OUT), STALE, "reset_cache", "S:2417, S:2436-2450",
                effects=("add_to_jobs_to_flush", "leave_job_table", "enter_reset_fence"),
                path=Path.RESET, note="a timed-out job's quarantine is dropped with the "
                "manager's reset; its late reports now drain the reset fence"),
-    Transition("ack", (STALE,), SAME, _ACK, "S:2266-2268", guards=("!reports_complete",),
+    Transition("ack", (STALE,), SAME, _ACK, "S:2266-2268", unless=("reports_complete",),
                effects=("count_stale_report",), path=Path.RESET),
     Transition("ack", (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",
-               guards=("reports_complete",),
+               requires=("reports_complete",),
                effects=("count_stale_report", "leave_reset_fence"), path=Path.RESET),
-    Transition("fail", (STALE,), SAME, _ACK, BEYOND_VLLM, guards=("!reports_complete",),
+    Transition("fail", (STALE,), SAME, _ACK, BEYOND_VLLM, unless=("reports_complete",),
                effects=("count_stale_report", "invalidate_orphaned_load",
                         "invalidate_owner_kv"), path=Path.FAILURE),
     Transition("fail", (STALE,), STALE_DRAINED, _ACK, BEYOND_VLLM,
-               guards=("reports_complete",),
+               requires=("reports_complete",),
                effects=("count_stale_report", "invalidate_orphaned_load", "invalidate_owner_kv",
                         "leave_reset_fence"),
                path=Path.FAILURE, note="a failed stale load must not be promoted as loaded"),
@@ -182,6 +218,7 @@ JOB_MACHINE = MachineSpec(
     finals=(COMPLETED, FAILED, TIMED_OUT_DRAINED, STALE_DRAINED),
     guards=GUARDS,
     effects=EFFECTS,
+    groups=GROUPS,
     ignored=(
         ("a report for a STALE_DRAINED id (below the stale threshold, not in the fence)",
          "counted as ignored_stale_reports (S:2277-2282 logs it)"),

@@ -12,15 +12,15 @@ from collections.abc import Callable, Mapping
 
 from spec.invariants import INVARIANTS
 from spec.progress import PROGRESS
-from spec.schema import SAME, MachineSpec
+from spec.schema import SAME, MachineSpec, Transition
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _guards(guards: tuple[str, ...]) -> str:
-    return " & ".join(f"`{g}`" for g in guards) or "—"
+def _guards(t: Transition) -> str:
+    return " & ".join((*(f"`{g}`" for g in t.requires), *(f"`!{g}`" for g in t.unless))) or "—"
 
 
 def states_table(m: MachineSpec) -> str:
@@ -46,8 +46,15 @@ def transitions_table(m: MachineSpec) -> str:
         note = f" {_cell(t.note)}" if t.note else ""
         rows.append(
             f"| {m.name[0]}{i} | `{t.trigger}` | {', '.join(f'`{s}`' for s in t.sources)} | "
-            f"{dest} | {_guards(t.guards)} | {effects}{';' if note else ''}{note} | "
+            f"{dest} | {_guards(t)} | {effects}{';' if note else ''}{note} | "
             f"`{t.hook}` | {t.vllm_ref} | {t.path.value} |")
+    return "\n".join(rows)
+
+
+def groups_table(m: MachineSpec) -> str:
+    rows = ["| group | states | meaning |", "|---|---|---|"]
+    rows += [f"| `{g.name}` | {', '.join(f'`{s}`' for s in g.states)} | {_cell(g.meaning)} |"
+             for g in m.groups]
     return "\n".join(rows)
 
 

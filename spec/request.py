@@ -10,7 +10,17 @@ which one fires.
 
 from __future__ import annotations
 
-from spec.schema import BEYOND_VLLM, SAME, Effect, Guard, MachineSpec, Path, State, Transition
+from spec.schema import (
+    BEYOND_VLLM,
+    SAME,
+    Effect,
+    Guard,
+    MachineSpec,
+    Path,
+    State,
+    StateGroup,
+    Transition,
+)
 
 ABSENT = "ABSENT"
 IDLE = "IDLE"
@@ -63,12 +73,44 @@ STATES = (
           "finished_signaled and transfer_jobs != {}"),
 )
 
-UNFINISHED_TRACKED = (IDLE, LOOKUP_DEFERRED, LOADING_ASYNC, LOADING_SYNC, RUNNING, STORING,
-                      PREEMPTED_FLUSHING, ORPHANED_LOAD, RECOMPUTE, TIMED_OUT)
-FINISHED = (FINISHED_PENDING_FINAL, FINISHED_DRAINING)
-# States in which the request may still hold a load job in the table.
-HOLDS_LOAD = (LOADING_ASYNC, LOADING_SYNC, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
-              FINISHED_DRAINING)
+# --- the groups other layers test membership of -------------------------------------
+UNFINISHED_TRACKED = StateGroup(
+    "unfinished_tracked", "tracked and not finished: request_finished may end it",
+    (IDLE, LOOKUP_DEFERRED, LOADING_ASYNC, LOADING_SYNC, RUNNING, STORING, PREEMPTED_FLUSHING,
+     ORPHANED_LOAD, RECOMPUTE, TIMED_OUT))
+FINISHED = StateGroup(
+    "finished", "request_finished was called (req.is_finished())",
+    (FINISHED_PENDING_FINAL, FINISHED_DRAINING))
+SCHEDULED = StateGroup(
+    "scheduled", "the core runs the request: its block table grows, it stores, a preemption "
+    "flushes its jobs, and a lookup of it means the core preempted it",
+    (LOADING_SYNC, RUNNING, STORING))
+STORE_CANDIDATES = StateGroup(
+    "store_candidates", "build_connector_meta offers its new full chunks to the manager: a "
+    "scheduled request, or a finished one's final store",
+    (LOADING_SYNC, RUNNING, STORING, FINISHED_PENDING_FINAL))
+HOLDS_GPU_BLOCKS = StateGroup(
+    "holds_gpu_blocks", "the core holds the request's GPU blocks (freed at preemption and at "
+    "finish; a loading request keeps them until its load ends)",
+    (LOADING_ASYNC, LOADING_SYNC, RUNNING, STORING, ORPHANED_LOAD))
+MUST_RECOMPUTE = StateGroup(
+    "must_recompute", "a load of it failed or timed out: its next lookup answers 0 without "
+    "asking the manager, and the core drops its blocks and recomputes it",
+    (RECOMPUTE, TIMED_OUT))
+PREEMPTED_IF_RUNNING = StateGroup(
+    "preempted_if_running", "a request the core runs must be preempted and recomputed when the "
+    "connector has it here: its KV is invalid (a load of it failed or timed out)",
+    (PREEMPTED_FLUSHING, RECOMPUTE, TIMED_OUT))
+QUIESCENT = StateGroup(
+    "quiescent", "nothing of the request is in flight: it may wait here as long as the core "
+    "wants (progress properties end here)",
+    (IDLE, RUNNING, RECOMPUTE, TIMED_OUT))
+WAITING_ON_CONNECTOR = StateGroup(
+    "waiting_on_connector", "the request cannot run until something else ends (its flushed "
+    "jobs, a backend retry, another request's load); P-2 demands it does not stay forever",
+    (LOOKUP_DEFERRED, PREEMPTED_FLUSHING))
+GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, STORE_CANDIDATES, HOLDS_GPU_BLOCKS,
+          MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, QUIESCENT, WAITING_ON_CONNECTOR)
 
 GUARDS = (
     Guard("other_jobs_remain", "after the ending job leaves, the request still holds a job"),
@@ -138,53 +180,53 @@ TRANSITIONS = (
                effects=("restart_from_token_zero",), path=Path.PREEMPT,
                note="transfer_jobs non-empty: answer None, no lookup (issue #46014)"),
     Transition("load_async", (IDLE,), LOADING_ASYNC, "update_state_after_alloc",
-               "S:1351-1499", guards=("!has_transfer_jobs",),
+               "S:1351-1499", unless=("has_transfer_jobs",),
                effects=("create_load_job", "mark_chunks_being_loaded")),
     Transition("load_sync", (IDLE,), LOADING_SYNC, "update_state_after_alloc",
-               "S:1371, S:1484-1495", guards=("!has_transfer_jobs",),
+               "S:1371, S:1484-1495", unless=("has_transfer_jobs",),
                effects=("create_load_job",)),
     Transition("schedule", (IDLE,), RUNNING, "build_connector_meta", "S:1502-1552",
                effects=("record_block_ids",), note="_update_req_states for a scheduled request"),
     # --- stores ---------------------------------------------------------------------
     Transition("store", (RUNNING, STORING), STORING, "build_connector_meta", "S:1815-2101",
-               guards=("!load_invalid",), effects=("create_store_job",)),
+               unless=("load_invalid",), effects=("create_store_job",)),
     Transition("store", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, "build_connector_meta",
-               "S:1815-2101, S:2094-2099", guards=("!load_invalid",),
+               "S:1815-2101, S:2094-2099", unless=("load_invalid",),
                effects=("create_store_job",),
                note="beside a sync load; or the final store of a finished request; never "
                "from KV that a failed load invalidated (the hook offers nothing then)"),
     Transition("store_alloc_failed", (RUNNING, STORING, LOADING_SYNC, FINISHED_PENDING_FINAL),
-               SAME, "build_connector_meta", "S:1988-1996", guards=("!load_invalid",),
+               SAME, "build_connector_meta", "S:1988-1996", unless=("load_invalid",),
                effects=("count_allocation_failure",), note="prepare_store returned None"),
     # --- job endings ----------------------------------------------------------------
     Transition("store_ended", (STORING,), SAME, _ENDING_STORE, "S:2283-2308",
-               guards=("other_jobs_remain",)),
+               requires=("other_jobs_remain",)),
     Transition("store_ended", (STORING,), RUNNING, _ENDING_STORE, "S:2283-2308",
-               guards=("!other_jobs_remain",)),
+               unless=("other_jobs_remain",)),
     Transition("store_ended", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, _ENDING_STORE,
                "S:2283-2308", note="the sync load, or the pending finalisation, remains"),
     Transition("load_ended", (LOADING_ASYNC,), IDLE, _ENDING_STORE, "S:2283-2308, CS:3569-3575",
                note="then finished_recving: the core re-queues it with the loaded tokens"),
     Transition("load_ended", (LOADING_SYNC,), STORING, _ENDING_STORE, "S:2283-2308",
-               guards=("other_jobs_remain",)),
+               requires=("other_jobs_remain",)),
     Transition("load_ended", (LOADING_SYNC,), RUNNING, _ENDING_STORE, "S:2283-2308",
-               guards=("!other_jobs_remain",)),
+               unless=("other_jobs_remain",)),
     Transition("load_ended", (FINISHED_PENDING_FINAL,), SAME, _ENDING_STORE, "S:2283-2308"),
     *(Transition(trig, (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, "S:2307-2308",
-                 guards=("other_jobs_remain",), path=Path.PREEMPT)
+                 requires=("other_jobs_remain",), path=Path.PREEMPT)
       for trig in ("store_ended", "load_ended")),
     *(Transition(trig, (PREEMPTED_FLUSHING,), IDLE, _ENDING_STORE, "S:2307-2308",
-                 guards=("!other_jobs_remain", "!load_invalid"), path=Path.PREEMPT)
+                 unless=("other_jobs_remain", "load_invalid",), path=Path.PREEMPT)
       for trig in ("store_ended", "load_ended")),
     Transition("store_ended", (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
-               guards=("!other_jobs_remain", "load_invalid"), path=Path.FAILURE,
+               requires=("load_invalid",), unless=("other_jobs_remain",), path=Path.FAILURE,
                note="the poisoned stores of a failed sync load drained (a request holds one "
                "load at most, so the last job here is a store)"),
     *(Transition(trig, (FINISHED_DRAINING,), SAME, _ENDING_STORE, "S:2283-2308",
-                 guards=("other_jobs_remain",), path=Path.FINISH)
+                 requires=("other_jobs_remain",), path=Path.FINISH)
       for trig in ("store_ended", "load_ended")),
     *(Transition(trig, (FINISHED_DRAINING,), ABSENT, _ENDING_STORE, "S:2309-2310",
-                 guards=("!other_jobs_remain",), effects=("delete_request_status",),
+                 unless=("other_jobs_remain",), effects=("delete_request_status",),
                  path=Path.FINISH)
       for trig in ("store_ended", "load_ended")),
     # --- preemption -----------------------------------------------------------------
@@ -193,7 +235,7 @@ TRANSITIONS = (
     Transition("preempt", (STORING, LOADING_SYNC), PREEMPTED_FLUSHING, "build_connector_meta",
                "S:2136-2151", effects=("flush_request_jobs",), path=Path.PREEMPT),
     # --- finish (and abort, legal in every state) -------------------------------------
-    Transition("finish", UNFINISHED_TRACKED, FINISHED_PENDING_FINAL, "request_finished",
+    Transition("finish", UNFINISHED_TRACKED.states, FINISHED_PENDING_FINAL, "request_finished",
                "S:2361-2376, CS:3017-3027", effects=("register_deferred_fences",),
                path=Path.FINISH, note="finish or abort; an abort while loading keeps its "
                "blocks until finished_recving"),
@@ -201,13 +243,13 @@ TRANSITIONS = (
                effects=("signal_untracked_finished",), path=Path.FINISH,
                note="the request was never tracked"),
     Transition("finalize", (FINISHED_PENDING_FINAL,), ABSENT, "build_connector_meta",
-               "S:2177-2184", guards=("!has_transfer_jobs",),
+               "S:2177-2184", unless=("has_transfer_jobs",),
                effects=("signal_request_finished", "delete_request_status"), path=Path.FINISH),
     Transition("finalize", (FINISHED_PENDING_FINAL,), FINISHED_DRAINING, "build_connector_meta",
-               "S:2177-2184", guards=("has_transfer_jobs",),
+               "S:2177-2184", requires=("has_transfer_jobs",),
                effects=("signal_request_finished",), path=Path.FINISH),
     # --- reset_cache ---------------------------------------------------------------
-    Transition("reset", FINISHED, ABSENT, "reset_cache", "S:2419-2423",
+    Transition("reset", FINISHED.states, ABSENT, "reset_cache", "S:2419-2423",
                effects=("drop_request_jobs", "signal_request_finished",
                         "delete_request_status"), path=Path.RESET),
     Transition("reset", (IDLE, LOOKUP_DEFERRED, RECOMPUTE, TIMED_OUT), SAME, "reset_cache",
@@ -216,56 +258,56 @@ TRANSITIONS = (
                "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="the #48102 fix: transfer_jobs cleared with _jobs"),
     Transition("reset", (LOADING_SYNC,), RUNNING, "reset_cache",
-               "S:2429-2433", guards=("!load_invalid",),
+               "S:2429-2433", unless=("load_invalid",),
                effects=("drop_request_jobs", "reset_store_cursor"), path=Path.RESET,
                note="the request keeps running on its sync load's KV; a failure reported for "
                "that load later (stale) still invalidates it (kv_invalidated)"),
     Transition("reset", (LOADING_SYNC,), RECOMPUTE, "reset_cache", BEYOND_VLLM,
-               guards=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               requires=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="a worker already failed its sync load: recompute"),
     Transition("reset", (PREEMPTED_FLUSHING,), IDLE, "reset_cache", "S:2429-2433",
-               guards=("!load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               unless=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET),
     Transition("reset", (PREEMPTED_FLUSHING,), RECOMPUTE, "reset_cache", BEYOND_VLLM,
-               guards=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
+               requires=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET),
     Transition("reset", (LOADING_ASYNC, ORPHANED_LOAD), ORPHANED_LOAD, "reset_cache",
                "S:2429-2433", effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="the flushed load still reports finished_recving"),
     Transition("load_recving", (ORPHANED_LOAD,), IDLE, "update_from_output",
-               "S:2266-2282, CS:3569-3575", guards=("!load_invalid",),
+               "S:2266-2282, CS:3569-3575", unless=("load_invalid",),
                effects=("promote_after_recving",), path=Path.RESET,
                note="the stale ack is filtered; the core still promotes"),
     Transition("load_recving", (ORPHANED_LOAD,), RECOMPUTE, "update_from_output", BEYOND_VLLM,
-               guards=("load_invalid",), path=Path.FAILURE,
+               requires=("load_invalid",), path=Path.FAILURE,
                note="a worker failed the orphaned load: its tokens are recomputed, not "
                "trusted (vLLM has no failure report)"),
     # --- failures and timeouts (beyond vLLM) -----------------------------------------
     Transition("load_failed", (LOADING_ASYNC,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
                effects=("mark_load_invalid",), path=Path.FAILURE),
     Transition("load_failed", (LOADING_SYNC,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
-               guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               unless=("other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.FAILURE),
     Transition("load_failed", (LOADING_SYNC,), PREEMPTED_FLUSHING, _ENDING_STORE, BEYOND_VLLM,
-               guards=("other_jobs_remain",),
+               requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
                note="its stores read KV computed from the failed load: poisoned, they end "
                "FAILED and are rolled back, so their source blocks need no fence"),
     Transition("load_failed", (PREEMPTED_FLUSHING,), SAME, _ENDING_STORE, BEYOND_VLLM,
-               guards=("other_jobs_remain",),
+               requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
                note="the flushed stores read KV computed from the failed load"),
     Transition("load_failed", (PREEMPTED_FLUSHING,), RECOMPUTE, _ENDING_STORE, BEYOND_VLLM,
-               guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               unless=("other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.FAILURE),
     Transition("load_failed", (FINISHED_PENDING_FINAL,), SAME, _ENDING_STORE, BEYOND_VLLM,
                effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE,
                note="no final store is then made from its KV"),
     Transition("load_failed", (FINISHED_DRAINING,), SAME, _ENDING_STORE, BEYOND_VLLM,
-               guards=("other_jobs_remain",),
+               requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "poison_request_stores"), path=Path.FAILURE),
     Transition("load_failed", (FINISHED_DRAINING,), ABSENT, _ENDING_STORE, BEYOND_VLLM,
-               guards=("!other_jobs_remain",), effects=("delete_request_status",),
+               unless=("other_jobs_remain",), effects=("delete_request_status",),
                path=Path.FAILURE),
     # --- a failure reported for the sync load the request's KV depends on (beyond vLLM) ---
     Transition("kv_invalidated", (LOADING_SYNC, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
@@ -286,17 +328,17 @@ TRANSITIONS = (
                BEYOND_VLLM, effects=("mark_load_invalid", "quarantine_load_blocks"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (LOADING_SYNC,), TIMED_OUT, "build_connector_meta",
-               BEYOND_VLLM, guards=("!other_jobs_remain",),
+               BEYOND_VLLM, unless=("other_jobs_remain",),
                effects=("mark_load_invalid", "quarantine_load_blocks"), path=Path.TIMEOUT),
     Transition("load_timed_out", (LOADING_SYNC,), PREEMPTED_FLUSHING, "build_connector_meta",
-               BEYOND_VLLM, guards=("other_jobs_remain",),
+               BEYOND_VLLM, requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (PREEMPTED_FLUSHING,), SAME, "build_connector_meta",
-               BEYOND_VLLM, guards=("other_jobs_remain",),
+               BEYOND_VLLM, requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "poison_request_stores"), path=Path.TIMEOUT),
     Transition("load_timed_out", (PREEMPTED_FLUSHING,), RECOMPUTE, "build_connector_meta",
-               BEYOND_VLLM, guards=("!other_jobs_remain",), effects=("mark_load_invalid",),
+               BEYOND_VLLM, unless=("other_jobs_remain",), effects=("mark_load_invalid",),
                path=Path.TIMEOUT, note="preempted: its blocks were already freed behind the "
                "flush"),
     Transition("load_timed_out", (FINISHED_PENDING_FINAL,), SAME, "build_connector_meta",
@@ -304,11 +346,11 @@ TRANSITIONS = (
                effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (FINISHED_DRAINING,), SAME, "build_connector_meta",
-               BEYOND_VLLM, guards=("other_jobs_remain",),
+               BEYOND_VLLM, requires=("other_jobs_remain",),
                effects=("mark_load_invalid", "quarantine_load_blocks", "poison_request_stores"),
                path=Path.TIMEOUT),
     Transition("load_timed_out", (FINISHED_DRAINING,), ABSENT, "build_connector_meta",
-               BEYOND_VLLM, guards=("!other_jobs_remain",),
+               BEYOND_VLLM, unless=("other_jobs_remain",),
                effects=("quarantine_load_blocks", "delete_request_status"), path=Path.TIMEOUT),
 )
 
@@ -322,6 +364,7 @@ REQUEST_MACHINE = MachineSpec(
     finals=(ABSENT,),
     guards=GUARDS,
     effects=EFFECTS,
+    groups=GROUPS,
     ignored=(
         ("any hook for a request in ABSENT other than add and finish",
          "typed error UnknownRequest; vLLM raises KeyError (S:1241, 1369, 1510)"),

@@ -7,9 +7,10 @@ coverage over their union). Bounds are small on purpose: every reachable state i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from spec.model import Bounds
+from spec.model import Bounds, Fault
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,41 @@ def by_name(name: str) -> Scenario:
         if s.name == name:
             return s
     raise KeyError(f"no scenario {name!r}; known: {', '.join(s.name for s in SCENARIOS)}")
+
+
+# The bounds under which each fault of the mutant catalogue is looked for: small, since the
+# search stops at the first counterexample, breadth first, so it is a shortest one.
+HUNT_BOUNDS = Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=3, resets=1,
+                     failures=0, preemptions=1)
+_HUNT_OVERRIDE: dict[Fault, Bounds] = {
+    Fault.EVICT_PINNED_CHUNKS: Bounds(requests=3, tokens=2, families=2, workers=1,
+                                      cpu_chunks=2, gpu_blocks=6, resets=0, failures=0,
+                                      preemptions=0),
+    Fault.AGGREGATE_COUNTS_ONCE: Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2,
+                                        gpu_blocks=2, resets=0, failures=0, preemptions=0),
+}
+
+
+def hunt_bounds(fault: Fault) -> Bounds:
+    """The bounds under which the checker looks for `fault`."""
+    return _HUNT_OVERRIDE.get(fault, HUNT_BOUNDS)
+
+
+def parse_bounds(text: str, base: Bounds) -> Bounds:
+    """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad."""
+    changes: dict[str, Any] = {}
+    fields = Bounds.__dataclass_fields__
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
+        if value.lower() in ("none", "off"):
+            changes[name] = None
+        elif value.lower() in ("true", "false"):
+            changes[name] = value.lower() == "true"
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"bad bound {part!r}: {name} takes an integer") from None
+    return replace(base, **changes)

@@ -5,9 +5,10 @@ A table is plain, immutable data. Nothing here executes a transition; the implem
 from them, and the abstract model's action set is derived from them.
 
 Conventions:
-- A guard is a name. A leading ``!`` negates it (``"!other_jobs_remain"``). Two transitions
-  that leave the same state on the same trigger must be told apart by a guard that one
-  requires and the other negates (checked by the well-formedness tests).
+- A row names its guards in two fields: ``requires`` (each must hold) and ``unless`` (none may
+  hold). Two transitions that leave the same state on the same trigger must be told apart by
+  a guard that one requires and the other lists under ``unless`` (checked by the
+  well-formedness tests).
 - ``dest == SAME`` means the transition stays in its source state (a reflexive transition;
   ``transitions`` spells it ``"="``). It lets one row list several sources.
 - ``vllm_ref`` is a ``file:line`` reference into vLLM 0.33.0 (abbreviations of the reference
@@ -18,6 +19,7 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -51,7 +53,10 @@ class Transition:
     dest: str
     hook: str
     vllm_ref: str
-    guards: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    """Guards that must hold."""
+    unless: tuple[str, ...] = ()
+    """Guards that must not hold."""
     effects: tuple[str, ...] = ()
     path: Path = Path.HAPPY
     note: str = ""
@@ -60,17 +65,38 @@ class Transition:
     def beyond_vllm(self) -> bool:
         return self.vllm_ref == BEYOND_VLLM
 
+    @property
+    def guard_names(self) -> tuple[str, ...]:
+        """Every guard the row evaluates, required ones first."""
+        return (*self.requires, *self.unless)
+
+    @property
+    def guard_text(self) -> str:
+        """``g & !h``: the guards as people read them (empty without guards)."""
+        return " & ".join((*self.requires, *(f"!{g}" for g in self.unless)))
+
     def dest_from(self, source: str) -> str:
         return source if self.dest == SAME else self.dest
 
 
-def guard_name(guard: str) -> str:
-    """The guard's predicate name without its negation mark."""
-    return guard[1:] if guard.startswith("!") else guard
+@dataclass(frozen=True)
+class StateGroup:
+    """A set of states that code tests membership of, named once, with its meaning.
 
+    `state in GROUP` and iteration (in the machine's state order) work as on a tuple."""
 
-def guard_negated(guard: str) -> bool:
-    return guard.startswith("!")
+    name: str
+    meaning: str
+    states: tuple[str, ...]
+
+    def __contains__(self, state: object) -> bool:
+        return state in self.states
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
 
 
 @dataclass(frozen=True)
@@ -100,6 +126,8 @@ class MachineSpec:
     effects: tuple[Effect, ...]
     ignored: tuple[tuple[str, str], ...] = field(default=())
     """Inputs that are not transitions but documented, counted ignores: (input, rule)."""
+    groups: tuple[StateGroup, ...] = field(default=())
+    """The state groups of this machine that other layers test membership of."""
 
     @property
     def state_names(self) -> tuple[str, ...]:

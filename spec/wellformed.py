@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from spec.hooks import LIFECYCLE_HOOKS
-from spec.schema import SAME, MachineSpec, guard_name, guard_negated
+from spec.schema import SAME, MachineSpec, Transition
 
 
 def reachable_states(m: MachineSpec) -> set[str]:
@@ -42,10 +42,9 @@ def absorbing_violations(m: MachineSpec) -> list[str]:
             if src in m.finals and src != m.initial and dst != src]
 
 
-def _exclusive(g1: Iterable[str], g2: Iterable[str]) -> bool:
-    a, b = set(g1), set(g2)
-    return any((guard_name(x) == guard_name(y)) and (guard_negated(x) != guard_negated(y))
-               for x in a for y in b)
+def _exclusive(a: Transition, b: Transition) -> bool:
+    """Some guard one row requires, the other lists under `unless`."""
+    return bool(set(a.requires) & set(b.unless) or set(a.unless) & set(b.requires))
 
 
 def nondeterminism(m: MachineSpec) -> list[str]:
@@ -56,10 +55,11 @@ def nondeterminism(m: MachineSpec) -> list[str]:
             rows = m.outgoing(state, trig)
             for i in range(len(rows)):
                 for k in range(i + 1, len(rows)):
-                    if not _exclusive(rows[i].guards, rows[k].guards):
+                    if not _exclusive(rows[i], rows[k]):
                         out.append(f"{state} --{trig}--> {rows[i].dest_from(state)} | "
-                                   f"{rows[k].dest_from(state)}: guards {rows[i].guards} and "
-                                   f"{rows[k].guards} are not exclusive")
+                                   f"{rows[k].dest_from(state)}: guards "
+                                   f"[{rows[i].guard_text}] and [{rows[k].guard_text}] are "
+                                   "not exclusive")
     return out
 
 
@@ -75,8 +75,10 @@ def unresolved_names(m: MachineSpec) -> list[str]:
         for s in (*t.sources, *(() if t.dest == SAME else (t.dest,))):
             if s not in names:
                 out.append(f"{t.trigger}: state {s} undeclared")
-        for g in t.guards:
-            used_guards.add(guard_name(g))
+        used_guards.update(t.guard_names)
+        both = set(t.requires) & set(t.unless)
+        if both:
+            out.append(f"{t.trigger}: guards {sorted(both)} both required and excluded")
         used_effects.update(t.effects)
         if not t.hook or not t.vllm_ref:
             out.append(f"{t.trigger}: hook or vLLM reference missing")
@@ -86,6 +88,10 @@ def unresolved_names(m: MachineSpec) -> list[str]:
             for e in sorted(used_effects - set(m.effect_names))]
     out += [f"effect {e} declared but unused"
             for e in sorted(set(m.effect_names) - used_effects)]
+    for g in m.groups:
+        out += [f"group {g.name}: state {s} undeclared" for s in g.states if s not in names]
+        if list(g.states) != [s for s in m.state_names if s in g.states]:
+            out.append(f"group {g.name}: states not in the machine's order")
     return out
 
 

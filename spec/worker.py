@@ -22,7 +22,17 @@ A job enters this machine in ``QUEUED`` when the rank receives it: a store in
 
 from __future__ import annotations
 
-from spec.schema import BEYOND_VLLM, SAME, Effect, Guard, MachineSpec, Path, State, Transition
+from spec.schema import (
+    BEYOND_VLLM,
+    SAME,
+    Effect,
+    Guard,
+    MachineSpec,
+    Path,
+    State,
+    StateGroup,
+    Transition,
+)
 
 QUEUED = "QUEUED"
 SUBMITTED = "SUBMITTED"
@@ -54,6 +64,17 @@ STATES = (
           "build_connector_worker_meta (W:323-329)"),
 )
 
+# --- the groups other layers test membership of -------------------------------------
+COPYING = StateGroup(
+    "copying", "its copy was launched and its completion not yet observed: polling may "
+    "complete it", (SUBMITTED, FLUSHED))
+NOT_YET_COPIED = StateGroup(
+    "not_yet_copied", "its completion not observed yet: a hang may still withhold it",
+    (QUEUED, SUBMITTED, FLUSHED))
+OBSERVED = StateGroup(
+    "observed", "its completion was observed: get_finished reports it", (COPIED, FAILED))
+GROUPS = (COPYING, NOT_YET_COPIED, OBSERVED)
+
 GUARDS = (
     Guard("copy_succeeded", "the polled CopyResult says success"),
     Guard("sync_load", "the job is a load the forward pass of its step waits for"),
@@ -72,16 +93,13 @@ EFFECTS = (
     Effect("report_finished_recving", "the load's request into this rank's finished_recving"),
 )
 
-_ASYNC = ("async_load",)
-_NOT_ASYNC = ("!async_load",)
-
 TRANSITIONS = (
     Transition("submit", (QUEUED,), SUBMITTED, "start_kv_transfers", "W:246-270, GW:674-733",
                effects=("launch_copy_kernel",),
                note="the stores queued by the previous step, then this step's loads; also in "
                "handle_preemptions, before waiting, when the step flushes jobs (W:236-240)"),
     Transition("await_sync", (SUBMITTED,), SAME, "start_kv_transfers", "W:256-270",
-               guards=("sync_load",), effects=("wait_for_copy",),
+               requires=("sync_load",), effects=("wait_for_copy",),
                note="every sync load is waited for before the forward pass that reads it"),
     Transition("flush", (SUBMITTED,), FLUSHED, "handle_preemptions", "W:219-244, GW:759-763",
                effects=("wait_for_copy",), path=Path.PREEMPT,
@@ -91,21 +109,21 @@ TRANSITIONS = (
                path=Path.PREEMPT, note="flushed again before its completion was observed: "
                "already waited for"),
     Transition("copy_done", (SUBMITTED, FLUSHED), COPIED, "get_finished",
-               "W:286-301, GW:735-757", guards=("copy_succeeded",),
+               "W:286-301, GW:735-757", requires=("copy_succeeded",),
                effects=("record_copy_result",)),
     Transition("copy_done", (SUBMITTED, FLUSHED), FAILED, "get_finished", BEYOND_VLLM,
-               guards=("!copy_succeeded",), effects=("record_copy_result",),
+               unless=("copy_succeeded",), effects=("record_copy_result",),
                path=Path.FAILURE, note="vLLM asserts success here (W:299-301)"),
     Transition("report", (COPIED,), REPORTED, "get_finished", "W:302-321, C:90-92",
-               guards=_ASYNC, effects=("report_completed", "report_finished_recving")),
+               requires=("async_load",), effects=("report_completed", "report_finished_recving")),
     Transition("report", (COPIED,), REPORTED, "get_finished", "W:302-311, C:90-92",
-               guards=_NOT_ASYNC, effects=("report_completed",),
+               unless=("async_load",), effects=("report_completed",),
                note="stores never report finished_sending; sync loads report no "
                "finished_recving"),
-    Transition("report", (FAILED,), REPORTED, "get_finished", BEYOND_VLLM, guards=_ASYNC,
+    Transition("report", (FAILED,), REPORTED, "get_finished", BEYOND_VLLM, requires=("async_load",),
                effects=("report_failed", "report_finished_recving"), path=Path.FAILURE,
                note="the load is over on this rank: the core stops waiting for it"),
-    Transition("report", (FAILED,), REPORTED, "get_finished", BEYOND_VLLM, guards=_NOT_ASYNC,
+    Transition("report", (FAILED,), REPORTED, "get_finished", BEYOND_VLLM, unless=("async_load",),
                effects=("report_failed",), path=Path.FAILURE),
 )
 
@@ -119,6 +137,7 @@ WORKER_MACHINE = MachineSpec(
     finals=(REPORTED,),
     guards=GUARDS,
     effects=EFFECTS,
+    groups=GROUPS,
     ignored=(
         ("a flush for a job id this rank does not hold (never received, or already reported)",
          "ignored, as vLLM's worker.wait ignores unknown or finished ids (GW:759-763)"),

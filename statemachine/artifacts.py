@@ -1,7 +1,9 @@
 """Every file derived from the tables: the diagrams, SPEC.md's tables, the README's diagram.
 
-`derived(root)` computes them all in memory; `write` puts them on disk; `stale` lists those
-whose committed content differs (what `kvspec diagrams --check` reports).
+`derived(root)` computes the text ones in memory (DOT, Mermaid, the documents); `write`
+puts them on disk and renders the SVGs where `dot` is installed; `stale` lists the committed
+files that differ (what `kvspec diagrams --check` reports): text by content, an SVG by the
+hash of the DOT source it was rendered from, never by its bytes.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from pathlib import Path
 
 from spec import MACHINES, REQUEST_MACHINE
 from spec import render as md
-from statemachine.diagrams import render as render_diagrams
-from statemachine.diagrams import to_mermaid
+from statemachine.diagrams import have_dot, source_hash, svg_source_hash, to_graphviz, to_mermaid
+from statemachine.diagrams import sources as diagram_sources
+from statemachine.diagrams import svg as render_svg
 
 Blocks = dict[str, Callable[[], str]]
 
@@ -28,20 +31,22 @@ def _spec_md_blocks() -> Blocks:
         blocks[f"{m.name}.states"] = partial(md.states_table, m)
         blocks[f"{m.name}.transitions"] = partial(md.transitions_table, m)
         blocks[f"{m.name}.guards"] = partial(md.guards_effects_table, m)
+        if m.groups:
+            blocks[f"{m.name}.groups"] = partial(md.groups_table, m)
     return blocks
 
 
 def mutants_table() -> str:
     """Mutant, what catches it, the shortest counterexample (breadth-first, deterministic)."""
     from spec.checker import check_model
-    from statemachine.check_cli import mutant_bounds
+    from spec.scenarios import hunt_bounds
     from statemachine.mutants import MUTANTS
 
     rows = ["| mutant | area | stands for | caught by the checker | caught by the tests |",
             "|---|---|---|---|---|"]
     for m in MUTANTS:
         if m.model_fault is not None:
-            r = check_model(mutant_bounds(m.name), frozenset([m.model_fault]))
+            r = check_model(hunt_bounds(m.model_fault), frozenset([m.model_fault]))
             ce = r.counterexample
             checker = (f"{ce.kind}, {len(ce)} steps, {r.states} states: "
                        f"{ce.summary.split(' (')[0]}" if ce else "**not caught**")
@@ -59,9 +64,11 @@ def _readme_blocks() -> Blocks:
 
 
 def derived(root: Path) -> dict[Path, bytes]:
+    """Every text file derived from the tables: DOT and Mermaid sources, and the documents
+    with their generated blocks spliced in."""
     out: dict[Path, bytes] = {}
     for m in MACHINES:
-        for r in render_diagrams(m, root / "diagrams"):
+        for r in diagram_sources(m, root / "diagrams"):
             out[r.path] = r.content
     for doc, blocks in ((root / "spec" / "SPEC.md", _spec_md_blocks()),
                         (root / "README.md", _readme_blocks())):
@@ -71,15 +78,37 @@ def derived(root: Path) -> dict[Path, bytes]:
     return out
 
 
-def write(root: Path) -> list[Path]:
+def stale_svgs(root: Path) -> list[Path]:
+    """SVGs missing, or rendered from another DOT source than the tables give now."""
+    out = []
+    for m in MACHINES:
+        path = root / "diagrams" / f"{m.name}.svg"
+        dot = to_graphviz(m).source
+        if not path.exists() or svg_source_hash(path.read_bytes()) != source_hash(dot):
+            out.append(path)
+    return out
+
+
+def write(root: Path) -> tuple[list[Path], list[Path]]:
+    """Write what changed: (files written, SVGs left stale because `dot` is missing)."""
     changed = []
     for path, content in derived(root).items():
         if not path.exists() or path.read_bytes() != content:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content)
             changed.append(path)
-    return changed
+    stale = stale_svgs(root)
+    if not have_dot():
+        return changed, stale
+    for path in stale:
+        machine = next(m for m in MACHINES if path.name == f"{m.name}.svg")
+        r = render_svg(machine, path.parent)
+        r.path.write_bytes(r.content)
+        changed.append(r.path)
+    return changed, []
 
 
 def stale(root: Path) -> list[Path]:
-    return [p for p, c in derived(root).items() if not p.exists() or p.read_bytes() != c]
+    """Committed files that differ from what the tables give (SVGs by their source hash)."""
+    return [p for p, c in derived(root).items()
+            if not p.exists() or p.read_bytes() != c] + stale_svgs(root)

@@ -1,22 +1,27 @@
-"""Diagrams of the tables, drawn through transitions' GraphMachine (graphviz and mermaid).
+"""Diagrams of the tables: DOT and Mermaid sources written from the rows, SVG where
+graphviz's `dot` is installed.
 
-Never drawn by hand: `render_all` derives every file from `spec`, and `check` compares the
-committed files with what the tables give now. Edges are coloured by path (happy, preempt,
+Never drawn by hand: `render` derives every file from `spec`, and `kvspec diagrams --check`
+compares the committed sources with what the tables give now. An SVG carries the hash of the
+DOT source it was rendered from, so the check tells a stale SVG apart without comparing its
+bytes (which differ between graphviz versions). Edges are coloured by path (happy, preempt,
 finish, reset, failure, timeout); states vLLM 0.33.0 lacks are dashed; a legend says so.
 Guards appear on the edges as ``trigger [guard & !guard]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path as FsPath
-from typing import Any, Literal
+from typing import Any
 
-from transitions.extensions import GraphMachine
+import graphviz
 
-from spec.schema import SAME, MachineSpec, Path, guard_name, guard_negated
+from spec.schema import MachineSpec, Path, Transition
 
 EDGE_STYLE: dict[Path, dict[str, str]] = {
     Path.HAPPY: {"color": "black", "fontcolor": "black", "style": "solid"},
@@ -36,41 +41,26 @@ _LEGEND_TEXT = {
     Path.FAILURE: "failure (beyond vLLM)",
     Path.TIMEOUT: "timeout (beyond vLLM)",
 }
+_STROKE = {"solid": "━━━", "dashed": "╍╍╍", "dotted": "┄┄┄"}
+
+INSTALL_HINT = "graphviz's `dot` is not installed (Debian: apt-get install -y graphviz)"
 
 
-class _Subject:
-    """A stand-in model: GraphMachine needs one to draw; it never moves."""
+def have_dot() -> bool:
+    """Whether graphviz's `dot` binary is on PATH (SVGs need it; the sources do not)."""
+    return shutil.which("dot") is not None
 
-    state: str
 
-
-def _graph_machine(spec: MachineSpec, engine: Literal["graphviz", "mermaid"]) -> Any:
-    machine = GraphMachine(
-        model=_Subject(),
-        states=list(spec.state_names),
-        initial=spec.initial,
-        auto_transitions=False,
-        show_conditions=True,
-        graph_engine=engine,
-        title=spec.title,
-    )
-    for t in spec.transitions:
-        machine.add_transition(
-            t.trigger, list(t.sources), "=" if t.dest == SAME else t.dest,
-            conditions=[g for g in t.guards if not guard_negated(g)],
-            unless=[guard_name(g) for g in t.guards if guard_negated(g)],
-        )
-    return machine
+def edge_label(t: Transition) -> str:
+    return f"{t.trigger} [{t.guard_text}]" if t.guard_text else t.trigger
 
 
 def _legend_label(spec: MachineSpec) -> str:
     used = {t.path for t in spec.transitions}
     rows = "".join(
-        f'<TR><TD><FONT COLOR="{EDGE_STYLE[p]["color"]}">'
-        f'{"━━━" if EDGE_STYLE[p]["style"] == "solid" else "╍╍╍" if EDGE_STYLE[p]["style"] == "dashed" else "┄┄┄"}'  # noqa: E501
+        f'<TR><TD><FONT COLOR="{EDGE_STYLE[p]["color"]}">{_STROKE[EDGE_STYLE[p]["style"]]}'
         f'</FONT></TD><TD ALIGN="LEFT">{_LEGEND_TEXT[p]}</TD></TR>'
-        for p in _PRIORITY if p in used
-    )
+        for p in _PRIORITY if p in used)
     rows += ('<TR><TD BORDER="1" STYLE="dashed,rounded" BGCOLOR="lightyellow"> </TD>'
              '<TD ALIGN="LEFT">state beyond vLLM 0.33.0</TD></TR>')
     rows += ('<TR><TD><FONT COLOR="gray40">↺</FONT></TD><TD ALIGN="LEFT">stays in the state; '
@@ -80,93 +70,73 @@ def _legend_label(spec: MachineSpec) -> str:
              '</TD></TR>')
     rows += ('<TR><TD>[g &amp; !h]</TD><TD ALIGN="LEFT">guards: g must hold, h must not</TD>'
              '</TR>')
-    return f'<<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2">' \
-           f'<B>Legend</B></TD></TR>{rows}</TABLE>>'
+    return (f'<<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="2"><TR><TD COLSPAN="2">'
+            f'<B>Legend</B></TD></TR>{rows}</TABLE>>')
 
 
-def _stacked_graph_cls(base: type, spec: MachineSpec) -> type:
-    """transitions' graphviz Graph, drawing one edge per (source, destination, path) with its
-    labels stacked, so that every edge has the style of its own path."""
-    path_of = {(t.trigger, src, t.dest_from(src), frozenset(t.guards)): t.path
-               for src, _, t in spec.edges()}
-
-    def guards_of(tr: dict[str, Any]) -> frozenset[str]:
-        return frozenset((*tr.get("conditions", []), *("!" + u for u in tr.get("unless", []))))
-
-    class StackedGraph(base):  # type: ignore[misc]
-        def _add_edges(self, transitions: list[dict[str, Any]], container: Any) -> None:
-            labels: dict[tuple[str, str, Path], list[str]] = {}
-            for tr in transitions:
-                src, dst = tr["source"], tr.get("dest", tr["source"])
-                path = path_of[(tr["trigger"], src, dst, guards_of(tr))]
-                label = self._transition_label(tr)
-                if label not in labels.setdefault((src, dst, path), []):
-                    labels[(src, dst, path)].append(label)
-            loops: dict[str, list[tuple[str, Path]]] = {}
-            for (src, dst, path), texts in labels.items():
-                if src == dst:  # several loops on one node would overlap: draw one
-                    loops.setdefault(src, []).extend((t, path) for t in texts)
-                    continue
-                container.edge(src, dst, label="\\l".join(texts) + "\\l",
-                               **EDGE_STYLE[path])
-            for node, entries in loops.items():
-                rows = "".join(
-                    f'<TR><TD ALIGN="LEFT"><FONT COLOR="{EDGE_STYLE[p]["fontcolor"]}">'
-                    f"{html.escape(t)}</FONT></TD></TR>" for t, p in entries)
-                container.edge(node, node, color="gray40", style="solid",
-                               label=f'<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="0">'
-                                     f"{rows}</TABLE>>")
-
-    return StackedGraph
+def _node_attrs(spec: MachineSpec, name: str) -> dict[str, str]:
+    state = spec.state(name)
+    attrs: dict[str, str] = {}
+    if state.beyond_vllm:
+        attrs.update(style="dashed,rounded,filled", fillcolor="lightyellow")
+    if name in spec.finals:
+        attrs["peripheries"] = "2"
+    elif name == spec.initial:
+        attrs["penwidth"] = "2"
+    return attrs
 
 
-def to_graphviz(spec: MachineSpec) -> Any:
-    """A graphviz.Digraph of the table, styled and with its legend."""
-    machine = _graph_machine(spec, "graphviz")
-    drawer = _stacked_graph_cls(machine.graph_cls, spec)(machine)
-    styles: dict[str, dict[str, dict[str, str]]] = {
-        "node": dict(machine.style_attributes["node"]),
-        "edge": {"default": EDGE_STYLE[Path.HAPPY]},
-        "graph": dict(machine.style_attributes["graph"]),
-    }
-    styles["node"]["beyond"] = {"style": "dashed,rounded,filled", "fillcolor": "lightyellow"}
-    styles["node"]["final"] = {"peripheries": "2"}
-    styles["node"]["beyond_final"] = {**styles["node"]["beyond"], "peripheries": "2"}
-    styles["node"]["initial"] = {"penwidth": "2"}
-    machine.style_attributes = styles
-    machine.machine_attributes = {
-        "directed": "true", "strict": "false", "rankdir": "TB", "nodesep": "0.5",
-        "ranksep": "0.6", "fontname": "Helvetica", "labelloc": "t", "fontsize": "18",
-    }
-    for s in spec.states:
-        if s.beyond_vllm:
-            drawer.set_node_style(s.name, "beyond_final" if s.name in spec.finals else "beyond")
-        elif s.name in spec.finals:
-            drawer.set_node_style(s.name, "final")
-        elif s.name == spec.initial:
-            drawer.set_node_style(s.name, "initial")
-    graph = drawer.get_graph(title=spec.title)
-    graph.attr("node", fontname="Helvetica", fontsize="11")
-    graph.attr("edge", fontname="Helvetica", fontsize="9")
-    with graph.subgraph(name="cluster_legend") as legend:
+def to_graphviz(spec: MachineSpec) -> graphviz.Digraph:
+    """The table as a graphviz Digraph: one edge per (source, destination, path) with its
+    rows' labels stacked, one loop per state that stays, and a legend."""
+    g = graphviz.Digraph(spec.name, graph_attr={
+        "label": spec.title, "labelloc": "t", "fontname": "Helvetica", "fontsize": "18",
+        "rankdir": "TB", "nodesep": "0.5", "ranksep": "0.6"})
+    g.attr("node", shape="rectangle", style="rounded,filled", fillcolor="white",
+           fontname="Helvetica", fontsize="11")
+    g.attr("edge", fontname="Helvetica", fontsize="9")
+    for name in spec.state_names:
+        g.node(name, name, **_node_attrs(spec, name))
+    labels: dict[tuple[str, str, Path], list[str]] = {}
+    for src, dst, t in spec.edges():
+        texts = labels.setdefault((src, dst, t.path), [])
+        if edge_label(t) not in texts:
+            texts.append(edge_label(t))
+    loops: dict[str, list[tuple[str, Path]]] = {}
+    for (src, dst, path), texts in labels.items():
+        if src == dst:  # several loops on one node would overlap: draw one
+            loops.setdefault(src, []).extend((t, path) for t in texts)
+            continue
+        g.edge(src, dst, label="\\l".join(texts) + "\\l", **EDGE_STYLE[path])
+    for node, entries in loops.items():
+        rows = "".join(f'<TR><TD ALIGN="LEFT"><FONT COLOR="{EDGE_STYLE[p]["fontcolor"]}">'
+                       f"{html.escape(t)}</FONT></TD></TR>" for t, p in entries)
+        g.edge(node, node, color="gray40", style="solid",
+               label=f'<<TABLE BORDER="0" CELLSPACING="0" CELLPADDING="0">{rows}</TABLE>>')
+    with g.subgraph(name="cluster_legend") as legend:
         legend.attr(label="", color="white", rank="sink")
         legend.node("legend", label=_legend_label(spec), shape="plaintext")
-    return graph
+    return g
 
 
 def to_mermaid(spec: MachineSpec) -> str:
-    """Mermaid stateDiagram from transitions' mermaid engine, without its active-state marks
-    (a table has no current state), with the beyond-vLLM states classed apart."""
-    machine = _graph_machine(spec, "mermaid")
-    source: str = machine.get_graph(title=spec.title).source
-    lines = [line.rstrip() for line in source.splitlines()
-             if not line.lstrip().startswith(("classDef s_", "Class "))]
+    """A Mermaid stateDiagram of the table: one edge per (source, destination), its rows'
+    labels joined by ``|``, the beyond-vLLM states classed apart."""
+    lines = ["---", spec.title, "---", "stateDiagram-v2", "  direction LR", ""]
+    lines += [f'  state "{name}" as {name}' for name in spec.state_names]
+    lines.append("")
+    labels: dict[tuple[str, str], list[str]] = {}
+    for src, dst, t in spec.edges():
+        texts = labels.setdefault((src, dst), [])
+        if edge_label(t) not in texts:
+            texts.append(edge_label(t))
+    lines += [f"  {src} --> {dst}: {' | '.join(texts)}" for (src, dst), texts in labels.items()]
+    lines.append(f"  [*] --> {spec.initial}")
     beyond = [s.name for s in spec.states if s.beyond_vllm]
     if beyond:
         lines.append("  classDef beyond fill:#ffffe0,stroke-dasharray: 5 5")
-        lines.extend(f"  class {name} beyond" for name in beyond)
-    return "\n".join(line for i, line in enumerate(lines)
-                     if line or (i and lines[i - 1])) + "\n"
+        lines += [f"  class {name} beyond" for name in beyond]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -175,24 +145,44 @@ class Rendered:
     content: bytes
 
 
-def render(spec: MachineSpec, out_dir: FsPath) -> list[Rendered]:
-    graph = to_graphviz(spec)
-    dot_source: str = graph.source
+_SOURCE_MARK = re.compile(rb"<!-- kvspec dot source sha256 ([0-9a-f]{64}) -->\n")
+
+
+def source_hash(dot_source: str) -> str:
+    return hashlib.sha256(dot_source.encode()).hexdigest()
+
+
+def svg_of(dot_source: str, graph: Any) -> bytes:
+    """The SVG `dot` renders from `graph`, stamped with its source's hash instead of the
+    graphviz version (which `dot` writes in a comment)."""
     svg: bytes = graph.pipe(format="svg")
-    # graphviz stamps its version in a comment; drop it so a diagram depends on the table only
     svg = re.sub(rb"<!-- Generated by graphviz version [^>]*-->\n", b"", svg)
-    return [
-        Rendered(out_dir / f"{spec.name}.dot", dot_source.encode()),
-        Rendered(out_dir / f"{spec.name}.svg", svg),
-        Rendered(out_dir / f"{spec.name}.mmd", to_mermaid(spec).encode()),
-    ]
+    mark = f"<!-- kvspec dot source sha256 {source_hash(dot_source)} -->\n".encode()
+    head, sep, rest = svg.partition(b"<svg")
+    return head + mark + sep + rest
+
+
+def svg_source_hash(svg: bytes) -> str | None:
+    """The hash of the DOT source an SVG of ours was rendered from (None: not ours)."""
+    m = _SOURCE_MARK.search(svg)
+    return m.group(1).decode() if m else None
+
+
+def sources(spec: MachineSpec, out_dir: FsPath) -> list[Rendered]:
+    """The text files of a table's diagrams: its DOT and Mermaid sources."""
+    return [Rendered(out_dir / f"{spec.name}.dot", to_graphviz(spec).source.encode()),
+            Rendered(out_dir / f"{spec.name}.mmd", to_mermaid(spec).encode())]
+
+
+def svg(spec: MachineSpec, out_dir: FsPath) -> Rendered:
+    """The table's SVG (needs `dot`: see `have_dot`)."""
+    graph = to_graphviz(spec)
+    return Rendered(out_dir / f"{spec.name}.svg", svg_of(graph.source, graph))
 
 
 def counterexample_svg(ce: Any) -> bytes:
     """The counterexample's path drawn over the request and job machines: every table edge
     in grey, the edges the trace took in red, labelled with the step numbers."""
-    import graphviz
-
     from spec import MACHINES
 
     taken: dict[tuple[str, str, str], list[str]] = {}
@@ -214,10 +204,9 @@ def counterexample_svg(ce: Any) -> bytes:
                 c.node(f"{spec.name}.{state}", state)
             drawn: set[tuple[str, str]] = set()
             for src, dst, _t in spec.edges():
-                key = (src, dst)
-                if key in drawn:
+                if (src, dst) in drawn:
                     continue
-                drawn.add(key)
+                drawn.add((src, dst))
                 labels = taken.get((spec.name, src, dst))
                 if labels:
                     c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}",
@@ -225,5 +214,5 @@ def counterexample_svg(ce: Any) -> bytes:
                            penwidth="2.5")
                 else:
                     c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}", color="gray85")
-    svg: bytes = g.pipe(format="svg")
-    return svg
+    out: bytes = g.pipe(format="svg")
+    return out

@@ -17,6 +17,7 @@ from typing import Any
 
 from kernels.layout import TransferSpec
 from spec import job as J
+from spec.model import Fault
 from statemachine.effects import SchedulerEffects
 from statemachine.manager import CPUOffloadingManager
 from statemachine.models import JobStatus, RequestState
@@ -33,7 +34,7 @@ class Mutant:
     stands_for: str
     description: str
     patch: Patch
-    model_fault: str | None = None
+    model_fault: Fault | None = None
     """The same fault in the abstract model, if it can be expressed there."""
 
     @property
@@ -58,7 +59,7 @@ def _patch(owner: type, name: str, make: Callable[[Any], Any]) -> Patch:
 
 # --- the faulty versions -------------------------------------------------------------
 def _keep_transfer_jobs(orig: Any) -> Any:
-    def drop_request_jobs(self: OffloadingScheduler, req: RequestState, **kw: Any) -> None:
+    def drop_request_jobs(self: SchedulerEffects, req: RequestState, **kw: Any) -> None:
         held = set(req.transfer_jobs)
         orig(self, req, **kw)
         req.transfer_jobs |= held
@@ -72,7 +73,7 @@ def _noop_effect(orig: Any) -> Any:
 
 
 def _signal_always(orig: Any) -> Any:
-    def signal_request_finished(self: OffloadingScheduler, req: RequestState,
+    def signal_request_finished(self: SchedulerEffects, req: RequestState,
                                 **kw: Any) -> None:
         req.finished_signaled = False
         orig(self, req, **kw)
@@ -80,7 +81,7 @@ def _signal_always(orig: Any) -> Any:
 
 
 def _skip_stale_flush(orig: Any) -> Any:
-    def add_to_jobs_to_flush(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+    def add_to_jobs_to_flush(self: SchedulerEffects, job: JobStatus, **kw: Any) -> None:
         if job.state != J.STALE:
             orig(self, job, **kw)
     return add_to_jobs_to_flush
@@ -94,7 +95,7 @@ def _count_once(orig: Any) -> Any:
 
 
 def _keep_pin(orig: Any) -> Any:
-    def complete_in_manager(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+    def complete_in_manager(self: SchedulerEffects, job: JobStatus, **kw: Any) -> None:
         if job.is_store:
             orig(self, job, **kw)
         else:
@@ -103,16 +104,16 @@ def _keep_pin(orig: Any) -> Any:
 
 
 def _keep_marks(orig: Any) -> Any:
-    def _unmark_chunks_being_loaded(self: OffloadingScheduler, job: JobStatus) -> None:
+    def _unmark_chunks_being_loaded(self: SchedulerEffects, job: JobStatus) -> None:
         return None
     return _unmark_chunks_being_loaded
 
 
 def _store_ready_first_ack(orig: Any) -> Any:
-    def count_report(self: OffloadingScheduler, job: JobStatus, count: int = 1,
+    def count_report(self: SchedulerEffects, job: JobStatus, count: int = 1,
                      **kw: Any) -> None:
         if job.is_store and job.state != J.STALE:
-            self.manager.complete_store(job.keys, job.owner.ctx, success=True)
+            self.s.manager.complete_store(job.keys, job.owner.ctx, success=True)
         orig(self, job, count=count, **kw)
     return count_report
 
@@ -136,9 +137,9 @@ def _pending_one(orig: Any) -> Any:
 
 
 def _failed_store_kept(orig: Any) -> Any:
-    def roll_back_in_manager(self: OffloadingScheduler, job: JobStatus, **kw: Any) -> None:
+    def roll_back_in_manager(self: SchedulerEffects, job: JobStatus, **kw: Any) -> None:
         if job.is_store:
-            self.manager.complete_store(job.keys, job.owner.ctx, success=True)
+            self.s.manager.complete_store(job.keys, job.owner.ctx, success=True)
         else:
             orig(self, job, **kw)
     return roll_back_in_manager
@@ -194,66 +195,66 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("reset-keeps-transfer-jobs", "reset", "vLLM PR #48102 (INV-1)",
            "reset_cache clears the job table but leaves the ids in transfer_jobs",
            _patch(SchedulerEffects, "drop_request_jobs", _keep_transfer_jobs),
-           "reset-keeps-transfer-jobs"),
+           Fault.RESET_KEEPS_TRANSFER_JOBS),
     Mutant("reset-skips-flush", "reset", "vLLM PR #41956, INV-16",
            "reset_cache does not flush the jobs alive at the reset",
            _patch(SchedulerEffects, "add_to_jobs_to_flush", _skip_stale_flush),
-           "reset-skips-flush"),
+           Fault.RESET_SKIPS_FLUSH),
     Mutant("reset-keeps-stale-threshold", "reset", "S:2436, INV-4",
            "reset_cache does not advance the stale threshold: late acks of pre-reset jobs "
            "are taken for live ones",
            _patch(OffloadingScheduler, "_advance_stale_threshold", _no_method),
-           "reset-keeps-stale-threshold"),
+           Fault.RESET_KEEPS_STALE_THRESHOLD),
     Mutant("reset-signals-twice", "reset", "INV-11, M:424-431",
            "reset_cache calls on_request_finished for finished requests already signaled",
            _patch(SchedulerEffects, "signal_request_finished", _signal_always),
-           "reset-signals-twice"),
+           Fault.RESET_SIGNALS_TWICE),
     Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
            "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
            _patch(OffloadingScheduler, "_apply_reports", _count_once),
-           "aggregate-counts-once"),
+           Fault.AGGREGATE_COUNTS_ONCE),
     Mutant("pending-count-one", "accounting", "S:1491 pending_count = num_workers",
            "jobs wait for one worker only: the other workers' acks arrive for ended jobs",
            _patch(JobStatus, "__post_init__", _pending_one)),
     Mutant("store-ready-on-first-ack", "accounting", "INV-12, S:2283-2287",
            "a store's chunks become loadable at its first ack, while other workers copy",
            _patch(SchedulerEffects, "count_report", _store_ready_first_ack),
-           "store-ready-on-first-ack"),
+           Fault.STORE_READY_ON_FIRST_ACK),
     Mutant("preempt-skips-flush", "fences", "S:2136-2151, INV-15",
            "preemption does not flush the request's jobs: a store reads freed blocks",
            _patch(SchedulerEffects, "flush_request_jobs", _noop_effect),
-           "preempt-skips-flush"),
+           Fault.PREEMPT_SKIPS_FLUSH),
     Mutant("realloc-skips-fence", "fences", "S:2153-2165, INV-15, test_fence_at_*",
            "a fenced block re-allocated in this step does not flush the store reading it",
            _patch(OffloadingScheduler, "_flush_reallocated_blocks", _no_method),
-           "realloc-skips-fence"),
+           Fault.REALLOC_SKIPS_FENCE),
     Mutant("lookup-ignores-transfer-jobs", "fences", "issue #46014, S:1247-1252",
            "a request still holding flushed jobs is looked up again on re-admission",
            _patch(OffloadingScheduler, "_lookup_blocked", _never_blocked),
-           "lookup-ignores-transfer-jobs"),
+           Fault.LOOKUP_IGNORES_TRANSFER_JOBS),
     Mutant("finish-skips-deferred-fence", "fences", "S:2371-2374, INV-7, PR #48596",
            "request_finished does not fence the blocks its in-flight stores read",
            _patch(SchedulerEffects, "register_deferred_fences", _noop_effect),
-           "finish-skips-deferred-fence"),
+           Fault.FINISH_SKIPS_DEFERRED_FENCE),
     Mutant("signal-before-final-store", "finish", "B:430-448, INV-10/11",
            "on_request_finished is called at request_finished, before the final store",
            _patch(OffloadingScheduler, "request_finished", _signal_at_finish),
-           "signal-before-final-store"),
+           Fault.SIGNAL_BEFORE_FINAL_STORE),
     Mutant("complete-load-keeps-pin", "manager", "M:247-258, INV-12",
            "a completed load does not unpin its chunks: they can never be evicted",
            _patch(SchedulerEffects, "complete_in_manager", _keep_pin),
-           "complete-load-keeps-pin"),
+           Fault.COMPLETE_LOAD_KEEPS_PIN),
     Mutant("load-keeps-chunks-being-loaded", "manager", "PR #46019, INV-8",
            "a finished load leaves its keys in _chunks_being_loaded: lookups defer forever",
            _patch(SchedulerEffects, "_unmark_chunks_being_loaded", _keep_marks),
-           "load-keeps-chunks-being-loaded"),
+           Fault.LOAD_KEEPS_CHUNKS_BEING_LOADED),
     Mutant("failed-store-kept", "manager", "NVIDIA Dynamo #15079",
            "a failed store is completed as successful: chunks nobody wrote become loadable",
            _patch(SchedulerEffects, "roll_back_in_manager", _failed_store_kept)),
     Mutant("evict-pinned-chunks", "manager", "LRU:175-219, INV-12",
            "eviction may take a chunk a live load is reading",
            _evict_pinned,
-           "evict-pinned-chunks"),
+           Fault.EVICT_PINNED_CHUNKS),
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663, reference 5.2",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",

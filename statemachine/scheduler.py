@@ -50,11 +50,11 @@ from statemachine.messages import (
 )
 from statemachine.models import JobStatus, RequestState, ResetFence
 
-SCHEDULED = (R.RUNNING, R.STORING, R.LOADING_SYNC)
-STORE_CANDIDATES = (R.RUNNING, R.STORING, R.LOADING_SYNC, R.FINISHED_PENDING_FINAL)
 
+class OffloadingScheduler:
+    effects_cls: type[SchedulerEffects] = SchedulerEffects
+    """The host of the tables' effects (a subclass may substitute a faulty one in tests)."""
 
-class OffloadingScheduler(SchedulerEffects):
     def __init__(self, config: OffloadingConfig,
                  manager: CPUOffloadingManager | None = None) -> None:
         self.config = config
@@ -86,19 +86,17 @@ class OffloadingScheduler(SchedulerEffects):
         self.stats: Counter[str] = Counter()
         self._fired: list[Fired] = []
         nesting = Nesting(observers=[self._fired.append])
-        self._requests_life = Lifecycle(spec.REQUEST_MACHINE, RequestState, self, nesting)
-        self._jobs_life = Lifecycle(spec.JOB_MACHINE, JobStatus, self, nesting)
-        self._fence_life = Lifecycle(spec.FENCE_MACHINE, ResetFence, self, nesting)
+        self.effects = self.effects_cls(self)
+        """The host of the effects the tables name (the lifecycles run them)."""
+        self._requests_life = Lifecycle(spec.REQUEST_MACHINE, RequestState, self.effects,
+                                        nesting)
+        self._jobs_life = Lifecycle(spec.JOB_MACHINE, JobStatus, self.effects, nesting)
+        self._fence_life = Lifecycle(spec.FENCE_MACHINE, ResetFence, self.effects, nesting)
         self._fence_life.add(self.fence)
 
     # ================================================================ the machinery
     def _fire(self, life: Lifecycle, subject: Any, trigger: str, **kwargs: Any) -> str:
-        state = life.fire(subject, trigger, **kwargs)
-        done = (state in spec.JOB_MACHINE.finals if life is self._jobs_life
-                else state == R.ABSENT if life is self._requests_life else False)
-        if done:
-            life.remove(subject)
-        return state
+        return life.fire(subject, trigger, **kwargs)
 
     def _require(self, life: Lifecycle, subject: Any, trigger: str) -> None:
         """Raise IllegalTransition now, before any change, if `trigger` has no row."""
@@ -193,7 +191,7 @@ class OffloadingScheduler(SchedulerEffects):
                     or n % self.config.block_size:
                 raise InvalidArgument(f"{hook}: num_computed_tokens must be a block-aligned "
                                       f"int in [0, {request.num_tokens}]")
-            if req.state in SCHEDULED:
+            if req.state in R.SCHEDULED:
                 # a lookup for a scheduled request means the core preempted it (e.g. by
                 # reset_prefix_cache(reset_running_requests=True)); apply the preemption now,
                 # once: build_connector_meta will not apply it again.
@@ -205,7 +203,7 @@ class OffloadingScheduler(SchedulerEffects):
                 return None, False
             self._require(self._requests_life, req, "lookup_resolved")
             self._open_step()
-            if req.state in (R.RECOMPUTE, R.TIMED_OUT):
+            if req.state in R.MUST_RECOMPUTE:
                 self._fire(self._requests_life, req, "lookup_resolved")
                 return 0, False
             req.num_locally_computed_tokens = n
@@ -291,7 +289,7 @@ class OffloadingScheduler(SchedulerEffects):
             self._update_req_states(out)
             for req_id in sorted(out.preempted_req_ids - self._preempted_early):
                 req = self._req_status.get(req_id)
-                if req is not None and req.state in SCHEDULED:
+                if req is not None and req.state in R.SCHEDULED:
                     self._fire(self._requests_life, req, "preempt")
             self._flush_reallocated_blocks()
             # Timeouts last: the core already scheduled (or preempted) this step's requests,
@@ -301,11 +299,11 @@ class OffloadingScheduler(SchedulerEffects):
             self._time_out_jobs()
             for req_id in [*out.num_scheduled_tokens, *sorted(out.finished_req_ids)]:
                 req = self._req_status.get(req_id)
-                if req is not None and req.state in STORE_CANDIDATES:
+                if req is not None and req.state in R.STORE_CANDIDATES:
                     self._build_store_job(req, out.num_scheduled_tokens.get(req_id, 0))
             for job_id in sorted(self._batch_load_jobs | self._batch_store_jobs):
                 job = self.jobs.get(job_id)
-                if job is not None and job.state in (J.CREATED, J.FLUSH_REQUESTED):
+                if job is not None and job.state in J.TO_SHIP:
                     self._fire(self._jobs_life, job, "ship")
             meta = OffloadingConnectorMetadata(dict(self._meta_load_jobs),
                                                dict(self._meta_store_jobs),
@@ -354,7 +352,7 @@ class OffloadingScheduler(SchedulerEffects):
         if req.state == R.IDLE:
             table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
             self._fire(self._requests_life, req, "schedule", block_ids=table)
-        elif req.state in SCHEDULED:
+        elif req.state in R.SCHEDULED:
             if full:
                 req.block_ids[:] = block_ids
             else:

@@ -186,7 +186,7 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         M.Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
                  failures=2, preemptions=1, sync_loads=True),
     )
-    faults: ClassVar[frozenset[str]] = frozenset()
+    faults: ClassVar[M.Faults] = M.NO_FAULTS
     """Model faults to switch on too (only to test that the machine itself catches them)."""
     CHECK_REFINEMENT: ClassVar[bool] = True
     """Compare the implementation's state with the model's after every step. A machine that

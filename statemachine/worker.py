@@ -159,7 +159,6 @@ class Worker:
     def _fire(self, job: WorkerJob, trigger: str, **kwargs: Any) -> str:
         state = self.life.fire(job, trigger, **kwargs)
         if state in spec.WORKER_MACHINE.finals:
-            self.life.remove(job)
             del self.jobs[job.job_id]
             self._failing.discard(job.job_id)
         return state
@@ -222,7 +221,7 @@ class Worker:
         fresh: set[int] = set()
         for result in self.engine.poll():
             job = self.jobs.get(result.job_id)
-            if job is None or job.state not in (W.SUBMITTED, W.FLUSHED):
+            if job is None or job.state not in W.COPYING:
                 raise WorkerError(f"worker {self.rank}: the copy engine completed job "
                                   f"{result.job_id}, which this worker never submitted")
             if result.success:
@@ -244,7 +243,7 @@ class Worker:
             self._hung[job_id] = countdown - 1
             if countdown - 1 <= 0:
                 self._release(job_id)
-        for job in [j for j in self.jobs.values() if j.state in (W.COPIED, W.FAILED)]:
+        for job in [j for j in self.jobs.values() if j.state in W.OBSERVED]:
             self._fire(job, "report")
         report = WorkerReport(
             self.rank, self._meta if self._reported_any else None,
@@ -305,7 +304,7 @@ class Worker:
         never reported, or reported `release_after` steps (get_finished calls) after its copy
         completed."""
         job = self.jobs.get(job_id)
-        if job is not None and job.state not in (W.QUEUED, W.SUBMITTED, W.FLUSHED):
+        if job is not None and job.state not in W.NOT_YET_COPIED:
             raise WorkerError(f"worker {self.rank}: job {job_id} is already {job.state}")
         if release_after is not None and release_after < 1:
             raise WorkerError(f"release_after must be >= 1 or None, got {release_after}")

@@ -28,7 +28,7 @@ def test_bad_usage_exits_2() -> None:
 
 
 def test_console_script_entry_point_runs() -> None:
-    out = subprocess.run([sys.executable, "-m", "statemachine.cli", "summary"],
+    out = subprocess.run([sys.executable, "-m", "kvspec", "summary"],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "request" in out.stdout and "invariants: 19" in out.stdout

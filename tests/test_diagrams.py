@@ -9,7 +9,7 @@ import pytest
 
 import spec
 from spec import render
-from statemachine import artifacts, cli
+from statemachine import artifacts, cli, diagrams
 from statemachine.diagrams import EDGE_STYLE, to_graphviz, to_mermaid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,23 +17,54 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' missing")
 
 
-@needs_dot
 def test_committed_artifacts_are_up_to_date() -> None:
+    """Text by content, SVGs by the hash of their DOT source: no `dot` needed."""
     assert [str(p.relative_to(ROOT)) for p in artifacts.stale(ROOT)] == []
 
 
-@needs_dot
-def test_check_fails_on_a_stale_diagram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
-        -> None:
+def _copy_project(tmp_path: Path) -> Path:
     for sub in ("diagrams", "spec"):
         shutil.copytree(ROOT / sub, tmp_path / sub)
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 0
+    return tmp_path
+
+
+def test_check_fails_on_a_stale_diagram(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    root = str(_copy_project(tmp_path))
+    assert cli.main(["diagrams", "--check", "--root", root]) == 0
     (tmp_path / "diagrams" / "job.mmd").write_text("stateDiagram-v2\n")
-    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 1
+    assert cli.main(["diagrams", "--check", "--root", root]) == 1
     assert "stale: diagrams/job.mmd" in capsys.readouterr().err
-    assert cli.main(["diagrams", "--root", str(tmp_path)]) == 0
-    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 0
+    assert cli.main(["diagrams", "--root", root]) == 0
+    assert cli.main(["diagrams", "--check", "--root", root]) == 0
+
+
+def test_an_svg_drawn_from_another_dot_source_is_stale(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svg = tmp_path / "diagrams" / "fence.svg"
+    _copy_project(tmp_path)
+    svg.write_bytes(svg.read_bytes().replace(b"sha256 ", b"sha256 0", 1)[:-1])
+    assert cli.main(["diagrams", "--check", "--root", str(tmp_path)]) == 1
+    assert "stale: diagrams/fence.svg" in capsys.readouterr().err
+
+
+def test_without_dot_the_commands_say_so_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A machine without graphviz's binary: the check passes (the sources are compared),
+    writing renders no SVG and says so, naming the install; a stale SVG it cannot
+    render makes it fail, naming the file."""
+    monkeypatch.setattr(diagrams.shutil, "which", lambda name: None)
+    root = str(_copy_project(tmp_path))
+    assert cli.main(["diagrams", "--check", "--root", root]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "SVGs were not rendered" in err and "apt-get" in err
+    assert cli.main(["diagrams", "--root", root]) == 0
+    assert "apt-get install -y graphviz" in capsys.readouterr().err
+    (tmp_path / "diagrams" / "job.svg").unlink()
+    assert cli.main(["diagrams", "--root", root]) == 1
+    assert "stale: diagrams/job.svg" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("m", spec.MACHINES, ids=lambda m: m.name)
@@ -42,12 +73,9 @@ def test_dot_has_every_state_guarded_edges_styles_and_a_legend(m: spec.MachineSp
     for s in m.state_names:
         assert f"\t{s} [" in dot
     assert "Legend" in dot
-    guarded = [t for t in m.transitions if t.guards]
-    for t in guarded:
-        label = f"{t.trigger} [" + " &amp; ".join(
-            [g for g in t.guards if not g.startswith("!")]
-            + [g for g in t.guards if g.startswith("!")])
-        assert label.replace("&amp;", "&") in dot.replace("&amp;", "&"), label
+    for t in (t for t in m.transitions if t.guard_names):
+        label = f"{t.trigger} [{t.guard_text}]"
+        assert label in dot.replace("&amp;", "&"), label
     for path in {t.path for t in m.transitions if t.sources != (t.dest,)}:
         if any(src != t.dest_from(src) for t in m.transitions if t.path == path
                for src in t.sources):
@@ -61,11 +89,19 @@ def test_beyond_vllm_states_are_drawn_apart() -> None:
 
 
 @needs_dot
-def test_svg_renders_every_state() -> None:
-    svg = to_graphviz(spec.JOB_MACHINE).pipe(format="svg").decode()
-    for s in spec.JOB_MACHINE.state_names:
-        assert f">{s}</text>" in svg
-    assert ">Legend</text>" in svg
+@pytest.mark.parametrize("m", spec.MACHINES, ids=lambda m: m.name)
+def test_every_diagram_renders_as_svg(m: spec.MachineSpec) -> None:
+    """Where `dot` is installed (CI installs it): each SVG parses, shows every state and
+    the legend, and carries the hash of the DOT source it was drawn from."""
+    import xml.etree.ElementTree as ET
+
+    rendered = diagrams.svg(m, ROOT / "diagrams")
+    root = ET.fromstring(rendered.content)
+    assert root.tag.endswith("svg")
+    texts = {t.text for t in root.iter() if t.tag.endswith("text")}
+    assert set(m.state_names) <= texts and "Legend" in texts
+    assert diagrams.svg_source_hash(rendered.content) == \
+        diagrams.source_hash(to_graphviz(m).source)
 
 
 def test_mermaid_lists_every_state_and_edge() -> None:
@@ -82,7 +118,7 @@ def test_mermaid_lists_every_state_and_edge() -> None:
 def test_spec_md_holds_every_generated_block() -> None:
     names = render.block_names((ROOT / "spec" / "SPEC.md").read_text())
     for m in spec.MACHINES:
-        for part in ("states", "transitions", "guards"):
+        for part in ("states", "transitions", "guards", *(("groups",) if m.groups else ())):
             assert f"{m.name}.{part}" in names
     assert {"invariants", "progress"} <= set(names)
 

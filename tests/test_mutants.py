@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from spec.checker import check_model
-from statemachine import check_cli
+from spec.scenarios import hunt_bounds
 from statemachine.mutants import MUTANTS, Mutant, by_name
 from statemachine.testing import OffloadingStateMachine, replay
 
@@ -38,7 +38,7 @@ def test_patches_are_undone() -> None:
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.abstract], ids=lambda m: m.name)
 def test_model_based_replay_kills_abstract_mutant(mutant: Mutant) -> None:
     assert mutant.model_fault is not None
-    bounds = check_cli.mutant_bounds(mutant.name)
+    bounds = hunt_bounds(mutant.model_fault)
     ce = check_model(bounds, frozenset([mutant.model_fault])).counterexample
     assert ce is not None
     events = [s.event for s in ce.steps]

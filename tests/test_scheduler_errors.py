@@ -9,6 +9,7 @@ import pytest
 
 from spec import request as R
 from statemachine.config import OffloadingConfig
+from statemachine.effects import SchedulerEffects
 from statemachine.errors import ConfigError, IllegalTransition, InvariantViolation
 from statemachine.messages import NewRequestData
 from statemachine.models import RequestState
@@ -59,16 +60,20 @@ def test_alloc_for_a_loading_request_is_illegal() -> None:
     assert d.s.abstract_state() == before
 
 
+class KeepsTransferJobs(SchedulerEffects):
+    def drop_request_jobs(self, req: RequestState, **_: Any) -> None:
+        for job_id in sorted(req.transfer_jobs):
+            job = self.s.jobs.get(job_id)
+            if job is not None:
+                saved = set(req.transfer_jobs)
+                self.s._fire(self.s._jobs_life, job, "reset")
+                req.transfer_jobs |= saved  # the bug: the ids stay
+
+
 class ResetKeepsTransferJobs(OffloadingScheduler):
     """vLLM before PR #48102: reset_cache leaves the ids in transfer_jobs."""
 
-    def drop_request_jobs(self, req: RequestState, **_: Any) -> None:
-        for job_id in sorted(req.transfer_jobs):
-            job = self.jobs.get(job_id)
-            if job is not None:
-                saved = set(req.transfer_jobs)
-                self._fire(self._jobs_life, job, "reset")
-                req.transfer_jobs |= saved  # the bug: the ids stay
+    effects_cls = KeepsTransferJobs
 
 
 def test_the_48102_fault_is_caught_at_reset_cache_naming_request_and_job() -> None:

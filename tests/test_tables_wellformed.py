@@ -105,7 +105,7 @@ def test_checks_detect_an_unreachable_state_and_a_dead_end() -> None:
 
 def test_checks_detect_nondeterminism_and_unknown_names() -> None:
     extra = Transition("reset", ("FENCE_IDLE",), "FENCE_HELD", "reset_cache", "S:1",
-                       guards=("no_such_guard",), effects=("no_such_effect",))
+                       requires=("no_such_guard",), effects=("no_such_effect",))
     broken = _with(spec.FENCE_MACHINE, extra)
     assert any("not exclusive" in p for p in wf.nondeterminism(broken))
     assert "guard no_such_guard used but undeclared" in wf.unresolved_names(broken)

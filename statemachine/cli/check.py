@@ -4,59 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from spec import model as M
 from spec.checker import CheckResult, check_model
-from spec.scenarios import SCENARIOS, Scenario, by_name
+from spec.scenarios import SCENARIOS, Scenario, by_name, hunt_bounds, parse_bounds
+from statemachine.cli.common import (
+    EXIT_FAIL,
+    EXIT_OK,
+    Progress,
+    print_table,
+    usage_error,
+)
 from statemachine.mutants import MUTANTS
 from statemachine.mutants import by_name as mutant_by_name
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-# bounds under which each abstract mutant is looked for (small: the search stops at the
-# first counterexample, breadth-first, so it is a shortest one)
 MUTANT_SCENARIO = "mutant-hunt"
-MUTANT_BOUNDS = M.Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=3,
-                         resets=1, failures=0, preemptions=1)
-MUTANT_BOUNDS_OVERRIDE: dict[str, M.Bounds] = {
-    "evict-pinned-chunks": M.Bounds(requests=3, tokens=2, families=2, workers=1,
-                                    cpu_chunks=2, gpu_blocks=6, resets=0, failures=0,
-                                    preemptions=0),
-    "aggregate-counts-once": M.Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2,
-                                      gpu_blocks=2, resets=0, failures=0, preemptions=0),
-}
-
-
-def mutant_bounds(name: str) -> M.Bounds:
-    return MUTANT_BOUNDS_OVERRIDE.get(name, MUTANT_BOUNDS)
-
-
-def parse_bounds(text: str, base: M.Bounds) -> M.Bounds:
-    """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad."""
-    changes: dict[str, Any] = {}
-    fields = M.Bounds.__dataclass_fields__
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        if name not in fields or not value:
-            raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
-        if value.lower() in ("none", "off"):
-            changes[name] = None
-        elif value.lower() in ("true", "false"):
-            changes[name] = value.lower() == "true"
-        else:
-            changes[name] = int(value)
-    return replace(base, **changes)
-
-
-def _progress(label: str) -> Any:
-    def report(states: int, edges: int, depth: int) -> None:
-        print(f"\r  {label}: {states} states, {edges} transitions, depth {depth} ...",
-              end="", file=sys.stderr, flush=True)
-    return report
+_COLS = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result"]
 
 
 def _row(name: str, r: CheckResult) -> dict[str, Any]:
@@ -67,15 +33,6 @@ def _row(name: str, r: CheckResult) -> dict[str, Any]:
         "complete": r.complete, "stuck_states": r.stuck_states,
         "result": "pass" if ce is None else f"{ce.kind} ({len(ce)} steps)",
     }
-
-
-def _print_rows(rows: list[dict[str, Any]]) -> None:
-    cols = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result"]
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols))
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
 
 
 def write_counterexample_svg(result: CheckResult, path: Path) -> Path | None:
@@ -92,16 +49,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.mutant:
             mutant = mutant_by_name(args.mutant)
             if mutant.model_fault is None:
-                print(f"mutant {mutant.name} is not expressible in the abstract model "
-                      f"({mutant.description}); the model-based tests catch it: "
-                      f"pytest tests/test_mutants.py -k {mutant.name}", file=sys.stderr)
-                return EXIT_USAGE
-            faults = frozenset([mutant.model_fault])
-            base = mutant_bounds(mutant.name)
+                return usage_error("check", f"mutant {mutant.name} is not expressible in the "
+                                   f"abstract model ({mutant.description}); the model-based "
+                                   f"tests catch it: pytest tests/test_mutants.py -k "
+                                   f"{mutant.name}")
+            faults: M.Faults = frozenset([mutant.model_fault])
+            base = hunt_bounds(mutant.model_fault)
             scenarios = [Scenario(f"{MUTANT_SCENARIO}:{mutant.name}", mutant.description,
                                   parse_bounds(args.bounds or "", base))]
         else:
-            faults = frozenset()
+            faults = M.NO_FAULTS
             if args.bounds:
                 scenarios = [Scenario("custom", "bounds from the command line",
                                       parse_bounds(args.bounds, SCENARIOS[0].bounds))]
@@ -110,17 +67,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             else:
                 scenarios = list(SCENARIOS)
     except (KeyError, ValueError) as exc:
-        print(f"kvspec check: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error("check", str(exc))
 
     rows: list[dict[str, Any]] = []
     covered: set[tuple[str, int]] = set()
     failed: CheckResult | None = None
     for sc in scenarios:
+        show = Progress(sc.name)
+
+        def report(states: int, edges: int, depth: int, show: Progress = show) -> None:
+            show(f"{states} states, {edges} transitions, depth {depth}")
+
         r = check_model(sc.bounds, faults, max_states=args.max_states,
-                        progress=None if args.json else _progress(sc.name))
-        if not args.json:
-            print("\r" + " " * 78 + "\r", end="", file=sys.stderr)
+                        progress=None if args.json else report)
+        show.close()
         rows.append(_row(sc.name, r))
         covered |= r.covered
         if not r.ok:
@@ -138,7 +98,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             "scenarios": rows, "faults": sorted(faults),
             "covered_transitions": len(covered),
             "total_transitions": len(M.coverage_universe()),
-            "uncovered": [f"{m}: {t.trigger} {list(t.sources)} -> {t.dest} {list(t.guards)}"
+            "uncovered": [f"{m}: {t.trigger} {list(t.sources)} -> {t.dest} [{t.guard_text}]"
                           for m, _, t in uncovered],
             "counterexample": None if failed is None or failed.counterexample is None else {
                 "kind": failed.counterexample.kind,
@@ -149,13 +109,13 @@ def cmd_check(args: argparse.Namespace) -> int:
             },
         }, indent=2))
     else:
-        _print_rows(rows)
+        print_table(rows, _COLS)
         if full_suite:
             print(f"\ncoverage: {len(covered)} of {len(M.coverage_universe())} table "
                   "transitions fired")
         for m, i, t in uncovered if full_suite else []:
             print(f"  never fired: {m} #{i + 1} {t.trigger} {list(t.sources)} -> {t.dest} "
-                  f"{list(t.guards)}")
+                  f"[{t.guard_text}]")
         if failed is not None and failed.counterexample is not None:
             print()
             print(failed.counterexample.render())
@@ -179,7 +139,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parsers(sub: Any) -> None:
+def register(sub: Any) -> None:
     c = sub.add_parser("check", help="exhaustive model check of the spec (or of a mutant)")
     c.add_argument("--mutant", help="switch on a catalogued fault (kvspec mutants)")
     c.add_argument("--scenario", action="append",

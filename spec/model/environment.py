@@ -1,0 +1,297 @@
+"""The environment: the events that may happen (`Event`), what each does to a `ModelState`
+(`apply`), and the hook calls it stands for (`Call`), which the refinement tests replay
+against an implementation. `events` lists what the environment may send in a state;
+`successors` is the checker's transition relation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from spec import job as J
+from spec import request as R
+from spec.model.core import follow_connector, free
+from spec.model.faults import NO_FAULTS, Faults
+from spec.model.hooks import alloc, build_meta, finish, lookup, report, reset
+from spec.model.interpreter import SPEC_TABLES, Tables, fire
+from spec.model.projection import abstract
+from spec.model.state import (
+    Bounds,
+    MCore,
+    MJob,
+    ModelError,
+    ModelState,
+    NotEnabled,
+    World,
+)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One hook call an event stands for, with the answer the model expects."""
+
+    hook: str
+    args: tuple[Any, ...]
+    answer: Any = None
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: Literal["arrive", "step", "report", "finish", "abort", "preempt", "reset"]
+    req: str | None = None
+    job: int | None = None
+    count: int = 0
+    failed: bool = False
+
+    def __str__(self) -> str:
+        if self.kind == "step":
+            return f"step(admit={self.req})" if self.req else "step()"
+        if self.kind == "report":
+            what = "fail" if self.failed else "ack"
+            return f"{what}(job {self.job}, count {self.count})"
+        return f"{self.kind}({self.req})" if self.req else f"{self.kind}()"
+
+
+def parse_events(text: str) -> list[Event]:
+    """The inverse of `str(Event)` over a `;`-separated program:
+    ``"arrive(r0) ; step(admit=r0) ; ack(job 0, count 2) ; reset()"`` -> events."""
+    out: list[Event] = []
+    for item in (t.strip() for t in text.split(";")):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\w+)\((.*)\)", item)
+        if m is None:
+            raise ValueError(f"not an event: {item!r}")
+        kind, arg = m.group(1), m.group(2).strip()
+        if kind == "step":
+            out.append(Event("step", arg.split("=", 1)[1] if arg else None))
+        elif kind in ("ack", "fail"):
+            nums = re.fullmatch(r"job (\d+), count (\d+)", arg)
+            if nums is None:
+                raise ValueError(f"not a report: {item!r}")
+            out.append(Event("report", job=int(nums.group(1)), count=int(nums.group(2)),
+                             failed=kind == "fail"))
+        elif kind in ("arrive", "finish", "abort", "preempt", "reset"):
+            out.append(Event(kind, arg or None))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown event kind {kind!r} in {item!r}")
+    return out
+
+
+def initial(bounds: Bounds) -> ModelState:
+    return ModelState(bounds, free_blocks=frozenset(range(bounds.gpu_blocks)))
+
+
+def _behind_a_sync_load(w: World, j: MJob) -> bool:
+    """An earlier sync load of the same request still has reports due. A worker waits for a
+    sync load before the step's forward pass and reports it in that step (W:256-270,
+    W:286-329), before any later job of the request, which it submits in a later step
+    (W:272-284): so no worker reports a later job first."""
+    return any(o.owner == j.owner and o.kind == "load" and o.sync and o.id < j.id
+               and o.unreported > 0 for o in (*w.jobs.values(), *w.held.values()))
+
+
+def _inside(w: World, call: Call) -> None:
+    """Keep the abstract state as the hook `call` left it, inside the step."""
+    if w.keep_inside:
+        w.inside.append((call, abstract(w.freeze(), step_open=True)))
+
+
+def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
+          victims: tuple[int, ...] | None = None, inside: bool = False,
+          tables: Tables = SPEC_TABLES) -> tuple[ModelState, list[Call], World]:
+    """The state after `ev`, the hook calls it stands for, and the working world (for its
+    coverage record). NotEnabled: the environment cannot send `ev` here; any other
+    ModelError: the spec (or a fault) breaks on it. With `inside`, the world also keeps the
+    abstract state after each hook that returns inside a step (`World.inside`), where the
+    implementation checks the invariants too."""
+    w = World.thaw(s)
+    w.faults = faults
+    w.tables = tables
+    w.victim_choice = victims
+    w.keep_inside = inside
+    calls: list[Call] = []
+    b = s.bounds
+    if ev.kind == "arrive":
+        assert ev.req is not None
+        if ev.req in w.core:
+            raise NotEnabled("already arrived")
+        w.core[ev.req] = MCore()
+        fire(w, "request", ev.req, "add")
+        calls.append(Call("on_new_request", (ev.req,)))
+    elif ev.kind == "step":
+        new: dict[str, tuple[int, ...]] = {}
+        cached: dict[str, tuple[int, ...]] = {}
+        sched: dict[str, int] = {}
+        if ev.req is not None:
+            r = ev.req
+            c = w.core.get(r)
+            if c is None or c.status != "waiting":
+                raise NotEnabled("not waiting")
+            tokens = w.template(r).tokens
+            if not c.blocks:
+                hit, is_async = lookup(w, r)
+                calls.append(Call("get_num_new_matched_tokens", (r, 0), (hit, is_async)))
+                _inside(w, calls[-1])
+                if hit is not None and len(w.free_blocks) >= tokens:
+                    blocks = tuple(sorted(w.free_blocks)[:tokens])
+                    w.free_blocks.difference_update(blocks)
+                    alloc(w, r, blocks, hit)
+                    calls.append(Call("update_state_after_alloc", (r, blocks, hit)))
+                    _inside(w, calls[-1])
+                    if hit and is_async:
+                        w.core[r] = MCore("remote", 0, blocks, loading=hit)
+                    else:
+                        w.core[r] = MCore("running", hit, blocks)
+                        new[r] = blocks
+                        sched[r] = 1
+            else:  # an async load ended: it runs now, without a lookup
+                w.core[r] = c._replace(status="running")
+                new[r] = c.blocks
+                sched[r] = 1
+        for r, c in sorted(w.core.items()):
+            if c.status == "running" and r not in sched and c.computed < w.template(r).tokens:
+                cached[r] = ()
+                sched[r] = 1
+        fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
+        build_meta(w, new, cached, sched, fin, pre)
+        computed = {r: (c.computed, c.aborted) for r, c in w.core.items()}
+        calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
+                                                   fin, pre, computed)))
+        for r, n in sched.items():
+            c = w.core[r]
+            w.core[r] = c._replace(computed=min(c.computed + n, w.template(r).tokens))
+        w.pending_finished.clear()
+        w.pending_preempted.clear()
+        follow_connector(w)
+    elif ev.kind == "report" and ev.job is not None and ev.job < w.threshold and \
+            ev.job not in w.held:
+        if not b.stray_reports:
+            raise NotEnabled("no stray reports in these bounds")
+        fire(w, "fence", None, "drained_report", count=ev.count)
+        calls.append(Call("update_connector_output", (ev.job, ev.count, 0, frozenset())))
+    elif ev.kind == "report":
+        assert ev.job is not None
+        due = (w.jobs.get(ev.job) or w.held.get(ev.job))
+        if due is None or (due.age is None and ev.job in w.jobs):
+            raise NotEnabled("not shipped")
+        if ev.count < 1 or ev.count > due.unreported:
+            raise NotEnabled("count")
+        if _behind_a_sync_load(w, due):
+            raise NotEnabled("each worker reports a request's sync load before its later jobs")
+        if ev.count > due.pending:
+            raise ModelError(f"job {ev.job}: {ev.count} reports from the workers but only "
+                             f"{due.pending} due by the scheduler's count (over-ack)")
+        if ev.failed:
+            if w.budget[1] >= b.failures:
+                raise NotEnabled("failure budget")
+            w.budget[1] += 1
+        owner = due.owner
+        completes = ev.count == due.unreported and due.kind == "load" and not due.sync
+        report(w, ev.job, 0 if ev.failed else ev.count, ev.count if ev.failed else 0)
+        for table in (w.jobs, w.held):
+            if ev.job in table:
+                table[ev.job] = table[ev.job]._replace(
+                    unreported=table[ev.job].unreported - ev.count)
+        recving = {owner} if completes and w.core.get(owner, MCore()).status in (
+            "remote", "finished") else set()
+        if recving and owner in w.reqs and w.reqs[owner].state == R.ORPHANED_LOAD:
+            fire(w, "request", owner, "load_recving")
+        calls.append(Call("update_connector_output", (ev.job, 0 if ev.failed else ev.count,
+                                                      ev.count if ev.failed else 0,
+                                                      frozenset(recving))))
+        follow_connector(w)
+    elif ev.kind == "abort" and ev.req not in w.core:
+        assert ev.req is not None  # aborted before the connector ever saw it
+        w.core[ev.req] = MCore("finished", aborted=True)
+        finish(w, ev.req)
+        calls.append(Call("request_finished", (ev.req, True)))
+    elif ev.kind in ("finish", "abort"):
+        assert ev.req is not None
+        r = ev.req
+        c = w.core.get(r)
+        if c is None or c.status == "finished":
+            raise NotEnabled("not live")
+        if ev.kind == "finish" and (c.status != "running" or c.computed < w.template(r).tokens):
+            raise NotEnabled("not done")
+        keep = c.status == "remote"
+        if not keep:
+            free(w, c.blocks)
+        w.core[r] = MCore("finished", c.computed, c.blocks if keep else (), ev.kind == "abort")
+        finish(w, r)
+        calls.append(Call("request_finished", (r, ev.kind == "abort")))
+        w.pending_finished.add(r)
+    elif ev.kind == "preempt":
+        assert ev.req is not None
+        r = ev.req
+        c = w.core.get(r)
+        if c is None or c.status != "running":
+            raise NotEnabled("not running")
+        if w.budget[2] >= b.preemptions:
+            raise NotEnabled("preemption budget")
+        w.budget[2] += 1
+        free(w, c.blocks)
+        w.core[r] = MCore("waiting")
+        w.pending_preempted.add(r)
+    elif ev.kind == "reset":
+        if w.budget[0] >= b.resets:
+            raise NotEnabled("reset budget")
+        w.budget[0] += 1
+        reset(w)
+        calls.append(Call("reset_cache", ()))
+        follow_connector(w)
+    return w.freeze(), calls, w
+
+
+def events(s: ModelState) -> Iterator[Event]:
+    """Every event the environment may send in `s` (the checker tries each)."""
+    b = s.bounds
+    core = dict(s.core)
+    for t in b.templates():
+        if t.req_id not in core:
+            yield Event("arrive", t.req_id)
+            yield Event("abort", t.req_id)
+    yield Event("step")
+    for r, c in sorted(core.items()):
+        if c.status == "waiting":
+            yield Event("step", r)
+        if c.status == "running":
+            if c.computed >= b.tokens:
+                yield Event("finish", r)
+            yield Event("preempt", r)
+        if c.status != "finished":
+            yield Event("abort", r)
+    for j in (*s.jobs, *s.held):
+        if j.age is None and j.state not in J.HELD:
+            continue
+        if j.unreported == 0:
+            continue
+        counts = sorted({1, j.unreported}) if b.partial_reports else [j.unreported]
+        for n in counts:
+            yield Event("report", job=j.id, count=n)
+            yield Event("report", job=j.id, count=n, failed=True)
+    if b.stray_reports:
+        for jid in range(s.threshold):
+            if all(j.id != jid for j in s.held):
+                yield Event("report", job=jid, count=1)
+                break
+    yield Event("reset")
+
+
+def successors(s: ModelState, faults: Faults = NO_FAULTS, inside: bool = False,
+               tables: Tables = SPEC_TABLES) -> Iterator[
+        tuple[Event, ModelState | ModelError, list[Call], World | None]]:
+    """(event, next state or the ModelError it raised, calls, world) for every enabled event."""
+    for ev in events(s):
+        try:
+            nxt, calls, w = apply(s, ev, faults, inside=inside, tables=tables)
+        except NotEnabled:
+            continue
+        except ModelError as exc:
+            yield ev, exc, [], None
+            continue
+        yield ev, nxt, calls, w
+

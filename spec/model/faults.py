@@ -1,0 +1,29 @@
+"""The faults the abstract model can switch on: one name each, for the model and for the
+mutant catalogue (`statemachine.mutants`), which ties each to the vLLM change it stands for.
+
+A fault is an enum member, so a misspelt name fails where it is written, at import."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Fault(StrEnum):
+    RESET_KEEPS_TRANSFER_JOBS = "reset-keeps-transfer-jobs"
+    RESET_SKIPS_FLUSH = "reset-skips-flush"
+    RESET_KEEPS_STALE_THRESHOLD = "reset-keeps-stale-threshold"
+    RESET_SIGNALS_TWICE = "reset-signals-twice"
+    AGGREGATE_COUNTS_ONCE = "aggregate-counts-once"
+    STORE_READY_ON_FIRST_ACK = "store-ready-on-first-ack"
+    PREEMPT_SKIPS_FLUSH = "preempt-skips-flush"
+    REALLOC_SKIPS_FENCE = "realloc-skips-fence"
+    LOOKUP_IGNORES_TRANSFER_JOBS = "lookup-ignores-transfer-jobs"
+    FINISH_SKIPS_DEFERRED_FENCE = "finish-skips-deferred-fence"
+    SIGNAL_BEFORE_FINAL_STORE = "signal-before-final-store"
+    COMPLETE_LOAD_KEEPS_PIN = "complete-load-keeps-pin"
+    LOAD_KEEPS_CHUNKS_BEING_LOADED = "load-keeps-chunks-being-loaded"
+    EVICT_PINNED_CHUNKS = "evict-pinned-chunks"
+
+
+Faults = frozenset[Fault]
+NO_FAULTS: Faults = frozenset()

@@ -1,0 +1,66 @@
+"""The model state seen as `spec.AbstractState` (what the invariants are written over), and
+its canonical form (job ids renumbered), the unit of the checker's visited set."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from spec import job as J
+from spec import request as R
+from spec.model.state import MJob, ModelState
+from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
+
+
+def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
+    """The model state seen as spec.AbstractState (what the invariants are written over)."""
+    reqs = []
+    for q in s.reqs:
+        if q.state in R.HOLDS_GPU_BLOCKS:
+            blocks = q.blocks
+        elif q.finished:  # aborted while loading: the load's destination stays held
+            blocks = tuple(b for j in s.jobs if j.owner == q.id and j.kind == "load"
+                           for b in j.blocks)
+        else:
+            blocks = ()
+        reqs.append(RequestRecord(q.id, q.state, q.jobs, q.finished, q.signaled,
+                                  q.load_invalid, q.hit is not None, tuple(blocks)))
+    jobs = tuple(JobRecord(j.id, j.kind, j.owner, j.state, j.pending, j.sync, j.failed,
+                           frozenset(j.keys), frozenset(j.blocks), frozenset(),
+                           j.deferred, j.age or 0, j.flush_requested) for j in s.jobs)
+    fence = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys), frozenset(j.blocks),
+                          j.flush_shipped) for j in s.held if j.state == J.STALE)
+    quarantine = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys),
+                               frozenset(j.blocks), j.flush_shipped)
+                       for j in s.held if j.state == J.TIMED_OUT)
+    return AbstractState(
+        num_workers=s.bounds.workers, requests=tuple(sorted(reqs)), jobs=tuple(sorted(jobs)),
+        job_counter=s.counter, stale_threshold=s.threshold, reset_fence=fence,
+        quarantine=quarantine, chunks_being_loaded=s.being_loaded, chunk_ref_cnt=s.chunks,
+        block_fence=s.block_fence, jobs_to_flush=s.to_flush, step_open=step_open,
+        reset_since_last_step=s.reset_since_step, finished_signals=s.signals,
+        stores_after_signal=s.stores_after_signal,
+    )
+
+
+def canonical(s: ModelState) -> ModelState:
+    """The state with job ids renumbered densely (order kept): two states that differ only
+    in how many jobs came before are the same state for every property checked."""
+    ids = sorted({j.id for j in (*s.jobs, *s.held)} | {i for r in s.reqs for i in r.jobs}
+                 | set(s.to_flush) | {i for _, ids in s.block_fence for i in ids}
+                 | {i for i, _ in s.quarantined_blocks})
+    below = sum(1 for i in ids if i < s.threshold)
+    ren = {old: new for new, old in enumerate(ids)}
+    if all(old == new for old, new in ren.items()) and s.counter == len(ids) \
+            and s.threshold == below:
+        return s
+
+    def j(x: MJob) -> MJob:
+        return x._replace(id=ren[x.id])
+
+    return replace(
+        s, reqs=tuple(r._replace(jobs=frozenset(ren[i] for i in r.jobs)) for r in s.reqs),
+        jobs=tuple(j(x) for x in s.jobs), held=tuple(j(x) for x in s.held),
+        counter=len(ids), threshold=below,
+        block_fence=tuple((b, frozenset(ren[i] for i in v)) for b, v in s.block_fence),
+        to_flush=frozenset(ren[i] for i in s.to_flush),
+        quarantined_blocks=tuple((ren[i], v) for i, v in s.quarantined_blocks))

@@ -1,0 +1,297 @@
+"""The abstract model's state: bounds, the records of requests, jobs and the core, the
+hashable `ModelState`, and `World`, its mutable working copy during one event.
+
+Granularity: one token is one GPU block is one chunk (block_size 1, blocks_per_chunk 1); the
+chunk key of request template `t` at position `c` is `key(t.family, c)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+from spec import fence as F
+from spec import job as J
+from spec import request as R
+from spec.model.faults import NO_FAULTS, Faults
+from spec.state import AbstractState
+
+if TYPE_CHECKING:
+    from spec.model.environment import Call
+    from spec.model.interpreter import Tables
+
+
+def _spec_tables() -> Tables:
+    from spec.model.interpreter import SPEC_TABLES
+
+    return SPEC_TABLES
+
+CoreStatus = Literal["waiting", "remote", "running", "finished"]
+
+
+@dataclass(frozen=True)
+class Template:
+    """A request the environment may send: its id, its prefix family and prompt length."""
+
+    req_id: str
+    family: int
+    tokens: int
+
+
+def key(family: int, position: int) -> int:
+    """The chunk key at `position` of a prompt of `family` (shared prefixes share keys)."""
+    return family * 1000 + position + 1
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the environment may do; the state space is finite under these bounds."""
+
+    requests: int = 2
+    tokens: int = 2
+    shared_prefix: bool = True
+    workers: int = 2
+    cpu_chunks: int = 2
+    gpu_blocks: int = 4
+    resets: int = 1
+    failures: int = 1
+    preemptions: int = 1
+    timeout_steps: int | None = None
+    sync_loads: bool = False
+    partial_reports: bool = True
+    families: int | None = None
+    """Distinct prompt prefixes (request i has family i % families); None: from
+    shared_prefix (one family, or one per request)."""
+    stray_reports: bool = False
+    """Also send a report for a stale job that already drained (a confused worker)."""
+
+    def templates(self) -> tuple[Template, ...]:
+        def family(i: int) -> int:
+            if self.families is not None:
+                return i % self.families
+            return 0 if self.shared_prefix else i
+
+        return tuple(Template(f"r{i}", family(i), self.tokens) for i in range(self.requests))
+
+
+# ============================================================================ records
+class MReq(NamedTuple):
+    id: str
+    state: str = R.ABSENT
+    jobs: frozenset[int] = frozenset()
+    finished: bool = False
+    signaled: bool = False
+    load_invalid: bool = False
+    hit: int | None = None
+    sync_reserved: bool = False
+    blocks: tuple[int, ...] = ()
+    cursor: int = 0
+    local: int = 0
+    kv_load: int | None = None
+    """The sync load the request's KV depends on, until its next restart."""
+
+
+class MJob(NamedTuple):
+    id: int
+    kind: Literal["load", "store"]
+    owner: str
+    state: str = J.UNALLOCATED
+    pending: int = 0
+    sync: bool = False
+    failed: bool = False
+    keys: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
+    deferred: frozenset[int] = frozenset()
+    age: int | None = None
+    flush_requested: bool = False
+    flush_shipped: bool = False
+    held_slots: int = 0
+    unreported: int = 0
+    """The environment's truth: workers that have not reported this job yet (the scheduler's
+    `pending` should equal it; a fault in the accounting makes them differ)."""
+
+
+class MCore(NamedTuple):
+    """The core scheduler's view of one request."""
+
+    status: CoreStatus = "waiting"
+    computed: int = 0
+    blocks: tuple[int, ...] = ()
+    aborted: bool = False
+    loading: int = 0
+    """Tokens an async load brings (WAITING_FOR_REMOTE_KVS)."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    bounds: Bounds
+    reqs: tuple[MReq, ...] = ()
+    jobs: tuple[MJob, ...] = ()
+    held: tuple[MJob, ...] = ()
+    """Jobs out of the table still due reports: STALE (fence) or TIMED_OUT (quarantine)."""
+    counter: int = 0
+    threshold: int = 0
+    fence_state: str = F.FENCE_IDLE
+    chunks: tuple[tuple[int, int], ...] = ()
+    being_loaded: frozenset[int] = frozenset()
+    block_fence: tuple[tuple[int, frozenset[int]], ...] = ()
+    to_flush: frozenset[int] = frozenset()
+    reset_since_step: bool = False
+    signals: tuple[tuple[str, int], ...] = ()
+    quarantined_blocks: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    core: tuple[tuple[str, MCore], ...] = ()
+    pending_finished: frozenset[str] = frozenset()
+    pending_preempted: frozenset[str] = frozenset()
+    free_blocks: frozenset[int] = frozenset()
+    budget: tuple[int, int, int] = (0, 0, 0)
+    """Environment events used so far: resets, failures, preemptions."""
+    stores_after_signal: tuple[str, ...] = ()
+
+
+# ============================================================================ the world
+class ModelError(Exception):
+    """The model hit something the spec forbids: a trigger with no row (or no guard
+    combination) in the subject's state, a manager contract broken. A finding."""
+
+
+class NotEnabled(ModelError):
+    """The environment cannot send this event in this state (not a finding)."""
+
+
+@dataclass
+class World:
+    """A mutable working copy of a ModelState for the duration of one event."""
+
+    bounds: Bounds
+    reqs: dict[str, MReq]
+    jobs: dict[int, MJob]
+    held: dict[int, MJob]
+    counter: int
+    threshold: int
+    fence_state: str
+    chunks: dict[int, int]
+    being_loaded: set[int]
+    block_fence: dict[int, frozenset[int]]
+    to_flush: set[int]
+    reset_since_step: bool
+    signals: dict[str, int]
+    quarantined_blocks: dict[int, tuple[int, ...]]
+    core: dict[str, MCore]
+    pending_finished: set[str]
+    pending_preempted: set[str]
+    free_blocks: set[int]
+    budget: list[int]
+    faults: Faults = NO_FAULTS
+    """Faults switched on (the mutant catalogue); none for the spec itself."""
+    tables: Tables = field(default_factory=lambda: _spec_tables())
+    """The tables the interpreter runs on (the spec's, or a mutated copy)."""
+    step_open: bool = False
+    batch_jobs: set[int] = field(default_factory=set)
+    batch_loads: set[int] = field(default_factory=set)
+    batch_alloc: set[int] = field(default_factory=set)
+    preempted_early: set[str] = field(default_factory=set)
+    stores_after_signal: list[str] = field(default_factory=list)
+    fired: list[tuple[str, int]] = field(default_factory=list)
+    """(machine, transition index) of every row fired: the coverage."""
+    moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)
+    """(machine, subject, source, destination, trigger) of every row fired, in order."""
+
+    @classmethod
+    def thaw(cls, s: ModelState) -> World:
+        return cls(s.bounds, {r.id: r for r in s.reqs}, {j.id: j for j in s.jobs},
+                   {j.id: j for j in s.held}, s.counter, s.threshold, s.fence_state,
+                   dict(s.chunks), set(s.being_loaded), dict(s.block_fence), set(s.to_flush),
+                   s.reset_since_step, dict(s.signals), dict(s.quarantined_blocks),
+                   dict(s.core), set(s.pending_finished), set(s.pending_preempted),
+                   set(s.free_blocks), list(s.budget),
+                   stores_after_signal=list(s.stores_after_signal))
+
+    def freeze(self) -> ModelState:
+        return ModelState(
+            self.bounds, tuple(sorted(self.reqs.values(), key=lambda r: r.id)),
+            tuple(sorted(self.jobs.values(), key=lambda j: j.id)),
+            tuple(sorted(self.held.values(), key=lambda j: j.id)), self.counter,
+            self.threshold, self.fence_state, tuple(sorted(self.chunks.items())),
+            frozenset(self.being_loaded),
+            tuple(sorted((b, ids) for b, ids in self.block_fence.items() if ids)),
+            frozenset(self.to_flush), self.reset_since_step, tuple(sorted(self.signals.items())),
+            tuple(sorted(self.quarantined_blocks.items())), tuple(sorted(self.core.items())),
+            frozenset(self.pending_finished), frozenset(self.pending_preempted),
+            frozenset(self.free_blocks), (self.budget[0], self.budget[1], self.budget[2]),
+            tuple(sorted(self.stores_after_signal)))
+
+    # -- subjects by machine ------------------------------------------------------
+    def get(self, machine: str, k: Any) -> Any:
+        if machine == "request":
+            return self.reqs.get(k, MReq(k))
+        if machine == "job":
+            found = self.jobs.get(k) or self.held.get(k)
+            if found is None and self.pending_new is not None and self.pending_new.id == k:
+                return self.pending_new
+            return found
+        return self.fence_state
+
+    def put(self, machine: str, subject: Any) -> None:
+        if machine == "request":
+            if subject.state != R.ABSENT or subject.id in self.reqs:
+                self.reqs[subject.id] = subject  # delete_request_status removes it
+        elif machine == "job":
+            put_job(self, subject)
+
+    def template(self, req_id: str) -> Template:
+        for t in self.bounds.templates():
+            if t.req_id == req_id:
+                return t
+        raise ModelError(f"no request template {req_id!r}")
+
+    def keys_of(self, req_id: str) -> list[int]:
+        t = self.template(req_id)
+        return [key(t.family, c) for c in range(t.tokens)]
+
+    keep_inside: bool = False
+    inside: list[tuple[Call, AbstractState]] = field(default_factory=list)
+    """With `apply(..., inside=True)`: (hook call, abstract state) at each hook that returns
+    inside a step (lookup, allocation), before the step's build_connector_meta."""
+    pending_new: MJob | None = None
+    last_job: int = -1
+    """The id of the job that entered the table last."""
+    victim_choice: tuple[int, ...] | None = None
+    """Eviction victims to take (an implementation's observed choice); default: lowest keys."""
+
+    def choose_victims(self, evictable: list[int], need: int) -> list[int]:
+        if self.victim_choice is None:
+            return evictable[:need]
+        chosen = [c for c in self.victim_choice if c in evictable][:need]
+        if len(chosen) != need:
+            raise ModelError(f"eviction of {self.victim_choice} is not allowed: evictable "
+                             f"{evictable}, need {need}")
+        return chosen
+
+
+# ============================================================================ subjects
+def tracked(w: World, k: str) -> MReq:
+    r = w.reqs.get(k)
+    if r is None:
+        raise ModelError(f"request {k!r} is not tracked")
+    return r
+
+
+def put_req(w: World, r: MReq) -> None:
+    w.reqs[r.id] = r
+
+
+def job_of(w: World, k: int) -> MJob:
+    j = w.jobs.get(k) or w.held.get(k) or (w.pending_new if w.pending_new
+                                            and w.pending_new.id == k else None)
+    if j is None:
+        raise ModelError(f"job {k} unknown")
+    return j
+
+
+def put_job(w: World, j: MJob) -> None:
+    if j.id in w.jobs:
+        w.jobs[j.id] = j
+    elif j.id in w.held:
+        w.held[j.id] = j
+    else:
+        w.pending_new = j

@@ -1,0 +1,5 @@
+import sys
+
+from statemachine.cli import main
+
+sys.exit(main())

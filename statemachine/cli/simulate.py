@@ -1,0 +1,55 @@
+"""`kvspec simulate`: a seeded workload through the engine, the connector, the workers and
+the copy kernels (torch is imported here, when the command runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from statemachine.cli.common import EXIT_FAIL, EXIT_OK, usage_error
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from statemachine import simulate
+
+    if args.steps < 1 or args.workers < 1 or (args.requests is not None and args.requests < 1):
+        return usage_error("simulate", "--steps, --workers and --requests must be >= 1")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return usage_error("simulate", "--device cuda, but CUDA is not available here")
+    cfg = simulate.SimConfig(seed=args.seed, steps=args.steps, workers=args.workers,
+                             requests=args.requests, device=args.device,
+                             check_invariants=not args.no_invariants)
+    show = None if args.no_progress else simulate.progress_bar(sys.stderr)
+    result = simulate.run(cfg, show)
+    if show is not None:
+        show.close()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(simulate.render(result))
+    return EXIT_OK if result.ok else EXIT_FAIL
+
+
+def register(sub: Any) -> None:
+    sim = sub.add_parser("simulate", help="a seeded workload through engine, connector, "
+                         "workers and copy kernels; exit 1 if a request is stuck, a resource "
+                         "leaked or a byte corrupted")
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--steps", type=int, default=240,
+                     help="steps during which requests arrive and faults strike (then drain)")
+    sim.add_argument("--workers", type=int, default=2, help="worker ranks (default 2)")
+    sim.add_argument("--requests", type=int, default=None,
+                     help="requests in the workload (default: steps / 2)")
+    sim.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the GPU KV lives (default cpu: the CPU stand-in, whose "
+                     "runs are a function of the seed)")
+    sim.add_argument("--json", action="store_true", help="the result as JSON on stdout")
+    sim.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    sim.add_argument("--no-invariants", action="store_true",
+                     help="do not check the invariants after every connector hook (faster)")
+    sim.set_defaults(func=cmd_simulate)
