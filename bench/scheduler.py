@@ -62,7 +62,6 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,10 +75,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from statemachine.config import OffloadingConfig  # noqa: E402
+from statemachine.core import (  # noqa: E402
+    BlockPool,
+    CoreStep,
+    StepLedger,
+    block_hashes,
+    blocks_needed,
+)
 from statemachine.messages import (  # noqa: E402
-    CachedRequestData,
     KVConnectorOutput,
-    NewRequestData,
     OffloadingWorkerMetadata,
     Request,
     RequestStatus,
@@ -95,10 +99,6 @@ ACTIVE_PER_FAMILY = 16     # one shared prefix per this many active requests
 SHARE = 0.5                # fraction of requests that start with a shared prefix
 CPU_CHUNKS_PER_REQUEST = 8   # fewer than a request offers: the LRU evicts (see the docstring)
 DECODE = (8, 96)           # decode lengths (the first cohort's start at 1)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ================================================================================ the trace
@@ -141,10 +141,8 @@ class Step:
     ("new", req), ("lookup", req), ("alloc", req, block ids, external tokens); a lookup and
     its request's allocation are adjacent, as in vLLM (an async load admitted just before
     makes a later lookup of the same chunks defer)."""
-    new: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    cached: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    finished_ids: list[str] = field(default_factory=list)
+    core: CoreStep = field(default_factory=CoreStep)
+    """What the core scheduled (the shared record every core stand-in builds)."""
     loading: list[str] = field(default_factory=list)
     sampled: list[tuple[str, int]] = field(default_factory=list)
     finishing: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
@@ -230,16 +228,6 @@ class Side:
         raise NotImplementedError
 
 
-def chained_hashes(tokens: tuple[int, ...] | list[int], start: list[int]) -> list[int]:
-    """Block hashes of `tokens`, each a function of the whole prefix; extends `start`."""
-    out = start
-    h = out[-1] if out else 0
-    for b in range(len(out), len(tokens) // BLOCK):
-        h = hash((h, tuple(tokens[b * BLOCK:(b + 1) * BLOCK]))) & ((1 << 61) - 1)
-        out.append(h)
-    return out
-
-
 class Ours(Side):
     name = "ours"
 
@@ -262,7 +250,7 @@ class Ours(Side):
 
     def new_request(self, spec: ReqSpec) -> Request:
         prompt = list(spec.prompt)
-        return Request(spec.rid, prompt, block_hashes=chained_hashes(prompt, []))
+        return Request(spec.rid, prompt, block_hashes=block_hashes(prompt, BLOCK))
 
     def blocks(self, block_ids: tuple[int, ...]) -> list[int]:
         return list(block_ids)
@@ -271,10 +259,7 @@ class Ours(Side):
         return (req,)
 
     def scheduler_output(self, step: Step) -> SchedulerOutput:
-        return SchedulerOutput(
-            tuple(NewRequestData(r, b) for r, b in step.new),
-            tuple(CachedRequestData(r, b) for r, b in step.cached),
-            dict(step.num_scheduled), frozenset(step.finished_ids), frozenset())
+        return step.core.scheduler_output()
 
     def acks(self, meta: Any) -> KVConnectorOutput:
         done = dict.fromkeys(self.meta_job_ids(meta), 1) if meta is not None else {}
@@ -294,7 +279,7 @@ class Ours(Side):
     def append_token(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
         if (len(req.prompt_token_ids) + len(req.output_token_ids)) % BLOCK == 0:
-            chained_hashes(req.all_token_ids, req.block_hashes)
+            req.block_hashes = block_hashes(req.all_token_ids, BLOCK, req.block_hashes)
 
 
 class VLLM(Side):
@@ -323,11 +308,7 @@ class VLLM(Side):
         return (req, list(block_ids))
 
     def scheduler_output(self, step: Step) -> Any:
-        reqs = self.requests
-        return self.env.scheduler_output(
-            self.setup, new={r: (reqs[r], b) for r, b in step.new},
-            cached={r: (reqs[r], b) for r, b in step.cached},
-            num_scheduled_tokens=step.num_scheduled, finished_req_ids=set(step.finished_ids))
+        return self.env.scheduler_output_of(self.setup, step.core, self.requests)
 
     def acks(self, meta: Any) -> Any:
         if meta is None:
@@ -361,25 +342,24 @@ def plan(active: int, steps: int, warmup: int, seed: int) -> Trace:
     side.fresh(trace)
     s: OffloadingScheduler = side.connector
     reqs = side.requests
-    free = deque(range(1, trace.num_gpu_blocks))   # block 0 is vLLM's null block
+    pool = BlockPool(trace.num_gpu_blocks - 1, first=1)   # block 0 is vLLM's null block
+    ledger = StepLedger()
     table: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
     waiting: list[str] = []
     ready: list[tuple[str, int]] = []
     running: list[str] = []
     n_active = 0
-    finished_last: list[str] = []
     load_hit: dict[str, int] = {}
     prev_meta = None
 
     def alloc(rid: str, total_tokens: int) -> tuple[int, ...]:
-        need = cdiv(total_tokens, BLOCK) - len(table[rid])
-        new = tuple(free.popleft() for _ in range(max(0, need)))
+        new = tuple(pool.allocate(blocks_needed(total_tokens, BLOCK, len(table[rid]))))
         table[rid].extend(new)
         return new
 
     for t in range(steps):
-        step = Step(finished_ids=finished_last)
+        step = Step()
         trace.steps.append(step)
         # a load acked last step: the core promotes the request with the loaded tokens
         step.resumed = ready
@@ -387,12 +367,12 @@ def plan(active: int, steps: int, warmup: int, seed: int) -> Trace:
             reqs[rid].num_computed_tokens = computed[rid] = hit
             side.set_status(reqs[rid], "WAITING")
         # --- schedule(): running first, then waiting (loaded ones, then new ones) ----------
-        so_new, so_cached, n_sched = step.new, step.cached, step.num_scheduled
+        n_sched: dict[str, int] = {}
         for rid in running:
             spec = trace.specs[rid]
             c = computed[rid]
             n = min(PREFILL_CHUNK, len(spec.prompt) - c) if c < len(spec.prompt) else 1
-            so_cached.append((rid, alloc(rid, c + n)))
+            ledger.run(rid, alloc(rid, c + n), n)
             n_sched[rid] = n
         while n_active < active:
             spec = source.make(first_cohort=t == 0)
@@ -439,11 +419,11 @@ def plan(active: int, steps: int, warmup: int, seed: int) -> Trace:
             n_sched[rid] = n
         waiting = still
         for rid in admitted:
-            so_new.append((rid, tuple(table[rid])))
+            ledger.admit(rid, table[rid], n_sched[rid])
+        step.core = ledger.close()
         meta = s.build_connector_meta(side.scheduler_output(step))
         record_counts(side, step.planned, step.lookups, meta)
         # --- the step runs; update_from_output() ------------------------------------------
-        finished_last = []
         for rid in admitted:
             side.set_status(reqs[rid], "RUNNING")
         for rid, n in n_sched.items():
@@ -460,9 +440,9 @@ def plan(active: int, steps: int, warmup: int, seed: int) -> Trace:
         for rid, blocks in step.finishing:
             side.set_status(reqs[rid], "FINISHED_LENGTH_CAPPED")
             s.request_finished(reqs[rid])
-            free.extend(blocks)
+            pool.free(blocks)
             running.remove(rid)
-            finished_last.append(rid)
+            ledger.finish(rid)
             n_active -= 1
         acks = side.acks(prev_meta)
         s.update_connector_output(acks)
@@ -565,9 +545,9 @@ def _replay(side: Side, trace: Trace, profiler: cProfile.Profile | None,
             total.add(counts)
         for rid in step.loading:
             side.set_status(reqs[rid], "WAITING_FOR_REMOTE_KVS")
-        for rid, _ in step.new:
+        for rid in step.core.new:
             side.set_status(reqs[rid], "RUNNING")
-        for rid, n in step.num_scheduled.items():
+        for rid, n in step.core.num_scheduled.items():
             reqs[rid].num_computed_tokens += n
         for rid, token in step.sampled:
             side.append_token(reqs[rid], token)

@@ -40,6 +40,7 @@ from conformance import vllm_env as E
 from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
 from spec import model as M
 from spec.state import AbstractState
+from statemachine.core import StepLedger
 from statemachine.testing import OffloadingStateMachine, normalize
 
 BLOCK_SIZE = 16
@@ -81,7 +82,8 @@ class VLLMAdapter:
             self.obs.emulated_fence = {}
         self.requests: dict[str, Any] = {}
         self.family: dict[str, int] = {}
-        self.scheduled_before: set[str] = set()
+        self.ledger = StepLedger()
+        """The core's record of the step (shared with every core stand-in)."""
         self.last_async: dict[str, bool] = {}
         self.admitted: set[str] = set()
         """Requests looked up in the current step."""
@@ -251,26 +253,24 @@ class VLLMAdapter:
         for r, (n, _aborted) in computed.items():
             if r in self.requests:
                 self.requests[r].num_computed_tokens = n * BLOCK_SIZE
-        fresh: dict[str, tuple[Any, list[int]]] = {}
-        resumed: dict[str, tuple[Any, list[int]]] = {}
-        running: dict[str, tuple[Any, list[int]]] = {}
-        for r, blocks in new.items():
-            req = self._request(r)
-            vblocks = [vllm_block(b) for b in blocks]
-            (resumed if r in self.scheduled_before else fresh)[r] = (req, vblocks)
-            req.status = self.status.RUNNING
-            obs.core_status[r] = "running"
-            obs.core_blocks[r] = tuple(vblocks)
-            self.scheduled_before.add(r)
-        for r, blocks in cached.items():
-            req = self._request(r)
-            vblocks = [vllm_block(b) for b in blocks]
-            running[r] = (req, vblocks)
-            obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
-        out = E.scheduler_output(
-            self.setup, new=fresh, resumed=resumed, cached=running,
-            num_scheduled_tokens={r: n * BLOCK_SIZE for r, n in sched.items()},
-            finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+        ledger = self.ledger
+        for r in sched:  # in the model's order: the order of vLLM's stores
+            if r in new:
+                req = self._request(r)
+                vblocks = tuple(vllm_block(b) for b in new[r])
+                ledger.admit(r, vblocks, sched[r] * BLOCK_SIZE)
+                req.status = self.status.RUNNING
+                obs.core_status[r] = "running"
+                obs.core_blocks[r] = vblocks
+            else:
+                vblocks = tuple(vllm_block(b) for b in cached[r])
+                ledger.run(r, vblocks, sched[r] * BLOCK_SIZE)
+                obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
+        for r in finished:
+            ledger.finish(r)
+        for r in preempted:
+            ledger.preempt(r)
+        out = E.scheduler_output_of(self.setup, ledger.close(), self.requests)
         before = self._policy_keys()
         meta = self.connector.build_connector_meta(out)
         gone = before - self._policy_keys()

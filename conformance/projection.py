@@ -42,9 +42,6 @@ from spec import job as J
 from spec import request as R
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
-# states in which the core holds the request's GPU blocks (as statemachine.projection)
-HOLDS_BLOCKS = (R.RUNNING, R.STORING, R.LOADING_SYNC, R.LOADING_ASYNC, R.ORPHANED_LOAD)
-
 
 @dataclass
 class JobMemo:
@@ -156,7 +153,7 @@ def project(setup: Any, obs: Observations) -> AbstractState:
     requests = []
     for req_id, st in sched._req_status.items():
         state = _request_state(sched, obs, req_id, st)
-        if state in HOLDS_BLOCKS:
+        if state in R.HOLDS_GPU_BLOCKS:
             gpu = tuple(model_block(b) for b in obs.core_blocks.get(req_id, ()))
         elif st.req.is_finished():  # aborted while loading: the load's blocks stay held
             gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
@@ -204,4 +201,4 @@ def project(setup: Any, obs: Observations) -> AbstractState:
     )
 
 
-__all__ = ["HOLDS_BLOCKS", "JobMemo", "Observations", "model_block", "project", "vllm_block"]
+__all__ = ["JobMemo", "Observations", "model_block", "project", "vllm_block"]

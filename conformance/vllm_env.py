@@ -344,6 +344,17 @@ class SortedIdSet(set[str]):
         return iter(sorted(set.__iter__(self)))
 
 
+def scheduler_output_of(setup: VLLMSetup, step: Any, requests: Mapping[str, Any]) -> Any:
+    """vLLM's `SchedulerOutput` of a `statemachine.core.CoreStep` (the record every core
+    stand-in builds), with vLLM's request objects from `requests`."""
+    return scheduler_output(
+        setup, new={r: (requests[r], b) for r, b in step.new.items()},
+        resumed={r: (requests[r], b) for r, b in step.cached.items() if r in step.resumed},
+        cached={r: (requests[r], b) for r, b in step.cached.items() if r not in step.resumed},
+        num_scheduled_tokens=step.num_scheduled, finished_req_ids=step.finished,
+        preempted_req_ids=step.preempted)
+
+
 def scheduler_output(setup: VLLMSetup, *,
                      new: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
                      resumed: Mapping[str, tuple[Any, Sequence[int]]] | None = None,

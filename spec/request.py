@@ -101,6 +101,14 @@ PREEMPTED_IF_RUNNING = StateGroup(
     "preempted_if_running", "a request the core runs must be preempted and recomputed when the "
     "connector has it here: its KV is invalid (a load of it failed or timed out)",
     (PREEMPTED_FLUSHING, RECOMPUTE, TIMED_OUT))
+MAY_HOLD_JOBS = StateGroup(
+    "may_hold_jobs", "its transfer_jobs may be non-empty (every way out of these states that a "
+    "reset takes must drop them: INV-1)",
+    (LOADING_ASYNC, LOADING_SYNC, STORING, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
+     FINISHED_DRAINING))
+AWAITING_ADMISSION = StateGroup(
+    "awaiting_admission", "the core's waiting queue holds it: its next admission starts with "
+    "a lookup", (IDLE, LOOKUP_DEFERRED, PREEMPTED_FLUSHING, RECOMPUTE, TIMED_OUT))
 QUIESCENT = StateGroup(
     "quiescent", "nothing of the request is in flight: it may wait here as long as the core "
     "wants (progress properties end here)",
@@ -110,7 +118,8 @@ WAITING_ON_CONNECTOR = StateGroup(
     "jobs, a backend retry, another request's load); P-2 demands it does not stay forever",
     (LOOKUP_DEFERRED, PREEMPTED_FLUSHING))
 GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, STORE_CANDIDATES, HOLDS_GPU_BLOCKS,
-          MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, QUIESCENT, WAITING_ON_CONNECTOR)
+          MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, MAY_HOLD_JOBS, AWAITING_ADMISSION, QUIESCENT,
+          WAITING_ON_CONNECTOR)
 
 GUARDS = (
     Guard("other_jobs_remain", "after the ending job leaves, the request still holds a job"),

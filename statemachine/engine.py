@@ -41,7 +41,7 @@ are freed: any difference raises `CorruptedBytes`.
 from __future__ import annotations
 
 import zlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,11 +50,10 @@ import torch
 from spec import job as J
 from spec import request as R
 from statemachine.config import OffloadingConfig
+from statemachine.core import BlockPool, StepLedger, block_hashes, blocks_needed, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
 from statemachine.messages import (
-    CachedRequestData,
     KVConnectorOutput,
-    NewRequestData,
     OffloadingConnectorMetadata,
     Request,
     RequestStatus,
@@ -67,33 +66,11 @@ from statemachine.worker import Worker, WorkerJob, WorkerReport, aggregate, make
 
 from kernels import KVLayout  # isort: skip
 
-_HASH_MASK = (1 << 61) - 1
-RECOMPUTE_STATES = (R.RECOMPUTE, R.TIMED_OUT, R.PREEMPTED_FLUSHING)
 
 
 class EngineError(KVSpecError):
     """The engine's own bookkeeping broke (a block freed twice, a block the connector
     quarantined that the engine does not hold, a connector state the engine cannot follow)."""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def prefix_hash(parent: int, tokens: Sequence[int]) -> int:
-    """The hash of a block given its parent's hash: a function of the whole prefix."""
-    return hash((parent, tuple(tokens))) & _HASH_MASK
-
-
-def block_hashes(tokens: Sequence[int], block_size: int,
-                 known: Sequence[int] = ()) -> list[int]:
-    """One hash per full block of `tokens`, extending the `known` ones."""
-    out = list(known)
-    parent = out[-1] if out else 0
-    for i in range(len(out), len(tokens) // block_size):
-        parent = prefix_hash(parent, tokens[i * block_size:(i + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 @dataclass(frozen=True)
@@ -164,7 +141,6 @@ class EngineRequest:
     """Blocks [0, loaded_blocks) of the current admission came from a load."""
     load_failed: bool = False
     """Some rank reported the current load failed (its bytes are not to be trusted)."""
-    scheduled_before: bool = False
     preemptions: int = 0
     recomputes: int = 0
 
@@ -208,8 +184,9 @@ class Engine:
         if len(self.workers) != self.scheduler.config.num_workers:
             raise ConfigError(f"{len(self.workers)} workers, but the connector expects "
                               f"{self.scheduler.config.num_workers} reports per job")
-        self.free_blocks: deque[int] = deque(range(cfg.num_gpu_blocks))
-        self._free_set: set[int] = set(self.free_blocks)
+        self.free_blocks = BlockPool(cfg.num_gpu_blocks)
+        self.ledger = StepLedger()
+        """Scheduled-before, finished and preempted requests between two steps."""
         self.requests: dict[str, EngineRequest] = {}
         """Unfinished requests."""
         self.done: dict[str, EngineRequest] = {}
@@ -225,8 +202,6 @@ class Engine:
         store it completes publishes them (CorruptedBytes); one it fails, resets or times out
         never does (its request's load failed and poisoned it, say, before every report
         came in)."""
-        self._finished_ids: set[str] = set()
-        self._preempted_ids: set[str] = set()
         self._recv_counts: Counter[int] = Counter()
         self._seq = 0
         self.step_index = 0
@@ -283,18 +258,10 @@ class Engine:
 
     # ================================================================ blocks
     def _allocate(self, n: int) -> list[int]:
-        if n > len(self.free_blocks):
-            raise EngineError(f"allocate {n} blocks with {len(self.free_blocks)} free")
-        out = [self.free_blocks.popleft() for _ in range(n)]
-        self._free_set.difference_update(out)
-        return out
+        return self.free_blocks.allocate(n)
 
     def _free(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            if b in self._free_set or not 0 <= b < self.config.num_gpu_blocks:
-                raise EngineError(f"GPU block {b} freed twice (or out of range)")
-            self._free_set.add(b)
-            self.free_blocks.append(b)
+        self.free_blocks.free(blocks)
 
     def _release_request_blocks(self, r: EngineRequest, keep: Iterable[int] = ()) -> None:
         """Free a request's blocks tail first, as vLLM's KVCacheManager.free does: its last
@@ -333,22 +300,16 @@ class Engine:
         cfg = self.config
         bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
-        new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
-        num_sched: dict[str, int] = {}
-        preempted = set(self._preempted_ids)
-        self._preempted_ids.clear()
         preempted_now = False
         idx = 0
         while idx < len(self.running) and budget > 0:
             r = self.running[idx]
             n = min(r.num_tokens - r.num_computed, budget)
-            need = cdiv(r.num_computed + n, bs) - len(r.blocks)
+            need = blocks_needed(r.num_computed + n, bs, len(r.blocks))
             while need > len(self.free_blocks):
                 victim = self.running[-1]
                 self._preempt(victim)
                 self.stats["preemptions"] += 1
-                preempted.add(victim.id)
                 preempted_now = True
                 if victim is r:
                     break
@@ -356,19 +317,14 @@ class Engine:
                 break
             new = self._allocate(need)
             r.blocks.extend(new)
-            cached.append(CachedRequestData(r.id, tuple(new)))
-            num_sched[r.id] = n
+            self.ledger.run(r.id, new, n)
             budget -= n
             idx += 1
         if not preempted_now:
-            budget = self._schedule_waiting(budget, new_reqs, cached, num_sched)
-        preempted -= num_sched.keys()
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(tuple(new_reqs), tuple(cached), num_sched, frozenset(finished),
-                               frozenset(preempted))
+            budget = self._schedule_waiting(budget)
+        return self.ledger.close().scheduler_output()
 
-    def _schedule_waiting(self, budget: int, new_reqs: list[NewRequestData],
-                          cached: list[CachedRequestData], num_sched: dict[str, int]) -> int:
+    def _schedule_waiting(self, budget: int) -> int:
         bs = self.config.block_size
         skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
@@ -388,7 +344,7 @@ class Engine:
             if is_async:
                 # blocks for every token now, not only the loaded ones: a loaded request then
                 # never waits for blocks that other loaded (not running) requests hold
-                need = cdiv(r.num_tokens, bs)
+                need = blocks_needed(r.num_tokens, bs, 0)
                 if need > len(self.free_blocks):
                     self.waiting.insert(0, r)
                     break
@@ -399,7 +355,7 @@ class Engine:
                 skipped.append(r)
                 continue
             n = min(r.num_tokens - r.num_computed - hit, budget)
-            need = cdiv(r.num_computed + hit + n, bs) - len(r.blocks)
+            need = blocks_needed(r.num_computed + hit + n, bs, len(r.blocks))
             if need > len(self.free_blocks):
                 self.waiting.insert(0, r)
                 break
@@ -411,13 +367,7 @@ class Engine:
                 r.loaded_blocks = hit // bs
             r.request.status = RequestStatus.RUNNING
             self.running.append(r)
-            if r.scheduled_before:
-                cached.append(CachedRequestData(r.id, tuple(r.blocks),
-                                                resumed_from_preemption=True))
-            else:
-                new_reqs.append(NewRequestData(r.id, tuple(r.blocks)))
-            r.scheduled_before = True
-            num_sched[r.id] = n
+            self.ledger.admit(r.id, r.blocks, n)
             budget -= n
         self.waiting[:0] = skipped
         return budget
@@ -447,7 +397,7 @@ class Engine:
         r.loaded_blocks = 0
         r.preemptions += 1
         self.waiting.insert(0, r)
-        self._preempted_ids.add(r.id)
+        self.ledger.preempt(r.id)
 
     # ================================================================ forward pass
     def _forward(self, num_sched: dict[str, int]) -> None:
@@ -628,7 +578,7 @@ class Engine:
     def _promote(self, r: EngineRequest) -> None:
         """finished_recving: the loaded tokens count as computed (CS:3569-3575)."""
         state = self.scheduler.request_state(r.id)
-        if state in (R.RECOMPUTE, R.TIMED_OUT):
+        if state in R.MUST_RECOMPUTE:
             return  # the load failed: _reconcile abandons it
         if state != R.IDLE:
             raise EngineError(f"request {r.id!r}: its load ended but the connector has it in "
@@ -670,7 +620,7 @@ class Engine:
             self.held_loads[r.load_job] = (r.id, keep)
         self._release_request_blocks(r, keep)
         self.scheduler.request_finished(r.request)
-        self._finished_ids.add(r.id)
+        self.ledger.finish(r.id)
         del self.requests[r.id]
         self.done[r.id] = r
         self.stats["finished"] += 1
@@ -718,12 +668,12 @@ class Engine:
         requests' loads that ended give their blocks back."""
         for r in list(self.requests.values()):
             state = self.scheduler.request_state(r.id)
-            if r.status == RequestStatus.RUNNING and state in RECOMPUTE_STATES:
+            if r.status == RequestStatus.RUNNING and state in R.PREEMPTED_IF_RUNNING:
                 self._preempt(r)
                 r.recomputes += 1
                 self.stats["recomputes"] += 1
             elif (r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                  and state in (R.RECOMPUTE, R.TIMED_OUT)):
+                  and state in R.MUST_RECOMPUTE):
                 self._abandon_load(r)
         for job_id in sorted(self.held_loads):
             if job_id not in self.scheduler.jobs:
@@ -735,7 +685,7 @@ class Engine:
         return bool(self.requests)
 
     def has_pending_work(self) -> bool:
-        return (bool(self.requests) or bool(self._finished_ids)
+        return (bool(self.requests) or self.ledger.has_finished()
                 or self.scheduler.has_pending_work()
                 or any(w.has_jobs() for w in self.workers) or bool(self.held_loads)
                 or bool(self.connector_held))

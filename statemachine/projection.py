@@ -16,13 +16,10 @@ from statemachine.models import JobStatus, RequestState
 if TYPE_CHECKING:
     from statemachine.scheduler import OffloadingScheduler
 
-# States in which the core holds the request's GPU blocks (it frees them at preemption and at
-# finish; an abort while loading keeps them until the load ends, CS:3017-3027).
-HOLDS_BLOCKS = (R.RUNNING, R.STORING, R.LOADING_SYNC, R.LOADING_ASYNC, R.ORPHANED_LOAD)
 
 
 def _gpu_blocks(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
-    if req.state in HOLDS_BLOCKS:
+    if req.state in R.HOLDS_GPU_BLOCKS:
         return tuple(req.block_ids)
     if req.is_finished:  # aborted while loading: the load's destination stays held
         held: list[int] = []

@@ -1,9 +1,11 @@
 """A minimal stand-in for vLLM's core scheduler, for the scheduler-side tests.
 
-It calls the connector's hooks in the core's order (reference section 2 preamble): lookup,
-allocation, update_state_after_alloc, build_connector_meta; then the workers' reports through
-update_connector_output. It allocates GPU block ids from a counter (no reuse unless asked),
-and keeps each request's `num_computed_tokens`. The full engine lives in `statemachine`.
+It calls the connector's hooks in the core's order: lookup, allocation,
+update_state_after_alloc, build_connector_meta; then the workers' reports through
+update_connector_output. It hands out GPU block ids from a pool it never refills (no reuse
+unless a test frees blocks), keeps each request's `num_computed_tokens`, and records the
+step with the core's shared `StepLedger` (`statemachine.core`). The full engine lives in
+`statemachine.engine`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statemachine.config import OffloadingConfig
+from statemachine.core import BlockPool, block_hashes, blocks_needed
 from statemachine.messages import (
     CachedRequestData,
     KVConnectorOutput,
@@ -26,19 +29,10 @@ from statemachine.messages import (
 from statemachine.scheduler import OffloadingScheduler
 
 
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    out: list[int] = []
-    h = 0
-    for i in range(len(tokens) // block_size):
-        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size]))) & ((1 << 61) - 1)
-        out.append(h)
-    return out
-
-
 @dataclass
 class Driver:
     config: OffloadingConfig = field(default_factory=OffloadingConfig)
-    next_block: int = 0
+    pool: BlockPool = field(default_factory=lambda: BlockPool(1 << 20))
     blocks: dict[str, list[int]] = field(default_factory=dict)
     reqs: dict[str, Request] = field(default_factory=dict)
     metas: list[OffloadingConnectorMetadata] = field(default_factory=list)
@@ -59,8 +53,7 @@ class Driver:
         return req
 
     def alloc(self, rid: str, n: int) -> list[int]:
-        new = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
+        new = self.pool.allocate(n)
         self.blocks.setdefault(rid, []).extend(new)
         return new
 
@@ -77,9 +70,8 @@ class Driver:
             bs = self.config.block_size
             todo = req.num_tokens - local_tokens - hit if schedule_tokens is None \
                 else schedule_tokens
-            nblocks = -(-(local_tokens + hit + (0 if is_async else todo)) // bs)
             self.blocks[rid] = []
-            self.alloc(rid, nblocks)
+            self.alloc(rid, blocks_needed(local_tokens + hit + (0 if is_async else todo), bs, 0))
             self.s.update_state_after_alloc(req, self.blocks[rid], hit)
             if is_async:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

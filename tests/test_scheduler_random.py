@@ -8,10 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from spec import request as R
+from statemachine.core import block_hashes
 from statemachine.messages import CachedRequestData, NewRequestData, RequestStatus
-from tests.driver import Driver, block_hashes
-
-SCHEDULED = (R.RUNNING, R.STORING, R.LOADING_SYNC)
+from tests.driver import Driver
 
 
 class SchedulerEvents(RuleBasedStateMachine):
@@ -39,8 +38,7 @@ class SchedulerEvents(RuleBasedStateMachine):
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
         waiting = sorted(r for r in self.d.s.requests
-                         if self.d.state(r) in (R.IDLE, R.LOOKUP_DEFERRED, R.RECOMPUTE,
-                                                R.TIMED_OUT, R.PREEMPTED_FLUSHING)
+                         if self.d.state(r) in R.AWAITING_ADMISSION
                          and not self.d.reqs[r].is_finished())
         if not waiting:
             return
@@ -67,7 +65,7 @@ class SchedulerEvents(RuleBasedStateMachine):
 
     @rule(tokens=st.integers(1, 8))
     def decode(self, tokens: int) -> None:
-        running = sorted(r for r in self.d.s.requests if self.d.state(r) in SCHEDULED)
+        running = sorted(r for r in self.d.s.requests if self.d.state(r) in R.SCHEDULED)
         cached, sched = [], {}
         for rid in running:
             req = self.d.reqs[rid]
@@ -97,7 +95,7 @@ class SchedulerEvents(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def preempt(self, data: st.DataObject) -> None:
-        running = sorted(r for r in self.d.s.requests if self.d.state(r) in SCHEDULED)
+        running = sorted(r for r in self.d.s.requests if self.d.state(r) in R.SCHEDULED)
         if running:
             rid = data.draw(st.sampled_from(running))
             self.d.reqs[rid].status = RequestStatus.PREEMPTED
