@@ -11,9 +11,9 @@ not allow in the current state, or one whose guards all fail, raises `IllegalTra
 
 Guards are methods of the subject (`def other_jobs_remain(self, event) -> bool`), given to
 transitions as the row's `conditions` (its `requires`) and `unless`; effects are methods of the
-host, run as the row's `after` callbacks, in table order, after the state changed. Both are
-resolved when the machine is built: a table naming something the implementation lacks fails
-at once with `SpecMismatch`.
+host, run by the row's one `after` callback, in table order, after the state changed. Both
+are checked when the machine is built: a table naming something the implementation lacks
+fails at once with `SpecMismatch`.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ class Lifecycle:
                 t.trigger,
                 list(t.sources),
                 "=" if t.dest == SAME else t.dest,
-                conditions=list(t.requires),
-                unless=list(t.unless),
-                after=[self._effect(e) for e in t.effects],
+                conditions=[self._guard(g) for g in t.requires],
+                unless=[self._guard(g) for g in t.unless],
+                after=[self._effects(t.effects)] if t.effects else [],
             )
 
     def _check_resolves(self, subject_cls: type) -> None:
@@ -90,13 +90,25 @@ class Lifecycle:
         if problems:
             raise SpecMismatch(f"{self.spec.name} table does not resolve: " + "; ".join(problems))
 
-    def _effect(self, name: str) -> Callable[[EventData], None]:
+    @staticmethod
+    def _guard(name: str) -> Callable[[EventData], bool]:
+        """The subject's guard method `name`, as a condition."""
+
+        def holds(event: EventData) -> bool:
+            return bool(getattr(event.model, name)(event))
+
+        holds.__name__ = name
+        return holds
+
+    def _effects(self, names: tuple[str, ...]) -> Callable[[EventData], None]:
+        """One `after` callback running the row's effects, in table order."""
         host = self.host
 
         def run(event: EventData) -> None:
-            getattr(host, name)(event.model, **event.kwargs)
+            for name in names:
+                getattr(host, name)(event.model, **event.kwargs)
 
-        run.__name__ = name
+        run.__name__ = "+".join(names)
         return run
 
     # -- subjects -------------------------------------------------------------------
