@@ -1,7 +1,7 @@
 """vLLM's live scheduler-side objects seen as a `spec.AbstractState`.
 
-The abstraction function of the conformance check. It reads vLLM's fields (reference 1.2,
-1.3; predicates of 6.1 and 6.3) and never writes them:
+The abstraction function of the conformance check. It reads vLLM's fields (S:348-493,
+S:558-671; each state's predicate is in the tables) and never writes them:
 
 Abstract field: vLLM 0.33.0 field [vLLM 0.25.1 name where it differs]
 - requests, transfer_jobs: `_req_status[id].transfer_jobs`

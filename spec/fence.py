@@ -1,4 +1,4 @@
-"""The connector-global reset fence (reference 3.5 and 6.4, S:650-655, S:2437-2448).
+"""The connector-global reset fence (S:650-655, S:2437-2448; stale reports S:2266-2282).
 
 ``_reset_fence`` maps each job id alive at a reset to the worker reports still due. While it
 is non-empty the manager must not assume that pre-reset copies have stopped writing;

@@ -1,8 +1,10 @@
-"""The vLLM 0.33.0 connector hooks of reference section 2, and how the tables cover them.
+"""The scheduler-side hooks of vLLM 0.33.0's offloading connector, and how the tables cover
+them.
 
 A lifecycle hook changes request or job state, so some table transition must name it. A
-query hook changes no state (reference 2.8); it is listed so that the implementation offers
-it and the coverage test can tell an omission from a choice.
+query hook (has_pending_push_work, take_events, get_stats, ...) changes no state; it is listed
+so that the implementation offers it and the coverage test can tell an omission from a
+choice.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The invariants of reference 6.5 as named predicates over `AbstractState`.
+"""The invariants of the lifecycle as named predicates over `AbstractState`.
 
 Safety invariants are predicates on one state: `check(state)` lists every violation, each
 naming the invariant, the request and the job ids, so a failure reads as a diagnosis.

@@ -1,4 +1,5 @@
-"""The transfer-job lifecycle, scheduler view (reference sections 3.4, 3.5, 6.3-6.4).
+"""The transfer-job lifecycle, scheduler view (TransferJobStatus S:77-93, `_jobs` S:656, the
+reports S:2218-2310, the reset S:2404-2457).
 
 A job is live while it is in the global job table ``_jobs``. It leaves the table in exactly
 three ways, and each of them removes it from its owner's ``transfer_jobs`` in the same step
@@ -60,7 +61,7 @@ STATES = (
           "no vLLM predicate", beyond_vllm=True),
     State(TIMED_OUT, "not acked by every worker within job_timeout_steps: out of _jobs and "
           "transfer_jobs; its chunks and blocks held in quarantine until the late reports",
-          "no vLLM predicate: vLLM has no timeout (reference 7, H1)", beyond_vllm=True),
+          "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)", beyond_vllm=True),
     State(TIMED_OUT_DRAINED, "every late report of a timed-out job arrived; its quarantine "
           "released", "no vLLM predicate", beyond_vllm=True),
     State(STALE, "alive at a reset: out of _jobs and transfer_jobs, in the reset fence until "

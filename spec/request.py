@@ -1,4 +1,5 @@
-"""The request lifecycle, connector view (reference sections 2 and 6.1-6.2).
+"""The request lifecycle, connector view (RequestOffloadState S:348-493, the hooks
+S:1197-2433).
 
 vLLM 0.33.0 keeps no state enum for a request: its state is implied by membership in
 ``_req_status``, the contents of ``transfer_jobs``, ``finished_signaled`` and the core
@@ -64,7 +65,7 @@ STATES = (
           "no vLLM predicate: vLLM asserts on a failed transfer (W:299-301)", beyond_vllm=True),
     State(TIMED_OUT, "a load of this request was given up after the job timeout: like "
           "RECOMPUTE, and the load's destination GPU blocks stay quarantined until its late "
-          "acks arrive", "no vLLM predicate: vLLM has no job timeout (reference 7, H1)",
+          "acks arrive", "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)",
           beyond_vllm=True),
     State(FINISHED_PENDING_FINAL, "request_finished was called; the final store decision and "
           "on_request_finished happen at the next build_connector_meta",

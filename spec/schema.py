@@ -11,8 +11,8 @@ Conventions:
   well-formedness tests).
 - ``dest == SAME`` means the transition stays in its source state (a reflexive transition;
   ``transitions`` spells it ``"="``). It lets one row list several sources.
-- ``vllm_ref`` is a ``file:line`` reference into vLLM 0.33.0 (abbreviations of the reference
-  document, section 0), or ``BEYOND_VLLM`` for behaviour vLLM 0.33.0 lacks.
+- ``vllm_ref`` cites vLLM 0.33.0 (``S:1247-1252``: a file abbreviated in `spec.vllm` and its
+  lines), or is ``BEYOND_VLLM`` for behaviour vLLM 0.33.0 lacks.
 - ``path`` classifies the edge for people: the happy path, reset handling, failure and
   timeout handling, abort/finish, or a counted ignore.
 """

@@ -5,7 +5,7 @@ compare whole: the implementation's ``abstract_state()`` projects its live objec
 (the refinement check compares the two after every step). Collections are sorted tuples or
 frozensets so that equal states are equal values.
 
-Names follow vLLM's fields (reference 1.2-1.3): ``transfer_jobs``, ``pending_count``,
+Names follow vLLM's fields (S:348-493, S:558-671): ``transfer_jobs``, ``pending_count``,
 ``stale_threshold``, ``reset_fence``, ``chunks_being_loaded``, ``block_fence``
 (``_block_id_to_pending_jobs``), ``jobs_to_flush``.
 """

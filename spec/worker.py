@@ -1,5 +1,5 @@
-"""The transfer-job lifecycle, worker view: one rank's copy of one job (reference 3.1-3.3,
-5.3 and 6.3 "Worker view").
+"""The transfer-job lifecycle, worker view: one rank's copy of one job (W:219-329,
+GW:674-763).
 
 Every worker rank receives every job of a step's metadata and runs its own copy of it on its
 own KV shard. The scheduler's job machine (`spec.job`) counts the ranks' reports; this
@@ -144,7 +144,7 @@ WORKER_MACHINE = MachineSpec(
         ("a job id received twice, or a completion polled for a job the rank never submitted",
          "typed error WorkerError, nothing changed"),
         ("a hung job (fault injection): its completion is polled but withheld",
-         "stays SUBMITTED or FLUSHED until released: the scheduler sees a lost report "
-         "(reference 7, H1)"),
+         "stays SUBMITTED or FLUSHED until released: the scheduler sees a lost report (vLLM "
+         "has no job timeout: such a job would hold its request forever)"),
     ),
 )

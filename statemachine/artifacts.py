@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from spec import MACHINES, REQUEST_MACHINE
+from spec import MACHINES, REQUEST_MACHINE, vllm
 from spec import render as md
 from statemachine.diagrams import have_dot, source_hash, svg_source_hash, to_graphviz, to_mermaid
 from statemachine.diagrams import sources as diagram_sources
@@ -23,6 +23,7 @@ Blocks = dict[str, Callable[[], str]]
 
 def _spec_md_blocks() -> Blocks:
     blocks: Blocks = {
+        "vllm.files": vllm.legend,
         "invariants": md.invariants_table,
         "progress": md.progress_table,
         "mutants": mutants_table,
@@ -33,7 +34,12 @@ def _spec_md_blocks() -> Blocks:
         blocks[f"{m.name}.guards"] = partial(md.guards_effects_table, m)
         if m.groups:
             blocks[f"{m.name}.groups"] = partial(md.groups_table, m)
-    return blocks
+    # every citation of vLLM in a generated table links to its lines at the tag
+    return {name: _linked(fn) for name, fn in blocks.items()}
+
+
+def _linked(fn: Callable[[], str]) -> Callable[[], str]:
+    return lambda: vllm.linkify(fn())
 
 
 def mutants_table() -> str:

@@ -5,8 +5,8 @@
 (a FIFO free list; no GPU prefix cache), waiting and running queues, a token budget per step
 (chunked prefill), preemption when blocks run out (the newest running request is preempted:
 its blocks freed, `num_computed_tokens = 0`, re-queued at the front), finish (max_tokens)
-and abort, and `reset_prefix_cache`. One `step()` runs, in vLLM's order (reference 2 preamble
-and 3.1):
+and abort, and `reset_prefix_cache`. One `step()` runs, in vLLM's order (the core's
+schedule and update_from_output, CS:1138-1789 and CS:3566-3578; the worker, MX:67-107):
 
 1. schedule: running requests first (allocating, preempting the newest when blocks run
    out), then, unless this step preempted, waiting ones: `get_num_new_matched_tokens` for a

@@ -255,7 +255,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "eviction may take a chunk a live load is reading",
            _evict_pinned,
            Fault.EVICT_PINNED_CHUNKS),
-    Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663, reference 5.2",
+    Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",
            _patch(TransferSpec, "skip", _ignore_first_chunk_skip)),

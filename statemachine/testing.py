@@ -22,7 +22,8 @@ lines) and subclassing `OffloadingStateMachine` with `adapter_factory` set:
 
 The adapter receives `Call`s (hook name and arguments in model terms: request ids, block
 ids, chunk keys) and must return the hook's answer; `abstract_state()` projects the
-implementation onto `spec.AbstractState` (reference 6.1 and 6.3 give the predicates).
+implementation onto `spec.AbstractState` (each state of the tables names the vLLM predicate
+that identifies it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ touches the copy engine: entering SUBMITTED launches the copy (`launch_copy_kern
 flush or a sync load waits for it (`wait_for_copy`), and COPIED / FAILED are entered only
 when `get_finished` polls the copy's completion.
 
-The per-step calls mirror vLLM's worker (reference 3.1-3.3): `handle_preemptions`,
+The per-step calls mirror vLLM's worker (W:219-329): `handle_preemptions`,
 `start_kv_transfers`, (the forward pass), `prepare_store_kv`, `get_finished`.
 
 Fault injection (beyond vLLM): `fail_job` makes a job's copy report failure (the kernels'

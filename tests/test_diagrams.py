@@ -144,3 +144,27 @@ def test_readme_starts_with_the_two_commands() -> None:
     assert lines[2].startswith("make test")
     assert lines[3] == "```"
     assert "```mermaid" in (ROOT / "README.md").read_text()
+
+
+def test_every_citation_in_the_documents_links_to_its_lines_at_the_tag() -> None:
+    from spec import vllm
+
+    for doc in (ROOT / "spec" / "SPEC.md", ROOT / "CONFORMANCE.md"):
+        text = doc.read_text()
+        assert vllm.linkify(text) == text, f"{doc.name} has a bare citation"
+        assert "blob/v0.33.0/vllm/distributed/kv_transfer/kv_connector/v1/offloading/" \
+               "scheduler.py#L" in text
+
+
+def test_table_citations_parse() -> None:
+    """A row cites vLLM (every part a citation) or says it is beyond vLLM."""
+    from spec import vllm
+    from spec.schema import BEYOND_VLLM
+
+    for m in spec.MACHINES:
+        for t in m.transitions:
+            if t.vllm_ref == BEYOND_VLLM:
+                continue
+            parts = [p.strip() for p in t.vllm_ref.split(",")]
+            assert all(len(list(vllm.citations(p))) == 1 and list(vllm.citations(p))[0].text
+                       == p for p in parts), (m.name, t.trigger, t.vllm_ref)

@@ -1,4 +1,4 @@
-"""build_connector_meta (reference 2.4): stores, cursor, preemption flush, fences, finalize."""
+"""build_connector_meta (S:2103-2196): stores, cursor, preemption flush, fences, finalize."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""on_new_request, get_num_new_matched_tokens, update_state_after_alloc (reference 2.1-2.3)."""
+"""on_new_request, get_num_new_matched_tokens, update_state_after_alloc (S:1197-1500)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_pending_store_defers_the_lookup() -> None:
 
 
 def test_chunk_being_loaded_defers_a_second_lookup() -> None:
-    """test_concurrent_lookups_of_the_same_prefix (reference 8.2)."""
+    """As vLLM's test_concurrent_lookups_of_the_same_prefix: a lookup of chunks another
+    request is loading defers."""
     d = Driver.make()
     stored(d, "a", 40)
     d.add("b", 40)

@@ -1,4 +1,4 @@
-"""update_connector_output (reference 2.5, 3.4, 3.5): acks over several workers, stale
+"""update_connector_output (S:2218-2310): acks over several workers, stale
 filtering, and every kind of bad report, rejected with nothing changed."""
 
 from __future__ import annotations
