@@ -61,7 +61,8 @@ STATES = (
           "no vLLM predicate", beyond_vllm=True),
     State(TIMED_OUT, "not acked by every worker within job_timeout_steps: out of _jobs and "
           "transfer_jobs; its chunks and blocks held in quarantine until the late reports",
-          "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)", beyond_vllm=True),
+          "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)",
+          beyond_vllm=True),
     State(TIMED_OUT_DRAINED, "every late report of a timed-out job arrived; its quarantine "
           "released", "no vLLM predicate", beyond_vllm=True),
     State(STALE, "alive at a reset: out of _jobs and transfer_jobs, in the reset fence until "

@@ -65,7 +65,8 @@ STATES = (
           "no vLLM predicate: vLLM asserts on a failed transfer (W:299-301)", beyond_vllm=True),
     State(TIMED_OUT, "a load of this request was given up after the job timeout: like "
           "RECOMPUTE, and the load's destination GPU blocks stay quarantined until its late "
-          "acks arrive", "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)",
+          "acks arrive",
+          "no vLLM predicate: vLLM has no job timeout (a lost report keeps a job forever)",
           beyond_vllm=True),
     State(FINISHED_PENDING_FINAL, "request_finished was called; the final store decision and "
           "on_request_finished happen at the next build_connector_meta",
