@@ -11,11 +11,11 @@ with each mutant the checker (for abstract faults) and the model-based tests eac
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kernels.layout import TransferSpec
 from spec import job as J
 from spec.model import Fault
 from statemachine.effects import SchedulerEffects
@@ -55,6 +55,15 @@ def _replaced(owner: type, name: str, new: Any) -> Iterator[None]:
 def _patch(owner: type, name: str, make: Callable[[Any], Any]) -> Patch:
     """A patch replacing `owner.name` by `make(original)`."""
     return lambda: _replaced(owner, name, make(owner.__dict__[name]))
+
+
+def _patch_in(module: str, cls: str, name: str, make: Callable[[Any], Any]) -> Patch:
+    """`_patch` of a class imported only when the patch is applied (the kernels' classes:
+    the catalogue is read without importing torch)."""
+    def patch() -> contextlib.AbstractContextManager[None]:
+        owner = getattr(importlib.import_module(module), cls)
+        return _replaced(owner, name, make(owner.__dict__[name]))
+    return patch
 
 
 # --- the faulty versions -------------------------------------------------------------
@@ -258,7 +267,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",
-           _patch(TransferSpec, "skip", _ignore_first_chunk_skip)),
+           _patch_in("kernels.layout", "TransferSpec", "skip", _ignore_first_chunk_skip)),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,51 @@ def test_console_script_entry_point_runs() -> None:
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "request" in out.stdout and "invariants: 19" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["summary"], ["check", "--help"], ["mutants"],
+                                  ["diagrams", "--check"]],
+                         ids=lambda a: " ".join(a))
+def test_the_table_commands_never_import_torch(argv: list[str]) -> None:
+    """torch is imported only where bytes are copied (kernels, workers, engine, simulate)."""
+    code = ("import sys, contextlib, io, kvspec\n"
+            f"sys.argv = ['kvspec', *{argv!r}]\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    kvspec.main()\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'kernels', 'hypothesis')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_import_spec_never_imports_torch() -> None:
+    code = "import sys, spec, spec.model, spec.checker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_package_sharing_an_import_name_is_reported_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.metadata
+
+    import kvspec
+
+    real = importlib.metadata.distribution
+
+    def fake(name: str) -> object:
+        if name == "python-statemachine":
+            return object()
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", fake)
+    assert kvspec.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "python-statemachine" in err and "fresh venv" in err
+
+
+def test_no_clash_in_this_environment() -> None:
+    import kvspec
+
+    assert kvspec.import_clash() is None
