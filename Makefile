@@ -15,7 +15,6 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
-	@command -v dot >/dev/null || echo "warning: graphviz 'dot' not found: apt-get install -y graphviz"
 	touch $(STAMP)
 
 demo: $(STAMP)
