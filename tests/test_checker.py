@@ -10,7 +10,7 @@ import pytest
 from spec import model as M
 from spec.checker import check_model
 from spec.scenarios import SCENARIOS, hunt_bounds, parse_bounds
-from statemachine import cli
+from statemachine import cli, diagrams
 from statemachine.mutants import MUTANTS, Mutant
 
 
@@ -67,8 +67,12 @@ def test_cli_check_exit_codes_and_json(capsys: pytest.CaptureFixture[str],
     assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs", "--svg", svg]) == 1
     out = capsys.readouterr().out
     assert "INV-1" in out and "1. arrive(r0)" in out
-    with open(svg) as fh:
-        assert fh.read().startswith("<?xml")
+    if diagrams.have_dot():
+        with open(svg) as fh:
+            assert fh.read().startswith("<?xml")
+    else:
+        with open(f"{tmp_path}/ce.dot") as fh:
+            assert fh.read().startswith("digraph counterexample")
     assert cli.main(["check", "--mutant", "no-such"]) == 2
     assert cli.main(["check", "--bounds", "requests=x"]) == 2
     assert cli.main(["check", "--mutant", "pending-count-one"]) == 2
@@ -79,3 +83,15 @@ def test_bounds_parsing() -> None:
     assert (b.requests, b.timeout_steps, b.sync_loads) == (1, None, True)
     with pytest.raises(ValueError, match="bad bound"):
         parse_bounds("nope=1", M.Bounds())
+
+
+def test_check_svg_without_dot_writes_the_dot_source(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: object) -> None:
+    monkeypatch.setattr(diagrams.shutil, "which", lambda name: None)
+    assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs",
+                     "--svg", f"{tmp_path}/ce.svg"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install -y graphviz" in err and "ce.dot" in err
+    with open(f"{tmp_path}/ce.dot") as fh:
+        assert "color=red" in fh.read()

@@ -87,3 +87,15 @@ def test_bad_usage_exits_2() -> None:
     assert cli.main(["simulate", "--device", "tpu"]) == 2
     if not torch.cuda.is_available():
         assert cli.main(["simulate", "--device", "cuda"]) == 2
+
+
+def test_without_a_c_compiler_simulate_says_so_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "unavailable_reason",
+                        lambda: "no C compiler (cc, gcc or clang) on PATH")
+    assert cli.main(["simulate", "--seed", "2", "--steps", "20", "--no-progress"]) in (0, 1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C compiler" in err and "pure-torch" in err

@@ -15,6 +15,7 @@ from statemachine.cli.common import (
     EXIT_FAIL,
     EXIT_OK,
     Progress,
+    note,
     print_table,
     usage_error,
 )
@@ -36,12 +37,20 @@ def _row(name: str, r: CheckResult) -> dict[str, Any]:
 
 
 def write_counterexample_svg(result: CheckResult, path: Path) -> Path | None:
-    from statemachine.diagrams import counterexample_svg
+    """The counterexample drawn over the machines, as SVG where `dot` is installed, else as
+    its DOT source beside the asked path (and a note saying so)."""
+    from statemachine.diagrams import INSTALL_HINT, counterexample_graph, have_dot
 
     if result.counterexample is None:
         return None
-    path.write_bytes(counterexample_svg(result.counterexample))
-    return path
+    graph = counterexample_graph(result.counterexample)
+    if have_dot():
+        path.write_bytes(graph.pipe(format="svg"))
+        return path
+    dot = path.with_suffix(".dot")
+    dot.write_text(graph.source)
+    note(f"counterexample not rendered as SVG ({INSTALL_HINT}); its DOT source: {dot}")
+    return dot
 
 
 def cmd_check(args: argparse.Namespace) -> int:

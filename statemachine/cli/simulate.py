@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from statemachine.cli.common import EXIT_FAIL, EXIT_OK, usage_error
+from statemachine.cli.common import EXIT_FAIL, EXIT_OK, note, usage_error
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -32,6 +32,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict(), indent=2))
     else:
         print(simulate.render(result))
+    if args.device == "cpu":
+        from kernels import native
+
+        if not native.available() and "KVSPEC_NATIVE=0" not in native.unavailable_reason():
+            note(f"the compiled CPU copy was not used ({native.unavailable_reason()}); the "
+                 "pure-torch copies ran (install a C compiler, e.g. apt-get install -y gcc)")
     return EXIT_OK if result.ok else EXIT_FAIL
 
 
