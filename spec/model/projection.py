@@ -44,21 +44,26 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
 
 def canonical(s: ModelState) -> ModelState:
     """The state with job ids renumbered densely (order kept): two states that differ only
-    in how many jobs came before are the same state for every property checked."""
-    ids = sorted({j.id for j in (*s.jobs, *s.held)} | {i for r in s.reqs for i in r.jobs}
+    in how many jobs came before are the same state for every property checked. A request's
+    `kv_load` naming a job that is gone (no report of it can come) is dropped."""
+    known = {j.id for j in (*s.jobs, *s.held)}
+    ids = sorted(known | {i for r in s.reqs for i in r.jobs}
                  | set(s.to_flush) | {i for _, ids in s.block_fence for i in ids}
                  | {i for i, _ in s.quarantined_blocks})
     below = sum(1 for i in ids if i < s.threshold)
     ren = {old: new for new, old in enumerate(ids)}
+    dangling = any(r.kv_load is not None and r.kv_load not in known for r in s.reqs)
     if all(old == new for old, new in ren.items()) and s.counter == len(ids) \
-            and s.threshold == below:
+            and s.threshold == below and not dangling:
         return s
 
     def j(x: MJob) -> MJob:
         return x._replace(id=ren[x.id])
 
     return replace(
-        s, reqs=tuple(r._replace(jobs=frozenset(ren[i] for i in r.jobs)) for r in s.reqs),
+        s, reqs=tuple(r._replace(jobs=frozenset(ren[i] for i in r.jobs),
+                                 kv_load=ren[r.kv_load] if r.kv_load in known else None)
+                      for r in s.reqs),
         jobs=tuple(j(x) for x in s.jobs), held=tuple(j(x) for x in s.held),
         counter=len(ids), threshold=below,
         block_fence=tuple((b, frozenset(ren[i] for i in v)) for b, v in s.block_fence),
