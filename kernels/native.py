@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels import toolchain
 
 __all__ = [
     "NativeCopyError",
@@ -159,28 +157,9 @@ class NativeCopyError(ValueError):
     """A row index outside the tensor it addresses (nothing was copied)."""
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("KVSPEC_NATIVE_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvoffload-spec"
-
-
 def library_path() -> Path | None:
     """Where the compiled library lives (or would), ``None`` without a compiler."""
-    cc = _compiler()
-    if cc is None:
-        return None
-    digest = hashlib.sha256((_SOURCE + cc + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    return _cache_dir() / f"kvspec_native_{digest}.so"
+    return toolchain.library_path("kvspec_native", {"kvspec_native.c": _SOURCE}, _FLAGS)
 
 
 _reason: str = ""
@@ -192,24 +171,14 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("KVSPEC_NATIVE", "1") == "0":
         _reason = "switched off by KVSPEC_NATIVE=0"
         return None
-    cc, path = _compiler(), library_path()
-    if cc is None or path is None:
-        _reason = "no C compiler (cc, gcc or clang) on PATH"
-        return None
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src = Path(tmp) / "kvspec_native.c"
-                src.write_text(_SOURCE)
-                out = Path(tmp) / path.name
-                subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(out, path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        _reason = f"build or load failed: {detail.strip()[:500]}"
+        lib = ctypes.CDLL(str(toolchain.build("kvspec_native", {"kvspec_native.c": _SOURCE},
+                                              _FLAGS, timeout=120)))
+    except toolchain.NoCompiler as exc:
+        _reason = str(exc)
+        return None
+    except (toolchain.ToolchainError, OSError) as exc:
+        _reason = f"build or load failed: {exc}"
         return None
     fn = lib.kvspec_copy_rows
     fn.restype = ctypes.c_int64
