@@ -132,6 +132,16 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
     return R.IDLE
 
 
+def _store_cursor(st: Any) -> int | None:
+    """The store cursor of vLLM's first KV group (`next_stored_chunk_idx`, S:334-345), or
+    None where the release has no such field."""
+    groups = getattr(st, "group_states", None)
+    if not groups:
+        return None
+    cursor = getattr(groups[0], "next_stored_chunk_idx", None)
+    return int(cursor) if cursor is not None else None
+
+
 def project(setup: Any, obs: Observations) -> AbstractState:
     """The abstract state of vLLM's scheduler-side connector (`setup` a `VLLMSetup`)."""
     sched = setup.scheduler
@@ -165,7 +175,8 @@ def project(setup: Any, obs: Observations) -> AbstractState:
             id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
             finished=bool(st.req.is_finished()),
             finished_signaled=bool(_first(st, "finished_signaled", default=False)),
-            load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu))
+            load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu,
+            store_cursor=_store_cursor(st)))
 
     fence_src = _first(sched, "_reset_fence")
     if fence_src is None:

@@ -191,10 +191,17 @@ TRANSITIONS = (
                requires=("reports_complete",),
                effects=("count_report", "invalidate_owner_kv", "release_quarantine"),
                path=Path.TIMEOUT),
-    Transition("reset", (*LIVE, TIMED_OUT), STALE, "reset_cache", "S:2417, S:2436-2450",
+    Transition("reset", (*(s for s in LIVE if s != FAILING), TIMED_OUT), STALE, "reset_cache",
+               "S:2417, S:2436-2450",
                effects=("add_to_jobs_to_flush", "leave_job_table", "enter_reset_fence"),
                path=Path.RESET, note="a timed-out job's quarantine is dropped with the "
                "manager's reset; its late reports now drain the reset fence"),
+    Transition("reset", (FAILING,), STALE, "reset_cache", BEYOND_VLLM,
+               effects=("add_to_jobs_to_flush", "leave_job_table", "enter_reset_fence",
+                        "invalidate_orphaned_load"),
+               path=Path.RESET, note="a worker already failed this load: the request the "
+               "reset orphans must not be promoted on the other workers' stale acks (its KV "
+               "is invalid; found by INV-20)"),
     Transition("ack", (STALE,), SAME, _ACK, "S:2266-2268", unless=("reports_complete",),
                effects=("count_stale_report",), path=Path.RESET),
     Transition("ack", (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",

@@ -182,10 +182,13 @@ TRANSITIONS = (
                effects=("restart_from_token_zero", "record_lookup_hit"),
                note="hit of n >= 0 tokens; n > 0 is followed by update_state_after_alloc "
                "unless allocate_slots fails (then the request simply stays IDLE)"),
-    Transition("lookup_resolved", (RECOMPUTE, TIMED_OUT), IDLE,
+    Transition("lookup_resolved", (RECOMPUTE, TIMED_OUT), SAME,
                "get_num_new_matched_tokens", BEYOND_VLLM,
                effects=("restart_from_token_zero", "bypass_offload_lookup"),
-               path=Path.FAILURE, note="after a failed or timed-out load the hit is 0"),
+               path=Path.FAILURE, note="after a failed or timed-out load the hit is 0; the "
+               "request stays here until it is scheduled, so a failed allocate_slots does not "
+               "let the next lookup load the same chunks again (a retry loop the job timeout "
+               "could keep alive forever: P-1, P-4)"),
     Transition("lookup_blocked", (PREEMPTED_FLUSHING,), SAME,
                "get_num_new_matched_tokens", "S:1247-1252",
                effects=("restart_from_token_zero",), path=Path.PREEMPT,
@@ -196,8 +199,9 @@ TRANSITIONS = (
     Transition("load_sync", (IDLE,), LOADING_SYNC, "update_state_after_alloc",
                "S:1371, S:1484-1495", unless=("has_transfer_jobs",),
                effects=("create_load_job",)),
-    Transition("schedule", (IDLE,), RUNNING, "build_connector_meta", "S:1502-1552",
-               effects=("record_block_ids",), note="_update_req_states for a scheduled request"),
+    Transition("schedule", (IDLE, RECOMPUTE, TIMED_OUT), RUNNING, "build_connector_meta",
+               "S:1502-1552", effects=("record_block_ids",),
+               note="_update_req_states for a scheduled request (a recomputing one too)"),
     # --- stores ---------------------------------------------------------------------
     Transition("store", (RUNNING, STORING), STORING, "build_connector_meta", "S:1815-2101",
                unless=("load_invalid",), effects=("create_store_job",)),

@@ -56,6 +56,8 @@ class RequestRecord:
     """A lookup answered a hit this step that no update_state_after_alloc consumed yet."""
     gpu_blocks: tuple[int, ...] = ()
     """GPU blocks the core scheduler has allocated to the request, in order."""
+    store_cursor: int | None = None
+    """The chunk its next store starts from (`next_stored_chunk_idx`); None: not known."""
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +71,8 @@ class HeldJob:
     blocks: frozenset[int] = frozenset()
     flushed: bool = False
     """A step's metadata already told the workers to finish it."""
+    sync: bool = False
+    """A synchronous load: the workers finished its copy before its step's forward pass."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ class AbstractState:
     """How often manager.on_request_finished was called, per request id."""
     stores_after_signal: tuple[str, ...] = ()
     """Requests that got a prepare_store after on_request_finished (must stay empty)."""
+    invalid_chunks: frozenset[int] = frozenset()
+    """Chunk keys the manager holds whose content is invalid: the data's truth, which the
+    model keeps (`spec.model.truth`); an implementation's projection leaves it empty (its
+    engine checks the same fact on the bytes)."""
     extra: tuple[tuple[str, int], ...] = field(default=())
     """Counters that do not take part in invariants (ignored reports, ...)."""
 
@@ -143,14 +151,14 @@ class AbstractState:
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no job, no fence, no quarantine; every request idle or gone."""
-        from spec.request import IDLE, RECOMPUTE, RUNNING, TIMED_OUT
+        from spec.request import QUIESCENT
 
         return (
             not self.jobs
             and not self.reset_fence
             and not self.quarantine
             and not self.step_open
-            and all(r.state in (IDLE, RUNNING, RECOMPUTE, TIMED_OUT) for r in self.requests)
+            and all(r.state in QUIESCENT for r in self.requests)
         )
 
     def canonical(self) -> AbstractState:

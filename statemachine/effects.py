@@ -255,8 +255,10 @@ class SchedulerEffects:
 
     def invalidate_orphaned_load(self, job: JobStatus, **_: Any) -> None:
         owner = self.s._req_status.get(job.owner.req_id)
-        if not job.is_store and owner is job.owner and owner.state == R.ORPHANED_LOAD:
+        if (not job.is_store and owner is job.owner and owner.state == R.ORPHANED_LOAD
+                and not owner.loaded_tokens_invalid):
             owner.loaded_tokens_invalid = True
+            self.s.stats["orphaned_loads_failed"] += 1
 
     def invalidate_owner_kv(self, job: JobStatus, **_: Any) -> None:
         owner = self.s._req_status.get(job.owner.req_id)

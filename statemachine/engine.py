@@ -584,12 +584,10 @@ class Engine:
             raise EngineError(f"request {r.id!r}: its load ended but the connector has it in "
                               f"{state}")
         if r.load_failed:
-            # A load a reset made stale (ORPHANED_LOAD) that failed on some rank: its reports
-            # only drained the reset fence, so the connector cannot tell; the core can, from
-            # the ranks' failed_jobs. Its tokens are recomputed, not trusted.
-            self._abandon_load(r)
-            self.stats["orphaned_loads_failed"] += 1
-            return
+            # the ranks' failed_jobs name this load: the connector must have sent the request
+            # to recompute (a stale load's failure too, invalidate_orphaned_load)
+            raise EngineError(f"request {r.id!r}: a rank failed its load but the connector "
+                              "promotes it as loaded")
         r.request.num_computed_tokens = r.load_end
         r.loaded_blocks = r.load_end // self.config.block_size
         r.request.status = RequestStatus.WAITING

@@ -45,7 +45,7 @@ def _job_record(s: OffloadingScheduler, job: JobStatus) -> JobRecord:
 
 def _held(job: JobStatus, due: int) -> HeldJob:
     return HeldJob(job.job_id, job.kind, due, frozenset(job.keys), frozenset(job.gpu_block_ids),
-                   job.flush_shipped)
+                   job.flush_shipped, job.sync)
 
 
 def project(s: OffloadingScheduler) -> AbstractState:
@@ -55,7 +55,7 @@ def project(s: OffloadingScheduler) -> AbstractState:
             finished=r.is_finished, finished_signaled=r.finished_signaled,
             load_invalid=r.loaded_tokens_invalid,
             lookup_hit_pending=r.lookup_hit_tokens is not None,
-            gpu_blocks=_gpu_blocks(s, r),
+            gpu_blocks=_gpu_blocks(s, r), store_cursor=r.next_stored_chunk_idx,
         ) for r in s.requests.values()))
     fence_jobs = s._fenced_jobs
     return AbstractState(

@@ -349,16 +349,14 @@ class OffloadingScheduler:
 
     def _scheduled(self, req: RequestState, block_ids: tuple[int, ...], full: bool) -> None:
         self._batch_allocated_blocks.update(block_ids)
-        if req.state == R.IDLE:
-            table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
-            self._fire(self._requests_life, req, "schedule", block_ids=table)
-        elif req.state in R.SCHEDULED:
+        if req.state in R.SCHEDULED:
             if full:
                 req.block_ids[:] = block_ids
             else:
                 req.block_ids.extend(block_ids)
-        else:
-            self._require(self._requests_life, req, "schedule")
+        else:  # the table says from where a request may be scheduled
+            table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
+            self._fire(self._requests_life, req, "schedule", block_ids=table)
 
     def _build_store_job(self, req: RequestState, num_scheduled: int) -> None:
         if req.loaded_tokens_invalid:

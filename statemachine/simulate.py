@@ -302,7 +302,7 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         "resets": st["resets"],
         "injected_failures": faults.injected_failures,
         "failed_jobs": sc["failed_jobs"],
-        "orphaned_loads_failed": st["orphaned_loads_failed"],
+        "orphaned_loads_failed": sc["orphaned_loads_failed"],
         "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
         "hung_jobs": len(faults.hung_jobs),
         "timeouts": sc["timed_out_jobs"],

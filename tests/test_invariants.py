@@ -9,7 +9,7 @@ import pytest
 import spec
 from spec import job as J
 from spec import request as R
-from spec.invariants import by_id, check
+from spec.invariants import check
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 W = 2
@@ -76,6 +76,9 @@ def _break(name: str) -> AbstractState:
                           stale_threshold=7),
         "INV-18": replace(s, requests=(r1, replace(r2, lookup_hit_pending=True))),
         "INV-19": replace(s, requests=(replace(r1, load_invalid=True), r2)),
+        "INV-20": replace(s, invalid_chunks=frozenset({20, 30})),
+        "INV-21": replace(s, reset_since_last_step=True,
+                          requests=(replace(r1, store_cursor=2), r2)),
     }
     return cases[name]
 
@@ -102,36 +105,41 @@ def test_a_poisoned_store_of_an_invalidated_request_is_allowed() -> None:
     assert "INV-19" not in ids(poisoned)
 
 
+def test_invalid_kv_is_a_violation_only_once_ready() -> None:
+    s = healthy()
+    # chunk 20 is being loaded (ref_cnt 1) and 30 is ready (0); 10 is still being stored (-1)
+    bad = replace(s, invalid_chunks=frozenset({10, 30}))
+    v = [x for x in check(bad) if x.invariant == "INV-20"]
+    assert [x.message.split()[1] for x in v] == ["30"]
+
+
+def test_the_store_cursor_counts_only_between_a_reset_and_the_next_step() -> None:
+    s = healthy()
+    r1, r2 = s.requests
+    moved = replace(s, requests=(replace(r1, store_cursor=2), r2))
+    assert "INV-21" not in ids(moved)
+    assert "INV-21" not in ids(replace(moved, reset_since_last_step=True, step_open=True))
+    assert "INV-21" in ids(replace(moved, reset_since_last_step=True))
+
+
 def test_every_invariant_is_named() -> None:
-    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 20)]
+    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 22)]
     progress = {i.id for i in spec.INVARIANTS if i.is_progress}
     assert progress == {"INV-13", "INV-14"}
     covered = {inv for p in spec.PROGRESS for inv in p.invariant.split(", ")}
     assert progress <= covered
 
 
-def test_progress_goals_tell_quiescent_from_busy() -> None:
-    busy = healthy()
-    quiet = AbstractState(num_workers=W, requests=(RequestRecord("r1", R.IDLE),))
-    goals = {p.id: p.goal for p in spec.PROGRESS}
-    assert not goals["P-1"](busy) and goals["P-1"](quiet)
-    assert goals["P-3"](quiet) and not goals["P-3"](busy)
+def test_progress_waiting_conditions_tell_quiescent_from_busy() -> None:
+    from spec import model as M
+    from spec.progress import by_id as progress
 
-
-def test_a_reallocated_fenced_block_must_be_flushed() -> None:
-    s = healthy()
-    store, load = s.jobs
-    r1, r2 = s.requests
-    fenced = replace(store, fenced_blocks=frozenset({1}))
-    moved = replace(s, jobs=(fenced, load), block_fence=((1, frozenset({5})),),
-                    requests=(replace(r1, gpu_blocks=(0,)), replace(r2, gpu_blocks=(4, 1))))
-    assert "INV-15" in ids(moved)
-    flushed = replace(moved, jobs=(replace(fenced, state=J.FLUSH_REQUESTED,
-                                           flush_requested=True), load))
-    assert "INV-15" not in ids(flushed)
-
-
-def test_by_id_and_violation_text() -> None:
-    assert by_id("INV-1").name == "jobs-in-table"
-    with pytest.raises(KeyError):
-        by_id("INV-99")
+    bounds = M.Bounds(requests=1, tokens=1)
+    quiet = M.initial(bounds)
+    busy = quiet
+    for ev in M.parse_events("arrive(r0) ; step(admit=r0) ; step()"):
+        busy = M.apply(busy, ev)[0]
+    assert busy.jobs, "the step after admission ships r0's store"
+    assert not progress("P-1").waiting(quiet) and progress("P-1").waiting(busy)
+    assert not progress("P-3").waiting(quiet) and progress("P-3").waiting(busy)
+    assert progress("P-4").waiting(busy, "r0") and not progress("P-4").waiting(quiet, "r0")

@@ -43,9 +43,12 @@ def test_async_load_failure_sends_the_request_to_recompute() -> None:
     assert d.state("b") == R.RECOMPUTE
     assert set(d.s.manager.chunk_ref_counts().values()) == {0}  # unpinned
     assert not d.s.chunks_being_loaded
-    # the next lookup bypasses the offload tier: recompute from the local prefix
+    # the next lookup bypasses the offload tier: recompute from the local prefix; the
+    # request stays RECOMPUTE until it is scheduled (an allocation that fails keeps the duty)
     assert d.s.get_num_new_matched_tokens(d.reqs["b"], 0) == (0, False)
-    assert d.state("b") == R.IDLE and d.s.stats["lookups_bypassed"] == 1
+    assert d.state("b") == R.RECOMPUTE and d.s.stats["lookups_bypassed"] == 1
+    hit, _, _ = d.admit("b")
+    assert hit == 0 and d.state("b") == R.RUNNING and d.s.stats["lookups_bypassed"] == 2
 
 
 def test_sync_load_failure_poisons_the_stores_beside_it() -> None:

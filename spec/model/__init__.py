@@ -20,15 +20,17 @@ from spec.model import effects as _effects  # registers the effects with the int
 from spec.model.environment import (
     Call,
     Event,
+    FairClass,
     apply,
     events,
+    fair_class,
     initial,
     parse_events,
     successors,
 )
 from spec.model.faults import NO_FAULTS, Fault, Faults
 from spec.model.interpreter import MACHINES, SPEC_TABLES, Tables, fire, unresolved
-from spec.model.projection import abstract, canonical
+from spec.model.projection import abstract, canonical, renumbering
 from spec.model.state import (
     Bounds,
     MCore,
@@ -53,8 +55,8 @@ def coverage_universe() -> set[tuple[str, int]]:
     return SPEC_TABLES.coverage_universe()
 
 
-__all__ = ["MACHINES", "NO_FAULTS", "SPEC_TABLES", "Bounds", "Call", "Event", "Fault",
-           "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState", "NotEnabled",
-           "Tables", "Template", "World", "abstract", "apply", "canonical",
-           "coverage_universe", "events", "fire", "initial", "key", "parse_events",
-           "successors"]
+__all__ = ["MACHINES", "NO_FAULTS", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
+           "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
+           "NotEnabled", "Tables", "Template", "World", "abstract", "apply", "canonical",
+           "coverage_universe", "events", "fair_class", "fire", "initial", "key",
+           "parse_events", "renumbering", "successors"]

@@ -13,6 +13,15 @@ def free(w: World, blocks: tuple[int, ...]) -> None:
     w.free_blocks.update(b for b in blocks if b not in quarantined)
 
 
+def unquarantine(w: World, job_id: int) -> None:
+    """A timed-out load's quarantine ends (its late reports came, or its reset fence
+    drained): its destination blocks go back to the pool, except those the core still holds
+    (it frees them itself, now unquarantined)."""
+    blocks = w.quarantined_blocks.pop(job_id, ())
+    held = {b for c in w.core.values() for b in c.blocks}
+    w.free_blocks.update(b for b in blocks if b not in held)
+
+
 def follow_connector(w: World) -> None:
     """The core's reaction to what the connector decided: an async load ended (the request
     waits with its loaded tokens), failed or timed out (recompute from scratch), a sync load

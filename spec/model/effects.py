@@ -12,6 +12,8 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
+from spec.model import truth
+from spec.model.core import unquarantine
 from spec.model.faults import Fault
 from spec.model.interpreter import effect, fire, stateless
 from spec.model.state import MJob, ModelError, World, job_of, put_job, put_req, tracked
@@ -119,8 +121,7 @@ def drop_request_jobs(w: World, k: str, **kw: Any) -> None:
         if jid in w.jobs:
             fire(w, "job", jid, "reset")
     if k in w.reqs:
-        kept = held if Fault.RESET_KEEPS_TRANSFER_JOBS in w.faults else frozenset()
-        put_req(w, tracked(w, k)._replace(jobs=kept))
+        put_req(w, tracked(w, k)._replace(jobs=frozenset()))
 
 
 @effect
@@ -170,7 +171,7 @@ def pin_load_chunks(w: World, k: int, **kw: Any) -> None:
 
 @effect
 def enter_job_table(w: World, k: int, **kw: Any) -> None:
-    j = _new(w)
+    j = truth.new_job(w, _new(w))
     w.pending_new = None
     w.jobs[j.id] = j
     r = tracked(w, j.owner)
@@ -209,9 +210,10 @@ def add_to_jobs_to_flush(w: World, k: int, **kw: Any) -> None:
 def count_report(w: World, k: int, count: int = 1, **kw: Any) -> None:
     j = job_of(w, k)
     if Fault.STORE_READY_ON_FIRST_ACK in w.faults and j.kind == "store" and j.state != J.STALE:
-        for c in j.keys:
-            if w.chunks.get(c) == -1:
-                w.chunks[c] = 0
+        ready = [c for c in j.keys if w.chunks.get(c) == -1]
+        for c in ready:
+            w.chunks[c] = 0
+        truth.published(w, j, ready)
     put_job(w, j._replace(pending=j.pending - count))
 
 
@@ -236,10 +238,12 @@ def _unmark(w: World, j: MJob) -> None:
 def complete_in_manager(w: World, k: int, **kw: Any) -> None:
     j = job_of(w, k)
     if j.kind == "store":
-        for c in j.keys:
-            if w.chunks.get(c) == -1:
-                w.chunks[c] = 0
+        ready = [c for c in j.keys if w.chunks.get(c) == -1]
+        for c in ready:
+            w.chunks[c] = 0
+        truth.published(w, j, ready)
     else:
+        truth.loaded(w, j)
         if Fault.COMPLETE_LOAD_KEEPS_PIN not in w.faults:
             _unpin(w, j.keys)
         if Fault.LOAD_KEEPS_CHUNKS_BEING_LOADED not in w.faults:
@@ -264,7 +268,8 @@ def leave_job_table(w: World, k: int, **kw: Any) -> None:
         return
     j = w.jobs.pop(k)
     r = w.reqs.get(j.owner)
-    if r is not None:
+    kept = j.state == J.STALE and Fault.RESET_KEEPS_TRANSFER_JOBS in w.faults
+    if r is not None and not kept:  # the fault: vLLM before PR #48102 kept the id
         put_req(w, r._replace(jobs=r.jobs - {k}))
     for b in j.deferred:
         if b in w.block_fence:
@@ -299,7 +304,7 @@ def release_quarantine(w: World, k: int, **kw: Any) -> None:
     j = w.held.pop(k)
     if j.kind == "load":
         _unpin(w, j.keys)
-    w.quarantined_blocks.pop(k, None)
+    unquarantine(w, k)
 
 
 @effect
@@ -333,7 +338,7 @@ def invalidate_owner_kv(w: World, k: int, **kw: Any) -> None:
 @effect
 def leave_reset_fence(w: World, k: int, **kw: Any) -> None:
     w.held.pop(k, None)
-    w.quarantined_blocks.pop(k, None)
+    unquarantine(w, k)
 
 
 stateless("start_deferral_timer", "count_allocation_failure", "promote_after_recving",

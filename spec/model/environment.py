@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from spec import job as J
 from spec import request as R
+from spec.model import truth
 from spec.model.core import follow_connector, free
 from spec.model.faults import NO_FAULTS, Faults
 from spec.model.hooks import alloc, build_meta, finish, lookup, report, reset
@@ -142,10 +143,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                     alloc(w, r, blocks, hit)
                     calls.append(Call("update_state_after_alloc", (r, blocks, hit)))
                     _inside(w, calls[-1])
+                    loader = w.last_job if hit else None  # the load just created
                     if hit and is_async:
-                        w.core[r] = MCore("remote", 0, blocks, loading=hit)
+                        w.core[r] = MCore("remote", 0, blocks, loading=hit, load_job=loader)
                     else:
-                        w.core[r] = MCore("running", hit, blocks)
+                        w.core[r] = MCore("running", hit, blocks, load_job=loader)
                         new[r] = blocks
                         sched[r] = 1
             else:  # an async load ended: it runs now, without a lookup
@@ -191,6 +193,8 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
             w.budget[1] += 1
         owner = due.owner
         completes = ev.count == due.unreported and due.kind == "load" and not due.sync
+        if ev.failed:
+            truth.failed_copy(w, ev.job)  # before the connector hears of it
         report(w, ev.job, 0 if ev.failed else ev.count, ev.count if ev.failed else 0)
         for table in (w.jobs, w.held):
             if ev.job in table:
@@ -220,7 +224,8 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         keep = c.status == "remote"
         if not keep:
             free(w, c.blocks)
-        w.core[r] = MCore("finished", c.computed, c.blocks if keep else (), ev.kind == "abort")
+        w.core[r] = c._replace(status="finished", blocks=c.blocks if keep else (),
+                               aborted=ev.kind == "abort", loading=0)
         finish(w, r)
         calls.append(Call("request_finished", (r, ev.kind == "abort")))
         w.pending_finished.add(r)
@@ -279,6 +284,24 @@ def events(s: ModelState) -> Iterator[Event]:
                 yield Event("report", job=jid, count=1)
                 break
     yield Event("reset")
+
+
+FairClass = tuple[str, str | int | None]
+"""A weakly fair class of `spec.progress.FAIRNESS`: (its name, the request or job it is
+for, or None)."""
+
+
+def fair_class(ev: Event, s: ModelState) -> FairClass | None:
+    """The weakly fair class `ev` belongs to in `s` (None: an environment's choice). A report
+    of a job that is neither in the table nor held (a stray report of a drained stale id) is
+    the environment's."""
+    if ev.kind == "step":
+        return ("admit", ev.req) if ev.req is not None else ("step", None)
+    if ev.kind == "finish":
+        return ("finish", ev.req)
+    if ev.kind == "report" and any(j.id == ev.job for j in (*s.jobs, *s.held)):
+        return ("report", ev.job)
+    return None
 
 
 def successors(s: ModelState, faults: Faults = NO_FAULTS, inside: bool = False,

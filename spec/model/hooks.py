@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from spec import job as J
 from spec import request as R
+from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
 from spec.model.state import ModelError, World, put_job, put_req, tracked
@@ -75,12 +76,10 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
         w.batch_alloc.update(blocks)
         cur = tracked(w, r)
         table = blocks if r in new else (*cur.blocks, *blocks)
-        if cur.state == R.IDLE:
-            fire(w, "request", r, "schedule", block_ids=table)
-        elif cur.state in R.SCHEDULED:
+        if cur.state in R.SCHEDULED:
             put_req(w, cur._replace(blocks=table))
-        else:
-            raise ModelError(f"request {r!r} scheduled in {cur.state}")
+        else:  # the table says from where a request may be scheduled
+            fire(w, "request", r, "schedule", block_ids=table)
     for r in sorted(preempted - w.preempted_early):
         opt = w.reqs.get(r)
         if opt is not None and opt.state in R.SCHEDULED:
@@ -96,6 +95,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
         for jid in sorted(w.jobs):
             aged = w.jobs.get(jid)
             if aged is not None and aged.age is not None and aged.age >= limit:
+                truth.failed_copy(w, jid)  # its data never confirmed
                 fire(w, "job", jid, "time_out")
     for r in [*sched, *sorted(finished)]:
         opt = w.reqs.get(r)
@@ -203,6 +203,14 @@ def finish(w: World, r: str) -> None:
 def reset(w: World) -> None:
     live = len(w.jobs) + sum(1 for j in w.held.values() if j.state == J.TIMED_OUT)
     for r in sorted(w.reqs):
+        held = w.reqs[r].jobs
+        if held and Fault.RESET_KEEPS_TRANSFER_JOBS in w.faults:
+            # vLLM before PR #48102: the jobs leave the table, the request is left as it
+            # was, its transfer_jobs naming them (it waits for ends no report can bring)
+            for jid in sorted(held & w.jobs.keys()):
+                fire(w, "job", jid, "reset")
+            put_req(w, tracked(w, r)._replace(cursor=0, hit=None))  # S:2429-2433 did that
+            continue
         fire(w, "request", r, "reset")
     for jid in sorted(j.id for j in w.held.values() if j.state == J.TIMED_OUT):
         fire(w, "job", jid, "reset")

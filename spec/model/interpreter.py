@@ -67,7 +67,14 @@ def fire(w: World, machine: str, k: Any, trigger: str, **kw: Any) -> str:
             else:
                 w.put(machine, subject._replace(state=dest))
             for e in t.effects:
-                EFFECTS[e](w, k, **kw)
+                try:
+                    EFFECTS[e](w, k, **kw)
+                except ModelError:
+                    raise
+                except (KeyError, ValueError, IndexError, AssertionError) as exc:
+                    # an effect whose precondition the rows broke (a mutated table)
+                    raise ModelError(f"{machine} {k!r}: effect {e} of {trigger!r} from {state} "
+                                     f"failed: {exc!r}") from exc
             return dest
     raise ModelError(f"{machine} {k!r} in {state}: no {trigger!r} transition")
 

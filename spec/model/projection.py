@@ -23,14 +23,14 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         else:
             blocks = ()
         reqs.append(RequestRecord(q.id, q.state, q.jobs, q.finished, q.signaled,
-                                  q.load_invalid, q.hit is not None, tuple(blocks)))
+                                  q.load_invalid, q.hit is not None, tuple(blocks), q.cursor))
     jobs = tuple(JobRecord(j.id, j.kind, j.owner, j.state, j.pending, j.sync, j.failed,
                            frozenset(j.keys), frozenset(j.blocks), frozenset(),
                            j.deferred, j.age or 0, j.flush_requested) for j in s.jobs)
     fence = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys), frozenset(j.blocks),
                           j.flush_shipped) for j in s.held if j.state == J.STALE)
     quarantine = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys),
-                               frozenset(j.blocks), j.flush_shipped)
+                               frozenset(j.blocks), j.flush_shipped, j.sync)
                        for j in s.held if j.state == J.TIMED_OUT)
     return AbstractState(
         num_workers=s.bounds.workers, requests=tuple(sorted(reqs)), jobs=tuple(sorted(jobs)),
@@ -38,22 +38,30 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         quarantine=quarantine, chunks_being_loaded=s.being_loaded, chunk_ref_cnt=s.chunks,
         block_fence=s.block_fence, jobs_to_flush=s.to_flush, step_open=step_open,
         reset_since_last_step=s.reset_since_step, finished_signals=s.signals,
+        invalid_chunks=s.bad_chunks,
         stores_after_signal=s.stores_after_signal,
     )
+
+
+def renumbering(s: ModelState) -> dict[int, int]:
+    """The canonical id of every job id `s` mentions: dense, in the same order."""
+    ids = sorted({j.id for j in (*s.jobs, *s.held)} | {i for r in s.reqs for i in r.jobs}
+                 | set(s.to_flush) | {i for _, ids in s.block_fence for i in ids}
+                 | {i for i, _ in s.quarantined_blocks})
+    return {old: new for new, old in enumerate(ids)}
 
 
 def canonical(s: ModelState) -> ModelState:
     """The state with job ids renumbered densely (order kept): two states that differ only
     in how many jobs came before are the same state for every property checked. A request's
-    `kv_load` naming a job that is gone (no report of it can come) is dropped."""
+    `kv_load`, or the core's `load_job`, naming a job that is gone (no report of it can
+    come) is dropped."""
     known = {j.id for j in (*s.jobs, *s.held)}
-    ids = sorted(known | {i for r in s.reqs for i in r.jobs}
-                 | set(s.to_flush) | {i for _, ids in s.block_fence for i in ids}
-                 | {i for i, _ in s.quarantined_blocks})
-    below = sum(1 for i in ids if i < s.threshold)
-    ren = {old: new for new, old in enumerate(ids)}
-    dangling = any(r.kv_load is not None and r.kv_load not in known for r in s.reqs)
-    if all(old == new for old, new in ren.items()) and s.counter == len(ids) \
+    ren = renumbering(s)
+    below = sum(1 for i in ren if i < s.threshold)
+    dangling = any(r.kv_load is not None and r.kv_load not in known for r in s.reqs) or any(
+        c.load_job is not None and c.load_job not in known for _, c in s.core)
+    if all(old == new for old, new in ren.items()) and s.counter == len(ren) \
             and s.threshold == below and not dangling:
         return s
 
@@ -65,7 +73,9 @@ def canonical(s: ModelState) -> ModelState:
                                  kv_load=ren[r.kv_load] if r.kv_load in known else None)
                       for r in s.reqs),
         jobs=tuple(j(x) for x in s.jobs), held=tuple(j(x) for x in s.held),
-        counter=len(ids), threshold=below,
+        counter=len(ren), threshold=below,
         block_fence=tuple((b, frozenset(ren[i] for i in v)) for b, v in s.block_fence),
         to_flush=frozenset(ren[i] for i in s.to_flush),
-        quarantined_blocks=tuple((ren[i], v) for i, v in s.quarantined_blocks))
+        quarantined_blocks=tuple((ren[i], v) for i, v in s.quarantined_blocks),
+        core=tuple((r, c._replace(load_job=ren[c.load_job] if c.load_job in known else None))
+                   for r, c in s.core))

@@ -109,6 +109,9 @@ class MJob(NamedTuple):
     unreported: int = 0
     """The environment's truth: workers that have not reported this job yet (the scheduler's
     `pending` should equal it; a fault in the accounting makes them differ)."""
+    bad: bool = False
+    """The data's truth (`spec.model.truth`): what this job copies is invalid (a store of KV
+    a failed load produced, a copy a worker failed; a load of a chunk holding such KV)."""
 
 
 class MCore(NamedTuple):
@@ -120,6 +123,11 @@ class MCore(NamedTuple):
     aborted: bool = False
     loading: int = 0
     """Tokens an async load brings (WAITING_FOR_REMOTE_KVS)."""
+    kv_bad: bool = False
+    """The data's truth: the request's KV on the GPU holds data a failed, timed-out or
+    invalid load produced (until the core restarts it from token zero)."""
+    load_job: int | None = None
+    """The load that fills its blocks since the core last (re)started it."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,8 @@ class ModelState:
     budget: tuple[int, int, int] = (0, 0, 0)
     """Environment events used so far: resets, failures, preemptions."""
     stores_after_signal: tuple[str, ...] = ()
+    bad_chunks: frozenset[int] = frozenset()
+    """The data's truth: chunk keys the manager holds whose content is invalid (INV-20)."""
 
 
 # ============================================================================ the world
@@ -191,6 +201,7 @@ class World:
     batch_alloc: set[int] = field(default_factory=set)
     preempted_early: set[str] = field(default_factory=set)
     stores_after_signal: list[str] = field(default_factory=list)
+    bad_chunks: set[int] = field(default_factory=set)
     fired: list[tuple[str, int]] = field(default_factory=list)
     """(machine, transition index) of every row fired: the coverage."""
     moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)
@@ -204,7 +215,8 @@ class World:
                    s.reset_since_step, dict(s.signals), dict(s.quarantined_blocks),
                    dict(s.core), set(s.pending_finished), set(s.pending_preempted),
                    set(s.free_blocks), list(s.budget),
-                   stores_after_signal=list(s.stores_after_signal))
+                   stores_after_signal=list(s.stores_after_signal),
+                   bad_chunks=set(s.bad_chunks))
 
     def freeze(self) -> ModelState:
         return ModelState(
@@ -218,7 +230,8 @@ class World:
             tuple(sorted(self.quarantined_blocks.items())), tuple(sorted(self.core.items())),
             frozenset(self.pending_finished), frozenset(self.pending_preempted),
             frozenset(self.free_blocks), (self.budget[0], self.budget[1], self.budget[2]),
-            tuple(sorted(self.stores_after_signal)))
+            tuple(sorted(self.stores_after_signal)),
+            frozenset(self.bad_chunks & self.chunks.keys()))
 
     # -- subjects by machine ------------------------------------------------------
     def get(self, machine: str, k: Any) -> Any:
