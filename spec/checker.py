@@ -1,11 +1,17 @@
-"""Exhaustive, breadth-first model checking of `spec.model` within bounds.
+"""Exhaustive, breadth-first model checking of `spec.model` within bounds: the readable
+reference checker (`statemachine.checker` is its compiled twin, which CI and `kvspec check`
+run; the two are kept equal by the differential tests).
 
 Every reachable state (job ids renumbered, `spec.model.canonical`) is visited once; every
-safety invariant of `spec.invariants` is checked in it; an event that breaks the tables (a
-trigger with no row) is a finding too. Breadth-first order makes the first counterexample a
-shortest one. Stuck-freedom (P-3): from every reachable state some quiescent state must be
-reachable; it is decided by reverse reachability over the explored graph. Coverage: which
-table rows fired at least once.
+safety invariant of `spec.invariants` is checked in it and after every hook that returns
+inside a step; an event that breaks the tables (a trigger with no row) is a finding too.
+Breadth-first order makes the first safety counterexample a shortest one. Then every progress
+property of `spec.progress` is checked as liveness under its fairness: a fair cycle of
+states that never leave `waiting` (`spec.liveness`) is a counterexample, a lasso. The older
+reachability check (a quiescent state reachable from every state) is kept behind
+`stuck=True`: liveness P-3 implies it (a state with no path to quiescence has a terminal
+component below it, and a terminal component is fair), so it adds only a count of such
+states. Coverage: which table rows fired at least once.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from spec import model as M
 from spec.invariants import Violation, check
+from spec.liveness import fair_cycle
+from spec.progress import PROGRESS
+from spec.progress import Progress as Property
 from spec.schema import Transition
 from spec.state import AbstractState
 
@@ -30,23 +39,48 @@ class Step:
     """(machine, subject, source, destination, trigger) of each table row it fired."""
 
 
+Kind = Literal["invariant", "illegal", "liveness", "stuck"]
+
+
 @dataclass
 class Counterexample:
-    kind: Literal["invariant", "illegal", "stuck"]
+    kind: Kind
     summary: str
     steps: list[Step]
     violations: list[Violation] = field(default_factory=list)
     inside: tuple[str, AbstractState] | None = None
     """For a violation inside the last step: the hook it followed and the state it left."""
+    cycle_start: int | None = None
+    """A liveness counterexample is a lasso: `steps[cycle_start:]` repeat forever."""
+    property_id: str | None = None
+    """The progress property a lasso violates (P-n)."""
+    request: str | None = None
+    """The request a per-request property is violated for."""
+    fairness: list[str] = field(default_factory=list)
+    """Why the cycle is fair: each weakly fair class enabled all along it, and where taken."""
 
     def __len__(self) -> int:
         return len(self.steps)
 
+    @property
+    def prefix(self) -> list[Step]:
+        return self.steps if self.cycle_start is None else self.steps[:self.cycle_start]
+
+    @property
+    def cycle(self) -> list[Step]:
+        return [] if self.cycle_start is None else self.steps[self.cycle_start:]
+
     def render(self) -> str:
-        """A numbered trace: each event, then what it changed."""
-        lines = [f"counterexample ({self.kind}, {len(self.steps)} steps): {self.summary}"]
+        """A numbered trace: each event, then what it changed (a lasso: the prefix, then the
+        cycle that repeats forever, and why the cycle is fair)."""
+        size = (f"{len(self.steps)} steps" if self.cycle_start is None else
+                f"{self.cycle_start} steps, then a cycle of {len(self.cycle)}")
+        what = self.kind if self.property_id is None else f"{self.kind} {self.property_id}"
+        lines = [f"counterexample ({what}, {size}): {self.summary}"]
         prev = M.abstract(M.initial(self.steps[0].state.bounds)) if self.steps else None
         for i, step in enumerate(self.steps, 1):
+            if self.cycle_start is not None and i == self.cycle_start + 1:
+                lines.append(f"     -- the cycle: steps {i}-{len(self.steps)} repeat forever --")
             last = i == len(self.steps) and self.inside is not None
             if last and self.inside is not None:
                 hook, cur = self.inside
@@ -59,9 +93,18 @@ class Counterexample:
                 if not changes and step.event.kind == "preempt":
                     changes = [f"the core preempts {step.event.req} and frees its GPU blocks; "
                                "the connector hears of it in the next build_connector_meta"]
+                if not changes and self.cycle_start is not None:
+                    changes = ["(nothing the connector holds changes)"]
                 lines.extend(f"       {d}" for d in changes)
             prev = cur
+        if self.fairness:
+            lines.append("  fair: every weakly fair class enabled all along the cycle is "
+                         "taken in it")
+            lines.extend(f"    {f}" for f in self.fairness)
         lines.extend(f"  violated: {v}" for v in self.violations)
+        if self.property_id is not None:
+            p = next(p for p in PROGRESS if p.id == self.property_id)
+            lines.append(f"  violated: {p.id} {p.formula} ({p.statement})")
         return "\n".join(lines)
 
 
@@ -125,10 +168,29 @@ class CheckResult:
     counterexample: Counterexample | None = None
     stuck_states: int = 0
     covered: set[tuple[str, int]] = field(default_factory=set)
+    liveness: tuple[str, ...] = ()
+    """The progress properties checked as liveness (P-n), all of them unless the search
+    stopped early (a safety finding, or max_states)."""
+    without: frozenset[str] = frozenset()
+    """Invariants switched off for this run."""
+    engine: str = "python"
 
     @property
     def ok(self) -> bool:
         return self.counterexample is None
+
+    @property
+    def verdict(self) -> str:
+        """`pass`, or what the counterexample shows: `invariant INV-n`, `liveness P-n`,
+        `illegal` (an event with no table row), `stuck`."""
+        ce = self.counterexample
+        if ce is None:
+            return "pass"
+        if ce.kind == "invariant" and ce.violations:
+            return f"invariant {ce.violations[0].invariant}"
+        if ce.kind == "liveness":
+            return f"liveness {ce.property_id}"
+        return ce.kind
 
     @property
     def states_per_second(self) -> float:
@@ -142,11 +204,130 @@ class CheckResult:
 Progress = Callable[[int, int, int], None]
 
 
+# ============================================================================ job ids
+def canonical_event(ev: M.Event, s: M.ModelState) -> M.Event:
+    """`ev` (sent in `s`) with its job id as `canonical(s)` numbers it."""
+    if ev.job is None:
+        return ev
+    return replace(ev, job=M.renumbering(s).get(ev.job, ev.job))
+
+
+def real_event(ev: M.Event, s: M.ModelState) -> M.Event:
+    """The inverse of `canonical_event`: `ev` of `canonical(s)` as sent in `s`."""
+    if ev.job is None:
+        return ev
+    back = {new: old for old, new in M.renumbering(s).items()}
+    return replace(ev, job=back.get(ev.job, ev.job))
+
+
+def replay(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.NO_FAULTS,
+           tables: M.Tables = M.SPEC_TABLES, canonical_ids: bool = True,
+           start: M.ModelState | None = None) -> list[Step]:
+    """Send `events` from the initial state (or `start`); each step's job ids are read as
+    canonical ones (the checkers' labels) unless `canonical_ids` is False. A step the model
+    refuses raises its ModelError (NotEnabled: the path is not a path of this model)."""
+    s = start if start is not None else M.initial(bounds)
+    steps: list[Step] = []
+    for ev in events:
+        real = real_event(ev, s) if canonical_ids else ev
+        nxt, _calls, w = M.apply(s, real, faults, tables=tables)
+        steps.append(Step(real, nxt, tuple(w.moves)))
+        s = nxt
+    return steps
+
+
+# ============================================================================ liveness
+def _waiting_of(p: Property, subject: str | None) -> Callable[[M.ModelState], bool]:
+    if p.scope == "system":
+        return p.waiting
+    return lambda s: bool(p.waiting(s, subject))
+
+
+def subjects(p: Property, bounds: M.Bounds) -> list[str | None]:
+    """The instances of a property: one (None) for the system, one per request template."""
+    return [None] if p.scope == "system" else [t.req_id for t in bounds.templates()]
+
+
+def enabled_classes(s: M.ModelState, faults: M.Faults = M.NO_FAULTS,
+                    tables: M.Tables = M.SPEC_TABLES) -> dict[M.FairClass, M.Event]:
+    """The weakly fair classes enabled in `s`, each with one of its events."""
+    out: dict[M.FairClass, M.Event] = {}
+    for ev in M.events(s):
+        c = M.fair_class(ev, s)
+        if c is None or c in out:
+            continue
+        try:
+            M.apply(s, ev, faults, tables=tables)
+        except M.NotEnabled:
+            continue
+        except M.ModelError:
+            pass
+        out[c] = ev
+    return out
+
+
+def describe_class(c: M.FairClass) -> str:
+    name, subject = c
+    return {"step": "an engine step", "admit": f"the admission of {subject}",
+            "finish": f"the finishing of {subject}",
+            "report": f"a worker's report of job {subject}"}[name]
+
+
+def certify_lasso(bounds: M.Bounds, steps: list[Step], cycle_start: int, prop: str,
+                  request: str | None, faults: M.Faults = M.NO_FAULTS,
+                  tables: M.Tables = M.SPEC_TABLES) -> list[str]:
+    """Check, on the Python model, that `steps` is a lasso violating `prop`: the cycle
+    returns to its first state (up to job numbering), `waiting` holds all along it, and it is
+    fair. Returns the fairness lines for the report; raises ValueError when it is not."""
+    p = next(q for q in PROGRESS if q.id == prop)
+    waiting = _waiting_of(p, request)
+    before = steps[cycle_start - 1].state if cycle_start else M.initial(bounds)
+    cycle = steps[cycle_start:]
+    if not cycle:
+        raise ValueError("the lasso has no cycle")
+    if M.canonical(before) != M.canonical(cycle[-1].state):
+        raise ValueError("the cycle does not return to the state it started in")
+    ring = [before, *(st.state for st in cycle[:-1])]
+    if not all(waiting(s) for s in ring):
+        raise ValueError(f"{prop} is not pending all along the cycle")
+    enabled = [enabled_classes(s, faults, tables) for s in ring]
+    always = set(enabled[0]).intersection(*enabled[1:])
+    taken = {M.fair_class(st.event, s): i for i, (st, s) in
+             enumerate(zip(cycle, ring, strict=True), cycle_start + 1)}
+    owed = always - taken.keys()
+    if owed:
+        raise ValueError("the cycle is not fair: "
+                         + ", ".join(describe_class(c) for c in sorted(owed, key=repr))
+                         + " enabled all along it and never taken")
+    if not always:
+        return ["(no weakly fair class is enabled in every state of the cycle)"]
+    return [f"{describe_class(c)}: taken at step {taken[c]}" for c in sorted(always, key=repr)]
+
+
+def lasso_summary(p: Property, request: str | None, s: M.ModelState) -> str:
+    """What a lasso's cycle shows, in words, from one of its states."""
+    a = M.abstract(s)
+    if p.scope == "request":
+        r = a.request(request) if request is not None else None
+        core = dict(s.core).get(request or "")
+        where = (f"connector: {r.state} holding {sorted(r.transfer_jobs)}" if r is not None
+                 else "connector: not tracked")
+        status = core.status if core is not None else "absent"
+        return f"request {request} never gets past this ({where}; core: {status})"
+    held = sorted(a.live_job_ids | a.fence_ids | {h.id for h in a.quarantine})
+    reqs = ", ".join(f"{r.id} in {r.state}" for r in a.requests) or "no request"
+    return f"the system never returns to {p.id}'s goal (jobs {held}; {reqs})"
+
+
+# ============================================================================ the search
 def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
                 max_states: int | None = None, progress: Progress | None = None,
-                stuck: bool = True) -> CheckResult:
-    """Explore every state reachable within `bounds`; stop at the first finding."""
-    result = CheckResult(bounds, faults)
+                liveness: bool = True, stuck: bool = False,
+                without: frozenset[str] = frozenset(),
+                tables: M.Tables = M.SPEC_TABLES) -> CheckResult:
+    """Explore every state reachable within `bounds`; stop at the first safety finding, then
+    check every progress property as liveness (and, with `stuck`, the reachability check)."""
+    result = CheckResult(bounds, faults, without=without)
     t0 = time.perf_counter()
     s0 = M.initial(bounds)
     index: dict[M.ModelState, int] = {M.canonical(s0): 0}
@@ -154,7 +335,8 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
     parent: list[tuple[int, M.Event, tuple[tuple[str, object, str, str, str], ...]] | None] = [
         None]
     depth: list[int] = [0]
-    succ: list[list[int]] = [[]]
+    out: list[list[tuple[int, M.FairClass | None]]] = [[]]
+    labels: list[list[M.Event]] = [[]]
     queue = deque([0])
 
     def trace(i: int, last: Step | None = None) -> list[Step]:
@@ -165,10 +347,14 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
             i = pi
         return steps[::-1]
 
+    inv = check(M.abstract(s0), without)
+    if inv:
+        result.counterexample = Counterexample("invariant", str(inv[0]), [], inv)
+        return _finish(result, t0, 1, 0)
     while queue:
         i = queue.popleft()
         s = states[i]
-        for ev, nxt, _calls, world in M.successors(s, faults, inside=True):
+        for ev, nxt, _calls, world in M.successors(s, faults, inside=True, tables=tables):
             result.edges += 1
             if isinstance(nxt, M.ModelError):
                 bad = Step(ev, s, ())
@@ -178,7 +364,7 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
             assert world is not None
             result.covered.update(world.fired)
             for call, inner in world.inside:  # where the implementation checks them too
-                violations = check(inner)
+                violations = check(inner, without)
                 if violations:
                     hook = f"{call.hook}{call.args}"
                     result.counterexample = Counterexample(
@@ -194,8 +380,9 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
                 states.append(nxt)
                 parent.append((i, ev, tuple(world.moves)))
                 depth.append(depth[i] + 1)
-                succ.append([])
-                violations = check(M.abstract(nxt))
+                out.append([])
+                labels.append([])
+                violations = check(M.abstract(nxt), without)
                 if violations:
                     result.counterexample = Counterexample(
                         "invariant", str(violations[0]), trace(j), violations)
@@ -203,13 +390,47 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
                 queue.append(j)
                 if progress is not None and j % 5000 == 0:
                     progress(len(states), result.edges, depth[j])
-            succ[i].append(j)
+            klass = M.fair_class(ev, s)
+            if klass is not None and klass[0] == "report":
+                klass = ("report", M.renumbering(s).get(int(klass[1] or 0), klass[1]))
+            out[i].append((j, klass))
+            labels[i].append(canonical_event(ev, s))
         if max_states is not None and len(states) >= max_states:
             result.complete = False
             break
+    if liveness and result.complete:
+        _check_liveness(result, states, out, labels, depth, trace, faults, tables)
     if stuck and result.complete:
-        _check_stuck(result, states, succ, trace)
+        _check_stuck(result, states, out, trace)
     return _finish(result, t0, len(states), max(depth))
+
+
+def _check_liveness(result: CheckResult, states: list[M.ModelState],
+                    out: list[list[tuple[int, M.FairClass | None]]],
+                    labels: list[list[M.Event]], depth: list[int],
+                    trace: Callable[[int], list[Step]], faults: M.Faults,
+                    tables: M.Tables) -> None:
+    checked: list[str] = []
+    for p in PROGRESS:
+        for subject in subjects(p, result.bounds):
+            waiting = _waiting_of(p, subject)
+            found = fair_cycle(out, [waiting(s) for s in states], depth)
+            if found is None:
+                continue
+            prefix = trace(found.entry)
+            events = [labels[v][k] for v, k in found.edges]
+            cycle = replay(result.bounds, events, faults, tables,
+                           start=prefix[-1].state if prefix else states[0])
+            steps = prefix + cycle
+            fairness = certify_lasso(result.bounds, steps, len(prefix), p.id, subject,
+                                     faults, tables)
+            result.counterexample = Counterexample(
+                "liveness", lasso_summary(p, subject, states[found.entry]), steps,
+                cycle_start=len(prefix), property_id=p.id, request=subject, fairness=fairness)
+            result.liveness = (*checked, p.id)
+            return
+        checked.append(p.id)
+    result.liveness = tuple(checked)
 
 
 def _finish(result: CheckResult, t0: float, n: int, depth: int) -> CheckResult:
@@ -219,11 +440,12 @@ def _finish(result: CheckResult, t0: float, n: int, depth: int) -> CheckResult:
     return result
 
 
-def _check_stuck(result: CheckResult, states: list[M.ModelState], succ: list[list[int]],
+def _check_stuck(result: CheckResult, states: list[M.ModelState],
+                 out: list[list[tuple[int, M.FairClass | None]]],
                  trace: Callable[[int], list[Step]]) -> None:
     pred: list[list[int]] = [[] for _ in states]
-    for i, outs in enumerate(succ):
-        for j in outs:
+    for i, outs in enumerate(out):
+        for j, _ in outs:
             pred[j].append(i)
     good = [M.abstract(s).is_quiescent() for s in states]
     todo = deque(i for i, g in enumerate(good) if g)
@@ -235,7 +457,7 @@ def _check_stuck(result: CheckResult, states: list[M.ModelState], succ: list[lis
                 todo.append(i)
     stuck = [i for i, g in enumerate(good) if not g]
     result.stuck_states = len(stuck)
-    if stuck:
+    if stuck and result.counterexample is None:
         first = stuck[0]
         a = M.abstract(states[first])
         held = ", ".join(f"{r.id} in {r.state} holding {sorted(r.transfer_jobs)}"

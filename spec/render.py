@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 
 from spec.invariants import INVARIANTS
-from spec.progress import PROGRESS
+from spec.progress import FAIRNESS, PROGRESS, UNFAIR
 from spec.schema import SAME, MachineSpec, Transition
 
 
@@ -76,9 +76,27 @@ def invariants_table() -> str:
 
 
 def progress_table() -> str:
-    rows = ["| id | property | fairness assumption | invariants |", "|---|---|---|---|"]
-    rows += [f"| {p.id} | {_cell(p.statement)} | {_cell(p.assumption)} | {p.invariant} |"
+    rows = ["| id | property | temporal form | for | invariants |", "|---|---|---|---|---|"]
+    rows += [f"| {p.id} | {_cell(p.statement)} | `{p.formula}` | "
+             f"{'each request' if p.scope == 'request' else 'the system'} | {p.invariant} |"
              for p in PROGRESS]
+    return "\n".join(rows)
+
+
+def fairness_table() -> str:
+    rows = ["| class | one per | events | weak fairness because |", "|---|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.per} | {_cell(f.events)} | {_cell(f.reason)} |"
+             for f in FAIRNESS]
+    rows.append(f"| (none) | | {', '.join(UNFAIR)} | the environment's choices: no fairness |")
+    return "\n".join(rows)
+
+
+def equivalents_table() -> str:
+    from spec.equivalents import EQUIVALENT
+
+    rows = ["| mutant of the spec | kind | why no check can kill it |", "|---|---|---|"]
+    rows += [f"| `{_cell(name)}` | {s.kind} | {_cell(s.reason)} |"
+             for name, s in sorted(EQUIVALENT.items())]
     return "\n".join(rows)
 
 

@@ -1,8 +1,11 @@
 """The checked scenarios: one bounded model per concern, with its expected outcome.
 
-As in tlaplus/Examples, each scenario records what the checker must conclude, and CI checks
-that it does. Together the scenarios fire every row of every table (`kvspec check` reports
-coverage over their union). Bounds are small on purpose: every reachable state is visited.
+As in tlaplus/Examples, each scenario records what the checker must conclude (`Expect`: the
+verdict, the number of distinct states, the depth), and CI checks that it does: a model
+silently weakened (a row that no longer fires, a branch cut off) changes the count and
+fails. Together the scenarios fire every row of every table (`kvspec check` reports coverage
+over their union). Every reachable state is visited: the bounds are what the compiled
+checker explores in seconds, the largest (`three-requests`) in about a minute.
 """
 
 from __future__ import annotations
@@ -14,76 +17,117 @@ from spec.model import Bounds, Fault
 
 
 @dataclass(frozen=True)
+class Expect:
+    """What the checker must conclude: the verdict (`pass`, `invariant INV-n`,
+    `liveness P-n`, `illegal`), the distinct states (job ids renumbered) and the depth of
+    the breadth-first search (the longest shortest path to a state)."""
+
+    verdict: str
+    states: int
+    depth: int
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     purpose: str
     bounds: Bounds
+    expect: Expect | None
 
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("reset-during-transfers",
              "two requests sharing a prefix, 2 workers reporting in parts; a reset while "
-             "stores and loads are in flight; GPU blocks reused behind the fence",
-             Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=3, resets=1,
-                    failures=0, preemptions=0)),
+             "stores and loads are in flight; a preemption; GPU blocks reused behind the "
+             "fence",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=4, resets=1,
+                    failures=0, preemptions=1),
+             Expect("pass", 296_063, 22)),
     Scenario("two-resets",
              "two resets, the second with the first's fence still held; a stale report "
              "after the fence drained",
-             Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=2, resets=2,
-                    failures=1, preemptions=0, stray_reports=True)),
+             Bounds(requests=1, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=3, resets=2,
+                    failures=1, preemptions=0, stray_reports=True),
+             Expect("pass", 14_093, 13)),
     Scenario("preemption-and-fences",
              "preemption with stores in flight, re-admission while flushing, re-allocation "
              "of fenced blocks, finish and abort everywhere",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=1,
-                    failures=0, preemptions=1)),
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=1,
+                    failures=0, preemptions=1),
+             Expect("pass", 46_665, 20)),
     Scenario("failures",
-             "a worker fails a store or a load (async and sync), 2 workers",
-             Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=0,
-                    failures=1, preemptions=0, sync_loads=False, partial_reports=True)),
+             "workers fail stores and loads (async), twice, 2 workers reporting in parts",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=5, resets=0,
+                    failures=2, preemptions=0, sync_loads=False, partial_reports=True),
+             Expect("pass", 18_987, 17)),
     Scenario("sync-loads",
              "synchronous loads beside stores, their failure poisoning the stores at the "
              "first failure report; a reset after one worker failed the load (recompute)",
-             Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=2, resets=1,
-                    failures=1, preemptions=0, sync_loads=True)),
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=3, resets=1,
+                    failures=1, preemptions=0, sync_loads=True),
+             Expect("pass", 278_242, 19)),
     Scenario("sync-preemption",
              "a request preempted while its synchronous load is unreported; that load fails, "
              "before or after a reset made it stale",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=1,
-                    failures=1, preemptions=1, sync_loads=True)),
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=1,
+                    failures=1, preemptions=1, sync_loads=True),
+             Expect("pass", 225_344, 22)),
     Scenario("sync-load-fails-after-reset",
              "a reset makes a sync load stale while its request keeps running and storing on "
              "its KV; the stale failure report invalidates the request and poisons its stores",
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=1,
-                    failures=1, preemptions=0, sync_loads=True)),
+                    failures=1, preemptions=0, sync_loads=True),
+             Expect("pass", 32_240, 18)),
     Scenario("timeouts",
-             "lost reports: jobs time out, late reports drain the quarantine, a reset moves "
-             "it to the fence",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
-                    failures=0, preemptions=0, timeout_steps=1)),
+             "lost reports: jobs time out, late reports (from either of 2 workers) drain the "
+             "quarantine, a reset moves it to the fence",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=5, resets=1,
+                    failures=0, preemptions=0, timeout_steps=1),
+             Expect("pass", 631_504, 23)),
     Scenario("orphaned-load-fails",
              "a reset orphans an async load, a worker then fails it: the request is "
              "recomputed, not promoted",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
-                    failures=1, preemptions=0)),
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=5, resets=1,
+                    failures=1, preemptions=0),
+             Expect("pass", 265_074, 19)),
     Scenario("late-reports",
              "2 workers: a job times out after one worker reported; the other's late report "
              "(an ack or a failure) drains the quarantine",
-             Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=2, resets=0,
-                    failures=1, preemptions=0, timeout_steps=1)),
+             Bounds(requests=1, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=3, resets=0,
+                    failures=1, preemptions=0, timeout_steps=1),
+             Expect("pass", 1_219, 9)),
     Scenario("sync-timeouts",
              "synchronous loads whose reports are lost: timeout beside stores, in a "
-             "preempted or finished request",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=0,
-                    failures=0, preemptions=1, sync_loads=True, timeout_steps=2)),
+             "preempted or finished request; a timed-out request that cannot get its "
+             "blocks back yet keeps its obligation to recompute",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=0,
+                    failures=0, preemptions=1, sync_loads=True, timeout_steps=2),
+             Expect("pass", 396_112, 30)),
     Scenario("aborted-load-timeout",
              "an aborted request's async load outlives finalisation and times out",
-             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=0,
-                    failures=0, preemptions=0, timeout_steps=2)),
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=5, resets=0,
+                    failures=0, preemptions=0, timeout_steps=2),
+             Expect("pass", 83_280, 23)),
+    Scenario("timed-out-load-blocks",
+             "an aborted request's async load times out and is dropped; a preempted request "
+             "is re-admitted meanwhile: the load's destination blocks stay quarantined until "
+             "its late report",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=3, resets=0,
+                    failures=0, preemptions=1, timeout_steps=2),
+             Expect("pass", 43_879, 26)),
     Scenario("eviction",
-             "two prefixes competing for CPU chunks: eviction never takes a pinned or "
+             "three prefixes competing for two CPU chunks: eviction never takes a pinned or "
              "write-pending chunk; allocation failure retried",
-             Bounds(requests=2, tokens=2, shared_prefix=False, workers=1, cpu_chunks=2,
-                    gpu_blocks=4, resets=0, failures=0, preemptions=0)),
+             Bounds(requests=3, tokens=2, families=3, workers=1, cpu_chunks=2, gpu_blocks=6,
+                    resets=0, failures=0, preemptions=0),
+             Expect("pass", 239_161, 19)),
+    Scenario("three-requests",
+             "three requests of three tokens sharing a prefix, 2 workers, 2 resets and a "
+             "preemption: a third request, a third token and a second reset, everywhere "
+             "the smaller scenarios cannot reach (one request on the GPU at a time)",
+             Bounds(requests=3, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=3, resets=2,
+                    failures=0, preemptions=1, partial_reports=False),
+             Expect("pass", 12_907_024, 30)),
 )
 
 

@@ -1,81 +1,151 @@
-"""The exhaustive model checker: every scenario passes, the tables are fully covered, and
-each abstract mutant yields a short, readable counterexample."""
+"""The model checker: every scenario concludes what it records (verdict, distinct states,
+depth), the scenarios fire every table row, each abstract mutant yields a short, readable,
+certified counterexample, and the progress properties are found as liveness (lassos)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from spec import model as M
-from spec.checker import check_model
-from spec.scenarios import SCENARIOS, hunt_bounds, parse_bounds
+from spec.checker import CheckResult, check_model
+from spec.scenarios import SCENARIOS, Expect, hunt_bounds, parse_bounds
 from statemachine import cli, diagrams
+from statemachine.checker import check
 from statemachine.mutants import MUTANTS, Mutant
+
+KEEP = M.Fault.RESET_KEEPS_TRANSFER_JOBS
 
 
 @pytest.fixture(scope="module")
-def suite() -> dict[str, object]:
-    return {sc.name: check_model(sc.bounds) for sc in SCENARIOS}
+def suite() -> dict[str, CheckResult]:
+    return {sc.name: check(sc.bounds) for sc in SCENARIOS}
 
 
-def test_every_scenario_passes_and_is_complete(suite: dict[str, object]) -> None:
-    for name, r in suite.items():
-        assert r.ok, f"{name}: {r.counterexample.render()}"  # type: ignore[attr-defined]
-        assert r.complete and r.stuck_states == 0, name  # type: ignore[attr-defined]
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_each_scenario_concludes_what_it_records(suite: dict[str, CheckResult],
+                                                 scenario: object) -> None:
+    from spec.scenarios import Scenario
+
+    assert isinstance(scenario, Scenario) and scenario.expect is not None
+    r = suite[scenario.name]
+    assert r.complete and r.engine == "compiled"
+    assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (
+        r.counterexample.render() if r.counterexample else r)
+    assert r.liveness == ("P-1", "P-2", "P-3", "P-4", "P-5")
 
 
-def test_the_scenarios_fire_every_table_transition(suite: dict[str, object]) -> None:
+def test_the_scenario_set_reaches_three_requests_of_three_tokens() -> None:
+    big = [s.bounds for s in SCENARIOS if s.bounds.requests >= 3 and s.bounds.tokens >= 3
+           and s.bounds.workers >= 2 and s.bounds.resets >= 2 and s.bounds.preemptions >= 1]
+    assert big
+
+
+def test_the_scenarios_fire_every_table_transition(suite: dict[str, CheckResult]) -> None:
     covered: set[tuple[str, int]] = set()
     for r in suite.values():
-        covered |= r.covered  # type: ignore[attr-defined]
+        covered |= r.covered
     missing = [(m, M.MACHINES[m].transitions[i].trigger, M.MACHINES[m].transitions[i].sources)
                for m, i in sorted(M.coverage_universe() - covered)]
     assert missing == []
 
 
-def test_the_48102_counterexample_is_short_and_fast() -> None:
-    r = check_model(hunt_bounds(M.Fault.RESET_KEEPS_TRANSFER_JOBS),
-                    frozenset([M.Fault.RESET_KEEPS_TRANSFER_JOBS]))
+def test_the_48102_counterexample_is_shortest() -> None:
+    r = check(hunt_bounds(KEEP), frozenset([KEEP]))
     ce = r.counterexample
-    assert ce is not None and ce.kind == "invariant" and len(ce) <= 10
+    assert ce is not None and ce.kind == "invariant" and len(ce) == 3
     assert ce.violations[0].invariant == "INV-1"
+    assert [str(s.event) for s in ce.steps][-1] == "reset()"
+
+
+def test_with_inv1_off_the_48102_hang_is_a_liveness_lasso() -> None:
+    """PR #48102 is a hang: the preempted request waits forever for ids no report can end."""
+    r = check(hunt_bounds(KEEP), frozenset([KEEP]), without=frozenset({"INV-1"}))
+    ce = r.counterexample
+    assert ce is not None and ce.kind == "liveness" and ce.property_id == "P-2"
+    assert ce.request == "r0" and ce.cycle_start is not None and ce.cycle
+    assert "PREEMPTED_FLUSHING" in ce.summary
+    events = [str(s.event) for s in ce.steps]
+    assert "preempt(r0)" in events[:ce.cycle_start] and "reset()" in events[:ce.cycle_start]
     text = ce.render()
-    assert "reset()" in text and "transfer_jobs [0] (kept)" in text
+    assert "the cycle: steps" in text and "repeat forever" in text
+    assert "the admission of r0: taken at step" in text and "P-2" in text
+
+
+def test_a_job_that_never_completes_is_a_p1_lasso_and_the_old_check_agrees() -> None:
+    bounds = hunt_bounds(M.Fault.AGGREGATE_COUNTS_ONCE)
+    faults = frozenset([M.Fault.AGGREGATE_COUNTS_ONCE])
+    r = check(bounds, faults)
+    assert r.counterexample is not None and r.verdict == "liveness P-1"
+    old = check_model(bounds, faults, liveness=False, stuck=True)
+    assert old.counterexample is not None and old.counterexample.kind == "stuck"
+    assert old.stuck_states > 0
 
 
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.abstract], ids=lambda m: m.name)
 def test_the_checker_finds_each_abstract_mutant(mutant: Mutant) -> None:
     assert mutant.model_fault is not None and mutant.model_fault.value == mutant.name
-    r = check_model(hunt_bounds(mutant.model_fault), frozenset([mutant.model_fault]))
+    r = check(hunt_bounds(mutant.model_fault), frozenset([mutant.model_fault]))
     assert r.counterexample is not None, mutant.name
-
-
-def test_stuck_detection_finds_a_job_that_never_completes() -> None:
-    r = check_model(hunt_bounds(M.Fault.AGGREGATE_COUNTS_ONCE),
-                    frozenset([M.Fault.AGGREGATE_COUNTS_ONCE]))
-    assert r.counterexample is not None and r.counterexample.kind == "stuck"
-    assert "no quiescent state" in r.counterexample.summary
+    assert r.engine == "compiled"  # and certify() replayed it on the Python model
 
 
 def test_cli_check_exit_codes_and_json(capsys: pytest.CaptureFixture[str],
-                                       tmp_path: object) -> None:
-    assert cli.main(["check", "--scenario", "eviction", "--json"]) == 0
+                                       tmp_path: Path) -> None:
+    assert cli.main(["check", "--scenario", "late-reports", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["scenarios"][0]["result"] == "pass"
-    svg = f"{tmp_path}/ce.svg"
-    assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs", "--svg", svg]) == 1
+    row = data["scenarios"][0]
+    assert (row["result"], row["expected"], row["verdict"]) == ("pass", "as expected", "pass")
+    assert [p["property"] for p in row["liveness"]] == ["P-1", "P-2", "P-3", "P-4", "P-5"]
+    assert "WF(report)" in row["liveness"][0]["fairness"]
+    assert {f["class"] for f in data["fairness"]["weak"]} == {"step", "admit", "finish",
+                                                              "report"}
+    svg = tmp_path / "ce.svg"
+    assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs", "--svg", str(svg)]) == 1
     out = capsys.readouterr().out
     assert "INV-1" in out and "1. arrive(r0)" in out
     if diagrams.have_dot():
-        with open(svg) as fh:
-            assert fh.read().startswith("<?xml")
+        assert svg.read_text().startswith("<?xml")
     else:
-        with open(f"{tmp_path}/ce.dot") as fh:
-            assert fh.read().startswith("digraph counterexample")
+        assert (tmp_path / "ce.dot").read_text().startswith("digraph counterexample")
     assert cli.main(["check", "--mutant", "no-such"]) == 2
     assert cli.main(["check", "--bounds", "requests=x"]) == 2
     assert cli.main(["check", "--mutant", "pending-count-one"]) == 2
+    assert cli.main(["check", "--scenario", "late-reports", "--without", "INV-99"]) == 2
+
+
+def test_cli_json_gives_the_lasso(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs", "--without", "INV-1",
+                     "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    ce = data["counterexample"]
+    assert ce["kind"] == "liveness" and ce["property"] == "P-2"
+    assert 0 < ce["cycle_start"] < len(ce["steps"]) and ce["fairness"]
+    assert data["without"] == ["INV-1"]
+
+
+def test_a_changed_outcome_fails_the_check(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A silently weakened model changes a scenario's state count: `kvspec check` fails."""
+    from spec import scenarios
+
+    sc = scenarios.by_name("late-reports")
+    assert sc.expect is not None
+    wrong = type(sc)(sc.name, sc.purpose, sc.bounds,
+                     Expect("pass", sc.expect.states + 1, sc.expect.depth))
+    monkeypatch.setattr(scenarios, "SCENARIOS", (wrong,))
+    monkeypatch.setattr("statemachine.cli.check.by_name", lambda name: wrong)
+    assert cli.main(["check", "--scenario", "late-reports"]) == 1
+    assert "EXPECTED pass" in capsys.readouterr().out
+
+
+def test_the_lasso_is_drawn(tmp_path: Path) -> None:
+    r = check(hunt_bounds(KEEP), frozenset([KEEP]), without=frozenset({"INV-1"}))
+    assert r.counterexample is not None
+    source = diagrams.counterexample_graph(r.counterexample).source
+    assert "repeats forever" in source and "color=blue" in source
 
 
 def test_bounds_parsing() -> None:
@@ -87,11 +157,18 @@ def test_bounds_parsing() -> None:
 
 def test_check_svg_without_dot_writes_the_dot_source(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-        tmp_path: object) -> None:
+        tmp_path: Path) -> None:
     monkeypatch.setattr(diagrams.shutil, "which", lambda name: None)
     assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs",
-                     "--svg", f"{tmp_path}/ce.svg"]) == 1
+                     "--svg", str(tmp_path / "ce.svg")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "apt-get install -y graphviz" in err and "ce.dot" in err
-    with open(f"{tmp_path}/ce.dot") as fh:
-        assert "color=red" in fh.read()
+    assert "color=red" in (tmp_path / "ce.dot").read_text()
+
+
+def test_the_reference_checker_is_kept_behind_a_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--scenario", "late-reports", "--engine", "python",
+                     "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["scenarios"][0]
+    assert row["engine"] == "python" and row["expected"] == "as expected"
