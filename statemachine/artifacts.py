@@ -26,6 +26,8 @@ def _spec_md_blocks() -> Blocks:
         "vllm.files": vllm.legend,
         "invariants": md.invariants_table,
         "progress": md.progress_table,
+        "fairness": md.fairness_table,
+        "equivalents": md.equivalents_table,
         "mutants": mutants_table,
     }
     for m in MACHINES:
@@ -44,17 +46,19 @@ def _linked(fn: Callable[[], str]) -> Callable[[], str]:
 
 def mutants_table() -> str:
     """Mutant, what catches it, the shortest counterexample (breadth-first, deterministic)."""
-    from spec.checker import check_model
     from spec.scenarios import hunt_bounds
+    from statemachine.checker import check
     from statemachine.mutants import MUTANTS
 
     rows = ["| mutant | area | stands for | caught by the checker | caught by the tests |",
             "|---|---|---|---|---|"]
     for m in MUTANTS:
         if m.model_fault is not None:
-            r = check_model(hunt_bounds(m.model_fault), frozenset([m.model_fault]))
+            r = check(hunt_bounds(m.model_fault), frozenset([m.model_fault]))
             ce = r.counterexample
-            checker = (f"{ce.kind}, {len(ce)} steps, {r.states} states: "
+            size = (f"{len(ce.prefix)} steps to a cycle of {len(ce.cycle)}"
+                    if ce is not None and ce.cycle_start is not None else f"{len(ce or ())} steps")
+            checker = (f"{r.verdict}, {size}, {r.states} states: "
                        f"{ce.summary.split(' (')[0]}" if ce else "**not caught**")
             tests = "model-based replay of that counterexample"
         else:

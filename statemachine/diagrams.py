@@ -182,16 +182,25 @@ def svg(spec: MachineSpec, out_dir: FsPath) -> Rendered:
 
 def counterexample_graph(ce: Any) -> graphviz.Digraph:
     """The counterexample's path drawn over the request and job machines: every table edge
-    in grey, the edges the trace took in red, labelled with the step numbers."""
+    in grey, the edges the trace took in red, labelled with the step numbers. A lasso
+    (liveness) draws its cycle's edges in blue, and the path of events beside the machines,
+    its last step looping back to where the cycle starts."""
     from spec import MACHINES
 
-    taken: dict[tuple[str, str, str], list[str]] = {}
+    cycle_start: int | None = ce.cycle_start
+
+    def in_cycle(n: int) -> bool:
+        return cycle_start is not None and n > cycle_start
+
+    taken: dict[tuple[str, str, str], list[tuple[int, str]]] = {}
     for n, step in enumerate(ce.steps, 1):
         for machine, key, src, dst, trigger in step.moves:
             who = "" if key == -1 else f" {key}"  # -1: a job not yet numbered
-            taken.setdefault((machine, src, dst), []).append(f"{n}: {trigger}{who}")
+            taken.setdefault((machine, src, dst), []).append((n, f"{n}: {trigger}{who}"))
+    size = (f"{len(ce.steps)} steps" if cycle_start is None
+            else f"{cycle_start} steps, then a cycle of {len(ce.steps) - cycle_start}")
     g = graphviz.Digraph("counterexample", graph_attr={
-        "label": f"counterexample ({ce.kind}, {len(ce.steps)} steps): {ce.summary}"[:160],
+        "label": f"counterexample ({ce.kind}, {size}): {ce.summary}"[:160],
         "labelloc": "t", "fontname": "Helvetica", "rankdir": "TB", "compound": "true"})
     g.attr("node", shape="rectangle", style="rounded", fontname="Helvetica", fontsize="10")
     g.attr("edge", fontname="Helvetica", fontsize="9")
@@ -209,9 +218,22 @@ def counterexample_graph(ce: Any) -> graphviz.Digraph:
                 drawn.add((src, dst))
                 labels = taken.get((spec.name, src, dst))
                 if labels:
+                    color = "blue" if all(in_cycle(n) for n, _ in labels) else "red"
                     c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}",
-                           label="\\l".join(labels) + "\\l", color="red", fontcolor="red",
-                           penwidth="2.5")
+                           label="\\l".join(t for _, t in labels) + "\\l", color=color,
+                           fontcolor=color, penwidth="2.5")
                 else:
                     c.edge(f"{spec.name}.{src}", f"{spec.name}.{dst}", color="gray85")
+    if cycle_start is not None:
+        with g.subgraph(name="cluster_lasso") as c:
+            c.attr(label="the lasso: the prefix, then the cycle (blue) forever",
+                   color="gray60")
+            c.node("lasso.0", "initial state")
+            for n, step in enumerate(ce.steps, 1):
+                color = "blue" if in_cycle(n) else "black"
+                c.node(f"lasso.{n}", f"after {n}", color=color)
+                c.edge(f"lasso.{n - 1}", f"lasso.{n}", label=f"{n}: {step.event}",
+                       color=color, fontcolor=color)
+            c.edge(f"lasso.{len(ce.steps)}", f"lasso.{cycle_start}",
+                   label="repeats forever", color="blue", fontcolor="blue", style="dashed")
     return g

@@ -1,4 +1,5 @@
-"""`kvspec check` and `kvspec mutants`: the model checker and the mutant catalogue."""
+"""`kvspec check` and `kvspec mutants`: the model checker, the spec's own mutants, and the
+mutant catalogue."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from spec import model as M
-from spec.checker import CheckResult, check_model
-from spec.scenarios import SCENARIOS, Scenario, by_name, hunt_bounds, parse_bounds
+from spec.checker import CheckResult, Counterexample
+from spec.invariants import INVARIANTS
+from spec.progress import FAIRNESS, PROGRESS, UNFAIR
+from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds, parse_bounds
 from statemachine.cli.common import (
     EXIT_FAIL,
     EXIT_OK,
@@ -23,16 +26,35 @@ from statemachine.mutants import MUTANTS
 from statemachine.mutants import by_name as mutant_by_name
 
 MUTANT_SCENARIO = "mutant-hunt"
-_COLS = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result"]
+_COLS = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result",
+         "expected"]
 
 
-def _row(name: str, r: CheckResult) -> dict[str, Any]:
+def _expected(sc: Scenario, r: CheckResult) -> str:
+    """`as expected`, or what differs from the scenario's pinned outcome."""
+    if sc.expect is None:
+        return "-"
+    got = Expect(r.verdict, r.states, r.depth)
+    if not r.complete or got == sc.expect:
+        return "as expected" if r.complete else "(incomplete)"
+    return (f"EXPECTED {sc.expect.verdict}, {sc.expect.states} states, depth "
+            f"{sc.expect.depth}")
+
+
+def _row(sc: Scenario, r: CheckResult) -> dict[str, Any]:
     ce = r.counterexample
+    result = "pass" if ce is None else f"{r.verdict} ({len(ce)} steps)"
+    if ce is not None and ce.cycle_start is not None:
+        result = f"{r.verdict} ({ce.cycle_start} steps + cycle of {len(ce.cycle)})"
     return {
-        "scenario": name, "states": r.states, "transitions": r.edges, "depth": r.depth,
+        "scenario": sc.name, "states": r.states, "transitions": r.edges, "depth": r.depth,
         "seconds": round(r.seconds, 2), "states_per_s": round(r.states_per_second),
-        "complete": r.complete, "stuck_states": r.stuck_states,
-        "result": "pass" if ce is None else f"{ce.kind} ({len(ce)} steps)",
+        "complete": r.complete, "result": result, "verdict": r.verdict,
+        "expected": _expected(sc, r),
+        "liveness": [{"property": p.id, "formula": p.formula, "for": p.scope,
+                      "fairness": [f"WF({f.name})" for f in FAIRNESS]}
+                     for p in PROGRESS if p.id in r.liveness],
+        "stuck_states": r.stuck_states, "engine": r.engine,
     }
 
 
@@ -53,45 +75,83 @@ def write_counterexample_svg(result: CheckResult, path: Path) -> Path | None:
     return dot
 
 
+def counterexample_json(ce: Counterexample, svg: Path | None) -> dict[str, Any]:
+    return {
+        "kind": ce.kind, "summary": ce.summary,
+        "steps": [str(s.event) for s in ce.steps],
+        "cycle_start": ce.cycle_start, "property": ce.property_id, "request": ce.request,
+        "fairness": ce.fairness,
+        "violations": [asdict(v) for v in ce.violations],
+        "svg": str(svg) if svg else None,
+    }
+
+
+def _without(values: list[str] | None) -> frozenset[str]:
+    names = {i.id for i in INVARIANTS}
+    out = frozenset(v.strip().upper() for arg in values or [] for v in arg.split(",")
+                    if v.strip())
+    unknown = sorted(out - names)
+    if unknown:
+        raise ValueError(f"no invariant {', '.join(unknown)}; known: INV-1 .. "
+                         f"INV-{len(INVARIANTS)}")
+    return out
+
+
+def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
+    if args.mutant:
+        mutant = mutant_by_name(args.mutant)
+        if mutant.model_fault is None:
+            raise LookupError(f"mutant {mutant.name} is not expressible in the abstract model "
+                              f"({mutant.description}); the model-based tests catch it: "
+                              f"pytest tests/test_mutants.py -k {mutant.name}")
+        base = hunt_bounds(mutant.model_fault)
+        return [Scenario(f"{MUTANT_SCENARIO}:{mutant.name}", mutant.description,
+                         parse_bounds(args.bounds or "", base), None)], \
+            frozenset([mutant.model_fault])
+    if args.bounds:
+        return [Scenario("custom", "bounds from the command line",
+                         parse_bounds(args.bounds, SCENARIOS[0].bounds), None)], M.NO_FAULTS
+    if args.scenario:
+        return [by_name(n) for n in args.scenario], M.NO_FAULTS
+    return list(SCENARIOS), M.NO_FAULTS
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.mutate:
+        from statemachine.cli.mutate import cmd_mutate
+
+        return cmd_mutate(args)
+    from statemachine.checker import check  # the C build helper: only when a check runs
+
     try:
-        if args.mutant:
-            mutant = mutant_by_name(args.mutant)
-            if mutant.model_fault is None:
-                return usage_error("check", f"mutant {mutant.name} is not expressible in the "
-                                   f"abstract model ({mutant.description}); the model-based "
-                                   f"tests catch it: pytest tests/test_mutants.py -k "
-                                   f"{mutant.name}")
-            faults: M.Faults = frozenset([mutant.model_fault])
-            base = hunt_bounds(mutant.model_fault)
-            scenarios = [Scenario(f"{MUTANT_SCENARIO}:{mutant.name}", mutant.description,
-                                  parse_bounds(args.bounds or "", base))]
-        else:
-            faults = M.NO_FAULTS
-            if args.bounds:
-                scenarios = [Scenario("custom", "bounds from the command line",
-                                      parse_bounds(args.bounds, SCENARIOS[0].bounds))]
-            elif args.scenario:
-                scenarios = [by_name(n) for n in args.scenario]
-            else:
-                scenarios = list(SCENARIOS)
-    except (KeyError, ValueError) as exc:
+        scenarios, faults = _scenarios(args)
+        without = _without(args.without)
+    except LookupError as exc:
+        return usage_error("check", str(exc).strip("'\""))
+    except ValueError as exc:
         return usage_error("check", str(exc))
 
     rows: list[dict[str, Any]] = []
     covered: set[tuple[str, int]] = set()
     failed: CheckResult | None = None
+    unexpected = False
     for sc in scenarios:
         show = Progress(sc.name)
 
         def report(states: int, edges: int, depth: int, show: Progress = show) -> None:
             show(f"{states} states, {edges} transitions, depth {depth}")
 
-        r = check_model(sc.bounds, faults, max_states=args.max_states,
-                        progress=None if args.json else report)
+        r = check(sc.bounds, faults, max_states=args.max_states,
+                  progress=None if args.json else report, stuck=args.stuck, without=without,
+                  engine=args.engine)
         show.close()
-        rows.append(_row(sc.name, r))
+        if r.engine.startswith("python (") and sc is scenarios[0]:
+            note(f"the compiled checker is not available ({r.engine[8:-1]}); the reference "
+                 "checker runs instead (about 50x slower)")
+        row = _row(sc, r)
+        rows.append(row)
         covered |= r.covered
+        unexpected |= row["expected"].startswith("EXPECTED") and not without
         if not r.ok:
             failed = r
             break
@@ -104,24 +164,24 @@ def cmd_check(args: argparse.Namespace) -> int:
         svg = write_counterexample_svg(failed, Path(args.svg))
     if args.json:
         print(json.dumps({
-            "scenarios": rows, "faults": sorted(faults),
+            "scenarios": rows, "faults": sorted(faults), "without": sorted(without),
+            "fairness": {"weak": [{"class": f.name, "per": f.per, "events": f.events}
+                                  for f in FAIRNESS], "none": list(UNFAIR)},
             "covered_transitions": len(covered),
             "total_transitions": len(M.coverage_universe()),
             "uncovered": [f"{m}: {t.trigger} {list(t.sources)} -> {t.dest} [{t.guard_text}]"
                           for m, _, t in uncovered],
-            "counterexample": None if failed is None or failed.counterexample is None else {
-                "kind": failed.counterexample.kind,
-                "summary": failed.counterexample.summary,
-                "steps": [str(s.event) for s in failed.counterexample.steps],
-                "violations": [asdict(v) for v in failed.counterexample.violations],
-                "svg": str(svg) if svg else None,
-            },
+            "counterexample": None if failed is None or failed.counterexample is None
+            else counterexample_json(failed.counterexample, svg),
         }, indent=2))
     else:
         print_table(rows, _COLS)
         if full_suite:
             print(f"\ncoverage: {len(covered)} of {len(M.coverage_universe())} table "
                   "transitions fired")
+            print("liveness: " + ", ".join(p.id for p in PROGRESS) + " under weak fairness "
+                  "of " + ", ".join(f.name for f in FAIRNESS) + " (none for "
+                  + ", ".join(UNFAIR) + ")")
         for m, i, t in uncovered if full_suite else []:
             print(f"  never fired: {m} #{i + 1} {t.trigger} {list(t.sources)} -> {t.dest} "
                   f"[{t.guard_text}]")
@@ -130,7 +190,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(failed.counterexample.render())
             if svg:
                 print(f"\ncounterexample drawn over the machines: {svg}")
-    if failed is not None or coverage_gap:
+    if failed is not None or coverage_gap or unexpected:
         return EXIT_FAIL
     return EXIT_OK
 
@@ -149,13 +209,29 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    c = sub.add_parser("check", help="exhaustive model check of the spec (or of a mutant)")
+    c = sub.add_parser(
+        "check", help="exhaustive model check of the spec (or of a mutant): safety, "
+        "table legality, liveness under fairness")
     c.add_argument("--mutant", help="switch on a catalogued fault (kvspec mutants)")
+    c.add_argument("--mutate", action="store_true",
+                   help="mutate the tables themselves (an effect removed, a guard negated) "
+                   "and print which check kills each mutant")
     c.add_argument("--scenario", action="append",
                    help="check only this scenario (repeatable): "
                    + ", ".join(s.name for s in SCENARIOS))
     c.add_argument("--bounds", help="custom bounds, e.g. requests=2,workers=1,resets=1")
+    c.add_argument("--without", action="append", metavar="INV-n",
+                   help="switch a safety invariant off (repeatable, or comma-separated): "
+                   "what else catches the fault, e.g. --without INV-1 for PR #48102's hang")
+    c.add_argument("--engine", choices=("auto", "compiled", "python"), default="auto",
+                   help="the compiled checker (auto: where a C compiler is) or the reference "
+                   "one in Python")
+    c.add_argument("--stuck", action="store_true",
+                   help="also run the older reachability check (a quiescent state reachable "
+                   "from every state; implied by liveness P-3)")
     c.add_argument("--max-states", type=int, default=None)
+    c.add_argument("--jobs", type=int, default=None,
+                   help="with --mutate: processes (default: every core)")
     c.add_argument("--svg", help="write the counterexample drawn over the machines here")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)

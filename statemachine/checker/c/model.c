@@ -1,0 +1,1251 @@
+/* spec/model in C: interpreter, guards, effects, hooks, core, environment, canonical form.
+ * Every function names its Python original; the semantics are the same, line for line. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "model.h"
+#include "dispatch.h"
+
+/* ============================================================== errors (ModelError) */
+static void fail(World *w, int err, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->msg, sizeof w->msg, fmt, ap);
+    va_end(ap);
+    w->err = err;
+    longjmp(*w->jb, 1);
+}
+
+static int popcount16(uint32_t x) { return __builtin_popcount(x); }
+
+/* ============================================================== subjects (state.py) */
+int kv_key(const Bounds *b, int req, int pos) { return b->family[req] * b->tokens + pos; }
+
+static uint16_t keys_of(World *w, int r, int from, int to) {
+    uint16_t m = 0;
+    for (int c = from; c < to; c++) m |= (uint16_t)(1u << kv_key(w->b, r, c));
+    return m;
+}
+
+static Req *tracked(World *w, int r) {
+    if (!(w->s.req[r].flags & RF_TRACKED)) fail(w, ERR_MODEL, "request r%d is not tracked", r);
+    return &w->s.req[r];
+}
+
+static int job_pos(const State *s, int id) {
+    for (int i = 0; i < s->njobs; i++)
+        if (s->job[i].id == id) return i;
+    return -1;
+}
+
+static Job *live_job(World *w, int id) {  /* w.jobs.get(id) */
+    int i = job_pos(&w->s, id);
+    return i >= 0 && (w->s.job[i].flags & JF_TABLE) ? &w->s.job[i] : NULL;
+}
+
+static Job *held_job(World *w, int id) {  /* w.held.get(id) */
+    int i = job_pos(&w->s, id);
+    return i >= 0 && (w->s.job[i].flags & JF_HELD) ? &w->s.job[i] : NULL;
+}
+
+static Job *job_of(World *w, int id) {    /* job_of: the table, the held jobs, the new one */
+    if (id >= 0) {
+        int i = job_pos(&w->s, id);
+        if (i >= 0) return &w->s.job[i];
+    }
+    if (w->has_new && (id < 0 || w->pending_new.id == id)) return &w->pending_new;
+    fail(w, ERR_MODEL, "job %d unknown", id);
+    return NULL;
+}
+
+static void add_job(World *w, const Job *j) {  /* keep the records sorted by id */
+    State *s = &w->s;
+    if (s->njobs >= MAXJ) fail(w, ERR_LIMIT, "more than %d jobs", MAXJ);
+    if (j->id >= MAXID) fail(w, ERR_LIMIT, "job id %d beyond %d", j->id, MAXID);
+    int i = s->njobs;
+    while (i > 0 && s->job[i - 1].id > j->id) {
+        s->job[i] = s->job[i - 1];
+        i--;
+    }
+    s->job[i] = *j;
+    s->njobs++;
+}
+
+static void del_job(State *s, int id) {
+    int i = job_pos(s, id);
+    if (i < 0) return;
+    for (; i + 1 < s->njobs; i++) s->job[i] = s->job[i + 1];
+    s->njobs--;
+    memset(&s->job[s->njobs], 0, sizeof(Job));
+}
+
+/* ============================================================== the data's truth (truth.py) */
+static void taint_owner(World *w, const Job *j) {
+    Req *c = &w->s.req[j->owner];
+    if (c->cstatus == C_NONE || c->cload != j->id) return;
+    c->ckv_bad = 1;
+    for (int i = 0; i < w->s.njobs; i++) {
+        Job *o = &w->s.job[i];
+        if ((o->flags & JF_TABLE) && o->owner == j->owner && o->kind == KIND_STORE) o->flags |= JF_BAD;
+    }
+}
+
+static void failed_copy(World *w, int id) {
+    int i = job_pos(&w->s, id);
+    if (i < 0) return;
+    Job *j = &w->s.job[i];
+    j->flags |= JF_BAD;
+    if (j->kind == KIND_LOAD) taint_owner(w, j);
+}
+
+static void truth_new_job(World *w, Job *j) {
+    if (j->kind == KIND_STORE) {
+        const Req *c = &w->s.req[j->owner];
+        if (c->cstatus != C_NONE && c->ckv_bad) j->flags |= JF_BAD; else j->flags &= (uint8_t)~JF_BAD;
+    } else if (j->keys & w->s.bad_chunks) {
+        j->flags |= JF_BAD;
+    } else {
+        j->flags &= (uint8_t)~JF_BAD;
+    }
+}
+
+static void published(World *w, const Job *j, uint16_t ready) {
+    if (j->flags & JF_BAD) w->s.bad_chunks |= ready; else w->s.bad_chunks &= (uint16_t)~ready;
+}
+
+/* ============================================================== the interpreter */
+int kv_tables_init(Tables *t, const int32_t *rows, int nrows) {
+    static const int ntrig[N_MACHINES] = {N_R_TRIGGERS, N_J_TRIGGERS, N_F_TRIGGERS};
+    static const int nstate[N_MACHINES] = {N_R_STATES, N_J_STATES, N_F_STATES};
+    memset(t, 0, sizeof *t);
+    t->rows = rows;
+    t->nrows = nrows;
+    int cells = 0;
+    for (int m = 0; m < N_MACHINES; m++) {
+        t->ntrig[m] = ntrig[m];
+        t->nstate[m] = nstate[m];
+        cells += ntrig[m] * nstate[m];
+    }
+    /* each (machine, trigger, state) cell: offset of its -1 terminated row list */
+    int total = 0;
+    for (int m = 0; m < N_MACHINES; m++) {
+        t->start[m] = calloc((size_t)(ntrig[m] * nstate[m]), sizeof(int32_t));
+        if (!t->start[m]) return -1;
+    }
+    int size = cells + nrows * 32 + 1;
+    t->index = malloc(sizeof(int16_t) * (size_t)size);
+    if (!t->index) return -1;
+    for (int m = 0; m < N_MACHINES; m++)
+        for (int tr = 0; tr < ntrig[m]; tr++)
+            for (int st = 0; st < nstate[m]; st++) {
+                t->start[m][tr * nstate[m] + st] = total;
+                for (int r = 0; r < nrows; r++) {
+                    const int32_t *row = rows + r * ROW_WIDTH;
+                    if (row[0] == m && row[1] == tr && (row[2] >> st) & 1) t->index[total++] = (int16_t)r;
+                }
+                t->index[total++] = -1;
+                if (total >= size) return -1;
+            }
+    return 0;
+}
+
+void kv_tables_free(Tables *t) {
+    for (int m = 0; m < N_MACHINES; m++) free(t->start[m]);
+    free(t->index);
+}
+
+static GuardFn *const *const GUARD_TABLES[N_MACHINES] = {R_GUARDS, J_GUARDS, F_GUARDS};
+
+static int guards_hold(World *w, int m, uint32_t requires, uint32_t unless, int subject,
+                       const Kw *kw) {
+    for (int g = 0; requires >> g; g++)
+        if ((requires >> g) & 1 && !GUARD_TABLES[m][g](w, subject, kw)) return 0;
+    for (int g = 0; unless >> g; g++)
+        if ((unless >> g) & 1 && GUARD_TABLES[m][g](w, subject, kw)) return 0;
+    return 1;
+}
+
+static const char *const MACHINE_NAMES[N_MACHINES] = {"request", "job", "fence"};
+
+/* fire: move subject `subject` of machine `m` by `trigger`, through the table */
+static int fire(World *w, int m, int subject, int trigger, const Kw *kw) {
+    static const Kw none = {.count = 1};
+    if (!kw) kw = &none;
+    int state;
+    Job *job = NULL;
+    if (m == M_REQUEST) state = w->s.req[subject].state;
+    else if (m == M_JOB) { job = job_of(w, subject); state = job->state; }
+    else state = w->s.fence;
+    const Tables *t = w->t;
+    for (const int16_t *r = t->index + t->start[m][trigger * t->nstate[m] + state]; *r >= 0; r++) {
+        const int32_t *row = t->rows + *r * ROW_WIDTH;
+        if (!guards_hold(w, m, (uint32_t)row[4], (uint32_t)row[5], subject, kw)) continue;
+        int dest = row[3] < 0 ? state : row[3];
+        if (w->fired) w->fired[*r] = 1;
+        if (m == M_REQUEST) {  /* World.put: a request stays tracked until deleted */
+            Req *q = &w->s.req[subject];
+            if (dest != R_ABSENT || (q->flags & RF_TRACKED)) {
+                q->state = (uint8_t)dest;
+                q->flags |= RF_TRACKED;
+            }
+        } else if (m == M_JOB) {
+            job->state = (uint8_t)dest;
+        } else {
+            w->s.fence = (uint8_t)dest;
+        }
+        for (int e = 0; e < row[6]; e++) EFFECTS[row[7 + e]](w, subject, kw);
+        return dest;
+    }
+    fail(w, ERR_MODEL, "%s %d in state %d: no transition for trigger %d", MACHINE_NAMES[m],
+         subject, state, trigger);
+    return -1;
+}
+
+/* ============================================================== guards */
+static int guard_R_other_jobs_remain(World *w, int r, const Kw *kw) { (void)kw; return w->s.req[r].jobs != 0; }
+static int guard_R_has_transfer_jobs(World *w, int r, const Kw *kw) { (void)kw; return w->s.req[r].jobs != 0; }
+static int guard_R_load_invalid(World *w, int r, const Kw *kw) { (void)kw; return (w->s.req[r].flags & RF_LOAD_INVALID) != 0; }
+static int guard_J_owner_has_no_jobs(World *w, int j, const Kw *kw) { (void)kw; return w->s.req[job_of(w, j)->owner].jobs == 0; }
+static int guard_J_reports_complete(World *w, int j, const Kw *kw) { return kw->count >= job_of(w, j)->pending; }
+static int guard_F_has_live_jobs(World *w, int f, const Kw *kw) { (void)w; (void)f; return kw->live_jobs > 0; }
+static int guard_F_fence_empties(World *w, int f, const Kw *kw) {
+    (void)f; (void)kw;
+    for (int i = 0; i < w->s.njobs; i++)
+        if ((w->s.job[i].flags & JF_HELD) && w->s.job[i].state == J_STALE) return 0;
+    return 1;
+}
+
+/* ============================================================== request effects */
+static void copy_blocks(uint8_t *dst, const uint8_t *src, int count) {
+    memset(dst, 0, MAXT);
+    memcpy(dst, src, (size_t)count);
+}
+
+static void set_blocks(uint8_t *dst, uint8_t *n, const uint8_t *src, int count) {
+    copy_blocks(dst, src, count);
+    *n = (uint8_t)count;
+}
+
+static void eff_create_request_status(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = &w->s.req[r];
+    if (!(q->flags & RF_SIGENTRY)) { q->flags |= RF_SIGENTRY; q->signals = 0; }
+}
+
+static void eff_restart_from_token_zero(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = tracked(w, r);
+    memset(q->blocks, 0, MAXT);
+    q->nblocks = 0;
+    q->cursor = 0;
+    q->hit = 0;
+    q->kv_load = 0;
+    q->flags &= (uint8_t)~(RF_HIT | RF_KVLOAD);
+}
+
+static void eff_start_deferral_timer(World *w, int r, const Kw *kw) { (void)w; (void)r; (void)kw; }
+
+static void eff_record_lookup_hit(World *w, int r, const Kw *kw) {
+    Req *q = tracked(w, r);
+    if (kw->hit_tokens > 0) { q->flags |= RF_HIT; q->hit = (uint8_t)kw->hit_tokens; }
+    else { q->flags &= (uint8_t)~RF_HIT; q->hit = 0; }
+    if (kw->sync) q->flags |= RF_SYNC_RES; else q->flags &= (uint8_t)~RF_SYNC_RES;
+}
+
+static void eff_bypass_offload_lookup(World *w, int r, const Kw *kw) {
+    (void)kw;
+    tracked(w, r)->flags &= (uint8_t)~RF_LOAD_INVALID;
+}
+
+static void new_job(World *w, int kind, int owner, const Kw *kw) {
+    Job j;
+    memset(&j, 0, sizeof j);
+    j.id = NONE8;
+    j.kind = (uint8_t)kind;
+    j.owner = (uint8_t)owner;
+    j.state = J_UNALLOCATED;
+    j.pending = j.unreported = (uint8_t)w->b->workers;
+    j.age = NONE8;
+    j.keys = kw->keys;
+    set_blocks(j.blocks, &j.nblocks, kw->blocks, kw->nblocks);
+    if (kind == KIND_LOAD && kw->sync) j.flags |= JF_SYNC;
+    if (kind == KIND_STORE)
+        for (int i = 0; i < kw->nblocks; i++) j.deferred |= (uint16_t)(1u << kw->blocks[i]);
+    w->pending_new = j;
+    w->has_new = 1;
+}
+
+static void eff_create_load_job(World *w, int r, const Kw *kw) {
+    Req *q = tracked(w, r);
+    set_blocks(q->blocks, &q->nblocks, kw->table, kw->ntable);
+    new_job(w, KIND_LOAD, r, kw);
+    fire(w, M_JOB, -1, JT_create_load, NULL);
+    q = tracked(w, r);
+    q->flags &= (uint8_t)~(RF_HIT | RF_KVLOAD);
+    q->hit = 0;
+    q->cursor = (uint8_t)(kw->first_block_index + kw->nblocks);
+    q->kv_load = 0;
+    if (kw->sync) { q->flags |= RF_KVLOAD; q->kv_load = (uint8_t)w->last_job; }
+}
+
+static void eff_mark_chunks_being_loaded(World *w, int r, const Kw *kw) {
+    (void)r;
+    w->s.being_loaded |= kw->keys;
+}
+
+static void eff_record_block_ids(World *w, int r, const Kw *kw) {
+    Req *q = tracked(w, r);
+    set_blocks(q->blocks, &q->nblocks, kw->blocks, kw->nblocks);
+}
+
+static void eff_create_store_job(World *w, int r, const Kw *kw) {
+    new_job(w, KIND_STORE, r, kw);
+    fire(w, M_JOB, -1, JT_create_store, NULL);
+    tracked(w, r)->cursor = (uint8_t)kw->end_chunk;
+}
+
+static void eff_count_allocation_failure(World *w, int r, const Kw *kw) { (void)w; (void)r; (void)kw; }
+
+static void eff_flush_request_jobs(World *w, int r, const Kw *kw) {
+    (void)kw;
+    if (FAULT(w, FT_PREEMPT_SKIPS_FLUSH)) return;
+    uint32_t ids = tracked(w, r)->jobs & ~w->batch_loads;
+    for (int id = 0; id < MAXID; id++)
+        if ((ids >> id) & 1 && live_job(w, id)) fire(w, M_JOB, id, JT_flush, NULL);
+}
+
+static void fence_add(World *w, int block, int id) { w->s.block_fence[block] |= 1u << id; }
+
+static void eff_register_deferred_fences(World *w, int r, const Kw *kw) {
+    (void)kw;
+    if (FAULT(w, FT_FINISH_SKIPS_DEFERRED_FENCE)) return;
+    uint32_t ids = tracked(w, r)->jobs;
+    for (int id = 0; id < MAXID; id++) {
+        Job *j = (ids >> id) & 1 ? live_job(w, id) : NULL;
+        if (!j) continue;
+        for (int b = 0; b < MAXB; b++)
+            if ((j->deferred >> b) & 1) fence_add(w, b, id);
+    }
+}
+
+static void eff_signal_request_finished(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = tracked(w, r);
+    if (!(q->flags & RF_SIGNALED) || FAULT(w, FT_RESET_SIGNALS_TWICE)) {
+        q->flags |= RF_SIGNALED;
+        if (!(q->flags & RF_SIGENTRY)) { q->flags |= RF_SIGENTRY; q->signals = 0; }
+        q->signals++;
+    }
+}
+
+static void eff_delete_request_status(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = &w->s.req[r];
+    uint8_t keep = q->flags & RF_SIGENTRY;
+    q->state = R_ABSENT;
+    q->flags = keep;
+    q->hit = q->cursor = q->kv_load = q->nblocks = 0;
+    q->jobs = 0;
+    memset(q->blocks, 0, MAXT);
+}
+
+static void eff_reset_store_cursor(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = tracked(w, r);
+    q->cursor = 0;
+    q->hit = 0;
+    q->flags &= (uint8_t)~RF_HIT;
+}
+
+static void eff_drop_request_jobs(World *w, int r, const Kw *kw) {
+    (void)kw;
+    uint32_t held = tracked(w, r)->jobs;
+    for (int id = 0; id < MAXID; id++)
+        if ((held >> id) & 1 && live_job(w, id)) fire(w, M_JOB, id, JT_reset, NULL);
+    if (w->s.req[r].flags & RF_TRACKED) w->s.req[r].jobs = 0;
+}
+
+static void eff_mark_load_invalid(World *w, int r, const Kw *kw) {
+    (void)kw;
+    tracked(w, r)->flags |= RF_LOAD_INVALID;
+}
+
+static void eff_poison_request_stores(World *w, int r, const Kw *kw) {
+    (void)kw;
+    uint32_t ids = tracked(w, r)->jobs;
+    for (int id = 0; id < MAXID; id++) {
+        Job *j = (ids >> id) & 1 ? live_job(w, id) : NULL;
+        if (j && j->kind == KIND_STORE && j->state != J_FAILING) fire(w, M_JOB, id, JT_poison, NULL);
+    }
+}
+
+static void eff_quarantine_load_blocks(World *w, int r, const Kw *kw) {
+    (void)r;
+    Job *j = held_job(w, kw->job_id);
+    if (!j) fail(w, ERR_MODEL, "quarantine of job %d, which is not held", kw->job_id);
+    j->flags |= JF_QUAR;
+}
+
+static void eff_signal_untracked_finished(World *w, int r, const Kw *kw) {
+    (void)kw;
+    Req *q = &w->s.req[r];
+    if (!(q->flags & RF_SIGENTRY)) { q->flags |= RF_SIGENTRY; q->signals = 0; }
+    q->signals++;
+}
+
+static void eff_promote_after_recving(World *w, int r, const Kw *kw) { (void)w; (void)r; (void)kw; }
+
+/* ============================================================== job effects */
+static void eff_allocate_job_id(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    j->id = w->s.counter++;
+    if (j->id >= MAXID) fail(w, ERR_LIMIT, "job id %d beyond %d", j->id, MAXID);
+}
+
+static void eff_pin_load_chunks(World *w, int k, const Kw *kw) {
+    (void)k; (void)kw;
+    uint16_t keys = w->pending_new.keys;
+    for (int c = 0; c < MAXK; c++) {
+        if (!((keys >> c) & 1)) continue;
+        if (w->s.chunk[c] < 0) fail(w, ERR_MODEL, "prepare_load of chunk %d that is not ready", c);
+        w->s.chunk[c]++;
+    }
+}
+
+static void eff_protect_store_chunks(World *w, int k, const Kw *kw) { (void)w; (void)k; (void)kw; }
+
+static void eff_enter_job_table(World *w, int k, const Kw *kw) {
+    (void)k; (void)kw;
+    Job j = w->pending_new;
+    w->has_new = 0;
+    j.flags |= JF_TABLE;
+    truth_new_job(w, &j);
+    add_job(w, &j);
+    Req *q = tracked(w, j.owner);
+    q->jobs |= 1u << j.id;
+    w->batch_jobs |= 1u << j.id;
+    if (j.kind == KIND_LOAD) w->batch_loads |= 1u << j.id;
+    w->last_job = j.id;
+}
+
+static void eff_register_store_fences(World *w, int k, const Kw *kw) {
+    (void)k; (void)kw;
+    int id = w->last_job;
+    Job *j = live_job(w, id);
+    if (!j) fail(w, ERR_MODEL, "store %d not in the table", id);
+    if (tracked(w, j->owner)->flags & RF_FINISHED) {
+        for (int b = 0; b < MAXB; b++)
+            if ((j->deferred >> b) & 1) fence_add(w, b, id);
+        if (j->deferred & w->batch_alloc) fire(w, M_JOB, id, JT_flush, NULL);
+    }
+}
+
+static void eff_put_in_metadata(World *w, int k, const Kw *kw) { (void)kw; job_of(w, k)->age = 0; }
+
+static void eff_add_to_jobs_to_flush(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    if (FAULT(w, FT_RESET_SKIPS_FLUSH) && j->state == J_STALE) return;
+    j->flags |= JF_FLUSH_REQ;
+    w->s.to_flush |= 1u << k;
+}
+
+static void eff_count_report(World *w, int k, const Kw *kw) {
+    Job *j = job_of(w, k);
+    if (FAULT(w, FT_STORE_READY_ON_FIRST_ACK) && j->kind == KIND_STORE && j->state != J_STALE) {
+        uint16_t ready = 0;
+        for (int c = 0; c < MAXK; c++)
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (uint16_t)(1u << c); }
+        published(w, j, ready);
+    }
+    j->pending = (uint8_t)(j->pending - kw->count);
+}
+
+static void eff_mark_failed(World *w, int k, const Kw *kw) { (void)kw; job_of(w, k)->flags |= JF_FAILED; }
+
+static void unpin(World *w, uint16_t keys) {
+    for (int c = 0; c < MAXK; c++)
+        if ((keys >> c) & 1 && w->s.chunk[c] != CH_ABSENT && w->s.chunk[c] > 0) w->s.chunk[c]--;
+}
+
+static void unmark(World *w, const Job *j) {  /* only an async load marked its keys */
+    if (!(j->flags & JF_SYNC)) w->s.being_loaded &= (uint16_t)~j->keys;
+}
+
+static void eff_complete_in_manager(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    if (j->kind == KIND_STORE) {
+        uint16_t ready = 0;
+        for (int c = 0; c < MAXK; c++)
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (uint16_t)(1u << c); }
+        published(w, j, ready);
+    } else {
+        if (j->flags & JF_BAD) taint_owner(w, j);
+        if (!FAULT(w, FT_COMPLETE_LOAD_KEEPS_PIN)) unpin(w, j->keys);
+        if (!FAULT(w, FT_LOAD_KEEPS_CHUNKS_BEING_LOADED)) unmark(w, j);
+    }
+}
+
+static void eff_roll_back_in_manager(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    if (j->kind == KIND_STORE) {
+        for (int c = 0; c < MAXK; c++)
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) w->s.chunk[c] = CH_ABSENT;
+    } else {
+        unpin(w, j->keys);
+        unmark(w, j);
+    }
+}
+
+static void eff_leave_job_table(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *lj = live_job(w, k);
+    if (!lj) return;
+    Job j = *lj;
+    Req *q = &w->s.req[j.owner];
+    int kept = j.state == J_STALE && FAULT(w, FT_RESET_KEEPS_TRANSFER_JOBS);
+    if ((q->flags & RF_TRACKED) && !kept) q->jobs &= ~(1u << k);
+    for (int b = 0; b < MAXB; b++)
+        if ((j.deferred >> b) & 1) w->s.block_fence[b] &= ~(1u << k);
+    lj->flags &= (uint8_t)~JF_TABLE;  /* w.jobs.pop(k) */
+    if (j.state == J_STALE || j.state == J_TIMED_OUT) {
+        lj->flags |= JF_HELD;
+        if (j.state == J_STALE) return;
+    } else if (!(lj->flags & JF_HELD)) {
+        del_job(&w->s, k);
+    }
+    int trig = (j.kind == KIND_STORE ? ENDING_STORE : ENDING_LOAD)[j.state];
+    if (trig < 0) fail(w, ERR_MODEL, "job %d left the table in state %d", k, j.state);
+    Kw out;
+    memset(&out, 0, sizeof out);
+    out.count = 1;
+    out.job_id = k;
+    copy_blocks(out.blocks, j.blocks, j.nblocks);
+    out.nblocks = j.nblocks;
+    fire(w, M_REQUEST, j.owner, trig, &out);
+}
+
+static void eff_enter_timeout_quarantine(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    if (j->kind == KIND_STORE) {
+        int held = 0;
+        for (int c = 0; c < MAXK; c++)
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = CH_ABSENT; held++; }
+        j->held_slots = (uint8_t)held;
+    } else {
+        unmark(w, j);
+    }
+}
+
+/* w.held.pop(k): the record goes, unless (a broken table) it is in the job table too */
+static void forget_held(World *w, Job *j) {
+    j->flags &= (uint8_t)~(JF_HELD | JF_QUAR);
+    if (!(j->flags & JF_TABLE)) del_job(&w->s, j->id);
+}
+
+/* core.unquarantine: a quarantined load's destination blocks go back to the pool, except
+ * those the core still holds */
+static void unquarantine(World *w, const Job *j) {
+    if (!(j->flags & JF_QUAR)) return;
+    uint16_t held = 0;
+    for (int r = 0; r < MAXR; r++) {
+        const Req *q = &w->s.req[r];
+        if (q->cstatus == C_NONE) continue;
+        for (int k = 0; k < q->ncblocks; k++) held |= (uint16_t)(1u << q->cblocks[k]);
+    }
+    for (int k = 0; k < j->nblocks; k++)
+        if (!((held >> j->blocks[k]) & 1)) w->s.free_blocks |= (uint16_t)(1u << j->blocks[k]);
+}
+
+static void eff_release_quarantine(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = held_job(w, k);
+    if (!j) fail(w, ERR_MODEL, "release of job %d, which is not held", k);
+    if (j->kind == KIND_LOAD) unpin(w, j->keys);
+    unquarantine(w, j);
+    forget_held(w, j);
+}
+
+static void eff_enter_reset_fence(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    j->flags |= JF_HELD;
+    j->held_slots = 0;
+}
+
+static void eff_count_stale_report(World *w, int k, const Kw *kw) {
+    Job *j = held_job(w, k);
+    if (!j) fail(w, ERR_MODEL, "stale report of job %d, which is not held", k);
+    j->pending = (uint8_t)(j->pending - kw->count);
+}
+
+static void eff_invalidate_orphaned_load(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = held_job(w, k);
+    if (!j) fail(w, ERR_MODEL, "job %d is not held", k);
+    Req *q = &w->s.req[j->owner];
+    if (j->kind == KIND_LOAD && (q->flags & RF_TRACKED) && q->state == R_ORPHANED_LOAD)
+        q->flags |= RF_LOAD_INVALID;
+}
+
+static void eff_invalidate_owner_kv(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = job_of(w, k);
+    Req *q = &w->s.req[j->owner];
+    if (j->kind == KIND_LOAD && (j->flags & JF_SYNC) && (q->flags & RF_TRACKED) &&
+        (q->flags & RF_KVLOAD) && q->kv_load == k)
+        fire(w, M_REQUEST, j->owner, RT_kv_invalidated, NULL);
+}
+
+static void eff_leave_reset_fence(World *w, int k, const Kw *kw) {
+    (void)kw;
+    Job *j = held_job(w, k);
+    if (j) {
+        unquarantine(w, j);
+        forget_held(w, j);
+    }
+}
+
+/* ============================================================== fence effects */
+static void eff_extend_fence(World *w, int f, const Kw *kw) { (void)w; (void)f; (void)kw; }
+static void eff_signal_reset_flushed(World *w, int f, const Kw *kw) { (void)w; (void)f; (void)kw; }
+static void eff_count_ignored_report(World *w, int f, const Kw *kw) { (void)w; (void)f; (void)kw; }
+
+/* ============================================================== inside checks */
+static void inside(World *w, int hook) {
+    if (!w->check_inside || w->inside_found) return;
+    int inv = kv_check_invariants(w->b, &w->s, 1, w->without);
+    if (inv >= 0) { w->inside_found = 1; w->inside_inv = inv; w->inside_hook = hook; }
+}
+
+/* ============================================================== hooks (hooks.py) */
+#define IN(group, state) (((group) >> (state)) & 1)
+
+/* lookup: get_num_new_matched_tokens; returns the hit (-1: None) and whether async */
+static int lookup(World *w, int r, int *is_async) {
+    Req *q = tracked(w, r);
+    *is_async = 0;
+    if (IN(RS_SCHEDULED, q->state)) {
+        fire(w, M_REQUEST, r, RT_preempt, NULL);
+        w->preempted_early |= (uint8_t)(1u << r);
+        q = tracked(w, r);
+    }
+    w->step_open = 1;
+    if (q->state == R_PREEMPTED_FLUSHING && !FAULT(w, FT_LOOKUP_IGNORES_TRANSFER_JOBS)) {
+        fire(w, M_REQUEST, r, RT_lookup_blocked, NULL);
+        return -1;
+    }
+    if (IN(RS_MUST_RECOMPUTE, q->state)) {
+        fire(w, M_REQUEST, r, RT_lookup_resolved, NULL);
+        return 0;
+    }
+    int T = w->b->tokens, end = 0, defer = 0;
+    for (int c = 0; c < T - 1; c++) {
+        int key = kv_key(w->b, r, c);
+        int8_t ref = w->s.chunk[key];
+        if (ref == CH_ABSENT) break;
+        if (ref == -1 || ((w->s.being_loaded >> key) & 1)) defer = 1;
+        end = c + 1;
+    }
+    if (defer) {
+        fire(w, M_REQUEST, r, RT_lookup_deferred, NULL);
+        return -1;
+    }
+    int hit = end;
+    int sync = w->b->sync_loads && hit > 0;
+    Kw kw;
+    memset(&kw, 0, sizeof kw);
+    kw.count = 1;
+    kw.hit_tokens = hit;
+    kw.sync = sync;
+    fire(w, M_REQUEST, r, RT_lookup_resolved, &kw);
+    *is_async = hit > 0 && !sync;
+    return hit;
+}
+
+/* alloc: update_state_after_alloc */
+static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
+    for (int i = 0; i < n; i++) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
+    if (hit == 0) {
+        Req *q = tracked(w, r);
+        q->flags &= (uint8_t)~RF_HIT;
+        q->hit = 0;
+        return;
+    }
+    Req *q = tracked(w, r);
+    int sync = (q->flags & RF_SYNC_RES) != 0;
+    Kw kw;
+    memset(&kw, 0, sizeof kw);
+    kw.count = 1;
+    kw.keys = keys_of(w, r, 0, hit);
+    copy_blocks(kw.blocks, blocks, hit);
+    kw.nblocks = hit;
+    kw.first_block_index = 0;
+    kw.sync = sync;
+    copy_blocks(kw.table, blocks, n);
+    kw.ntable = n;
+    fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
+}
+
+static void store(World *w, int r, int scheduled);
+static void end_step(World *w);
+
+/* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
+ * cached requests are `cached` (mask), in index order; `sched` lists the scheduled ones in
+ * the order the core scheduled them. */
+static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblocks,
+                       uint8_t cached, const int *sched, int nsched, uint8_t finished,
+                       uint8_t preempted) {
+    w->step_open = 1;
+    for (int pass = 0; pass < 2; pass++)
+        for (int r = 0; r < w->b->requests; r++) {
+            int is_new = pass == 0 && r == admitted;
+            int is_cached = pass == 1 && ((cached >> r) & 1);
+            if (!is_new && !is_cached) continue;
+            Req *cur = tracked(w, r);
+            uint8_t table[MAXT];
+            int ntable;
+            if (is_new) {
+                for (int i = 0; i < nblocks; i++) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
+                memcpy(table, blocks, (size_t)nblocks);
+                ntable = nblocks;
+            } else {
+                memcpy(table, cur->blocks, cur->nblocks);
+                ntable = cur->nblocks;
+            }
+            if (IN(RS_SCHEDULED, cur->state)) {
+                set_blocks(cur->blocks, &cur->nblocks, table, ntable);
+            } else {  /* the table says from where a request may be scheduled */
+                Kw kw;
+                memset(&kw, 0, sizeof kw);
+                kw.count = 1;
+                copy_blocks(kw.blocks, table, ntable);
+                kw.nblocks = ntable;
+                fire(w, M_REQUEST, r, RT_schedule, &kw);
+            }
+        }
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((preempted >> r) & 1) || ((w->preempted_early >> r) & 1)) continue;
+        Req *q = &w->s.req[r];
+        if ((q->flags & RF_TRACKED) && IN(RS_SCHEDULED, q->state)) fire(w, M_REQUEST, r, RT_preempt, NULL);
+    }
+    for (int b = 0; b < MAXB; b++) {
+        if (!((w->batch_alloc >> b) & 1)) continue;
+        if (FAULT(w, FT_REALLOC_SKIPS_FENCE)) break;
+        uint32_t ids = w->s.block_fence[b];
+        for (int id = 0; id < MAXID; id++)
+            if ((ids >> id) & 1 && live_job(w, id)) fire(w, M_JOB, id, JT_flush, NULL);
+    }
+    int limit = w->b->timeout_steps;
+    if (limit >= 0) {
+        int ids[MAXJ], n = 0;
+        for (int i = 0; i < w->s.njobs; i++)
+            if (w->s.job[i].flags & JF_TABLE) ids[n++] = w->s.job[i].id;
+        for (int i = 0; i < n; i++) {
+            Job *aged = live_job(w, ids[i]);
+            if (aged && aged->age != NONE8 && aged->age >= limit) {
+                failed_copy(w, ids[i]);  /* its data never confirmed */
+                fire(w, M_JOB, ids[i], JT_time_out, NULL);
+            }
+        }
+    }
+    for (int i = 0; i < nsched; i++) {
+        int r = sched[i];
+        Req *q = &w->s.req[r];
+        if ((q->flags & RF_TRACKED) && IN(RS_STORE_CANDIDATES, q->state)) store(w, r, 1);
+    }
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((finished >> r) & 1)) continue;
+        Req *q = &w->s.req[r];
+        if ((q->flags & RF_TRACKED) && IN(RS_STORE_CANDIDATES, q->state)) {
+            int sched_here = 0;
+            for (int i = 0; i < nsched; i++) sched_here |= sched[i] == r;
+            store(w, r, sched_here);
+        }
+    }
+    for (int id = 0; id < MAXID; id++) {
+        if (!((w->batch_jobs >> id) & 1)) continue;
+        Job *j = live_job(w, id);
+        if (j && IN(JS_TO_SHIP, j->state)) fire(w, M_JOB, id, JT_ship, NULL);
+    }
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((finished >> r) & 1)) continue;
+        Req *q = &w->s.req[r];
+        if ((q->flags & RF_TRACKED) && q->state == R_FINISHED_PENDING_FINAL) fire(w, M_REQUEST, r, RT_finalize, NULL);
+    }
+    end_step(w);
+}
+
+/* _store: the store the request's new full chunks give, if any */
+static void store(World *w, int r, int scheduled) {
+    Req *req = tracked(w, r);
+    if (req->flags & RF_LOAD_INVALID) return;
+    Req snapshot = *req;
+    const Req *core = &w->s.req[r];
+    int T = w->b->tokens, tokens;
+    if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : T;
+    else tokens = core->computed + scheduled;
+    int n = tokens;
+    if (n > T) n = T;
+    if (n > req->nblocks) n = req->nblocks;
+    int start = req->cursor;
+    if (start >= n) return;
+    uint16_t offered = 0, candidates = 0;
+    int ncand = 0;
+    for (int c = start; c < n; c++) {
+        int key = kv_key(w->b, r, c);
+        offered |= (uint16_t)(1u << key);
+        if (w->s.chunk[key] == CH_ABSENT) { candidates |= (uint16_t)(1u << key); ncand++; }
+    }
+    if (!ncand) { req->cursor = (uint8_t)n; return; }
+    if (req->flags & RF_SIGNALED) req->after_signal++;
+    int present = 0, held = 0;
+    for (int c = 0; c < MAXK; c++) present += w->s.chunk[c] != CH_ABSENT;
+    for (int i = 0; i < w->s.njobs; i++)
+        if (w->s.job[i].flags & JF_HELD) held += w->s.job[i].held_slots;
+    int need = ncand - (w->b->cpu_chunks - present - held);
+    if (need > 0) {
+        int pinned_ok = FAULT(w, FT_EVICT_PINNED_CHUNKS) != 0;
+        int evictable[MAXK], ne = 0;
+        for (int c = 0; c < MAXK; c++) {
+            int8_t ref = w->s.chunk[c];
+            if (ref == CH_ABSENT || ((offered >> c) & 1)) continue;
+            if (ref == 0 || (pinned_ok && ref > 0)) evictable[ne++] = c;
+        }
+        if (need > ne) {
+            fire(w, M_REQUEST, r, RT_store_alloc_failed, NULL);
+            return;
+        }
+        for (int i = 0; i < need; i++) w->s.chunk[evictable[i]] = CH_ABSENT;
+    }
+    Kw kw;
+    memset(&kw, 0, sizeof kw);
+    kw.count = 1;
+    kw.keys = candidates;
+    for (int c = start; c < n; c++) {
+        int key = kv_key(w->b, r, c);
+        if ((candidates >> key) & 1) {
+            w->s.chunk[key] = -1;
+            kw.blocks[kw.nblocks++] = snapshot.blocks[c];
+        }
+    }
+    kw.end_chunk = n;
+    fire(w, M_REQUEST, r, RT_store, &kw);
+}
+
+static void end_step(World *w) {
+    State *s = &w->s;
+    for (int i = 0; i < s->njobs; i++)
+        if ((s->to_flush >> s->job[i].id) & 1) s->job[i].flags |= JF_FLUSH_SHIPPED;
+    s->to_flush = 0;
+    int limit = w->b->timeout_steps;
+    for (int i = 0; i < s->njobs; i++) {
+        Job *j = &s->job[i];
+        if (!(j->flags & JF_TABLE) || j->age == NONE8) continue;
+        j->age = (uint8_t)(limit > 0 ? (j->age + 1 < limit ? j->age + 1 : limit) : 1);
+    }
+    for (int r = 0; r < w->b->requests; r++) {
+        Req *q = &s->req[r];
+        if (q->flags & (RF_HIT | RF_SYNC_RES)) {
+            q->flags &= (uint8_t)~(RF_HIT | RF_SYNC_RES);
+            q->hit = 0;
+        }
+    }
+    w->batch_jobs = w->batch_loads = 0;
+    w->batch_alloc = 0;
+    w->preempted_early = 0;
+    s->reset_since_step = 0;
+    w->step_open = 0;
+}
+
+/* report: update_connector_output for one job's reports */
+static void report(World *w, int id, int done, int failed) {
+    if (FAULT(w, FT_AGGREGATE_COUNTS_ONCE)) {
+        if (done > 1) done = 1;
+        if (failed > 1) failed = 1;
+    }
+    if (!live_job(w, id) && !held_job(w, id)) fail(w, ERR_MODEL, "job %d is due no report", id);
+    Job *h = held_job(w, id);
+    int stale = h && h->state == J_STALE;
+    Kw kw;
+    memset(&kw, 0, sizeof kw);
+    if (done) { kw.count = done; fire(w, M_JOB, id, JT_ack, &kw); }
+    if (failed) { kw.count = failed; fire(w, M_JOB, id, JT_fail, &kw); }
+    if (stale) fire(w, M_FENCE, 0, FT_stale_report, NULL);
+}
+
+static void finish(World *w, int r) {
+    Req *q = &w->s.req[r];
+    if (!(q->flags & RF_TRACKED)) {
+        fire(w, M_REQUEST, r, RT_finish_untracked, NULL);
+        return;
+    }
+    q->flags |= RF_FINISHED;
+    fire(w, M_REQUEST, r, RT_finish, NULL);
+    if (FAULT(w, FT_SIGNAL_BEFORE_FINAL_STORE)) eff_signal_request_finished(w, r, NULL);
+}
+
+static void reset(World *w) {
+    State *s = &w->s;
+    int live = 0;
+    for (int i = 0; i < s->njobs; i++)
+        live += ((s->job[i].flags & JF_TABLE) != 0) +
+                ((s->job[i].flags & JF_HELD) && s->job[i].state == J_TIMED_OUT);
+    uint8_t reqs = 0;
+    for (int r = 0; r < w->b->requests; r++)
+        if (s->req[r].flags & RF_TRACKED) reqs |= (uint8_t)(1u << r);
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((reqs >> r) & 1)) continue;
+        uint32_t held = s->req[r].jobs;
+        if (held && FAULT(w, FT_RESET_KEEPS_TRANSFER_JOBS)) {  /* vLLM before PR #48102 */
+            for (int id = 0; id < MAXID; id++)
+                if ((held >> id) & 1 && live_job(w, id)) fire(w, M_JOB, id, JT_reset, NULL);
+            s->req[r].cursor = 0;  /* S:2429-2433 did that */
+            s->req[r].hit = 0;
+            s->req[r].flags &= (uint8_t)~RF_HIT;
+            continue;
+        }
+        fire(w, M_REQUEST, r, RT_reset, NULL);
+    }
+    int ids[MAXJ], n = 0;
+    for (int i = 0; i < s->njobs; i++)
+        if ((s->job[i].flags & JF_HELD) && s->job[i].state == J_TIMED_OUT) ids[n++] = s->job[i].id;
+    for (int i = 0; i < n; i++) fire(w, M_JOB, ids[i], JT_reset, NULL);
+    for (int c = 0; c < MAXK; c++) s->chunk[c] = CH_ABSENT;
+    if (!FAULT(w, FT_RESET_KEEPS_STALE_THRESHOLD)) s->threshold = s->counter;
+    Kw kw;
+    memset(&kw, 0, sizeof kw);
+    kw.count = 1;
+    kw.live_jobs = live;
+    fire(w, M_FENCE, 0, FT_reset, &kw);
+    s->being_loaded = 0;
+    memset(s->block_fence, 0, sizeof s->block_fence);
+    s->reset_since_step = 1;
+}
+
+/* ============================================================== the core (core.py) */
+static void core_free(World *w, const uint8_t *blocks, int n) {
+    uint16_t quarantined = 0;
+    for (int i = 0; i < w->s.njobs; i++) {
+        const Job *j = &w->s.job[i];
+        if (j->flags & JF_QUAR)
+            for (int k = 0; k < j->nblocks; k++) quarantined |= (uint16_t)(1u << j->blocks[k]);
+    }
+    for (int i = 0; i < n; i++)
+        if (!((quarantined >> blocks[i]) & 1)) w->s.free_blocks |= (uint16_t)(1u << blocks[i]);
+}
+
+static void core_reset(Req *q, int status) {  /* MCore(status) */
+    q->cstatus = (uint8_t)status;
+    q->computed = q->loading = q->aborted = q->ncblocks = q->ckv_bad = 0;
+    q->cload = NONE8;
+    memset(q->cblocks, 0, MAXT);
+}
+
+static void follow_connector(World *w) {
+    for (int r = 0; r < w->b->requests; r++) {
+        Req *q = &w->s.req[r];
+        if (q->cstatus == C_NONE) continue;
+        int state = (q->flags & RF_TRACKED) ? q->state : R_ABSENT;
+        if (q->cstatus == C_REMOTE) {
+            if (state == R_IDLE) {
+                q->cstatus = C_WAITING;
+                q->computed = q->loading;
+                q->loading = 0;
+            } else if (IN(RS_MUST_RECOMPUTE, state)) {
+                core_free(w, q->cblocks, q->ncblocks);
+                core_reset(q, C_WAITING);
+            }
+        } else if (q->cstatus == C_RUNNING) {
+            if (IN(RS_PREEMPTED_IF_RUNNING, state)) {
+                core_free(w, q->cblocks, q->ncblocks);
+                core_reset(q, C_WAITING);
+            }
+        } else if (q->cstatus == C_FINISHED && q->ncblocks) {
+            int loading = 0;
+            if (q->flags & RF_TRACKED)
+                for (int id = 0; id < MAXID; id++) {
+                    Job *j = (q->jobs >> id) & 1 ? live_job(w, id) : NULL;
+                    if (j && j->kind == KIND_LOAD) loading = 1;
+                }
+            if (!loading) {
+                core_free(w, q->cblocks, q->ncblocks);
+                memset(q->cblocks, 0, MAXT);
+                q->ncblocks = 0;
+            }
+        }
+    }
+}
+
+/* ============================================================== the environment */
+void kv_initial(const Bounds *b, State *s) {
+    memset(s, 0, sizeof *s);
+    s->fence = F_FENCE_IDLE;
+    for (int c = 0; c < MAXK; c++) s->chunk[c] = CH_ABSENT;
+    s->free_blocks = (uint16_t)((1u << b->gpu_blocks) - 1);
+    for (int r = 0; r < MAXR; r++) s->req[r].cload = NONE8;
+}
+
+static int behind_a_sync_load(const State *s, const Job *j) {
+    for (int i = 0; i < s->njobs; i++) {
+        const Job *o = &s->job[i];
+        if (o->owner == j->owner && o->kind == KIND_LOAD && (o->flags & JF_SYNC) && o->id < j->id &&
+            o->unreported > 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* apply one event to w->s (thawed); raises through w->jb */
+static void apply(World *w, uint32_t ev) {
+    const Bounds *b = w->b;
+    State *s = &w->s;
+    int kind = EV_KIND(ev), r = EV_REQ(ev), T = b->tokens;
+    if (kind == EV_ARRIVE) {
+        if (s->req[r].cstatus != C_NONE) fail(w, ERR_NOT_ENABLED, "already arrived");
+        core_reset(&s->req[r], C_WAITING);
+        fire(w, M_REQUEST, r, RT_add, NULL);
+    } else if (kind == EV_STEP) {
+        int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
+        uint8_t blocks[MAXT], cached = 0;
+        if (EV_ADMIT(ev)) {
+            Req *c = &s->req[r];
+            if (c->cstatus != C_WAITING) fail(w, ERR_NOT_ENABLED, "not waiting");
+            if (!c->ncblocks) {
+                int is_async;
+                int hit = lookup(w, r, &is_async);
+                inside(w, 0);
+                if (hit >= 0 && popcount16(s->free_blocks) >= T) {
+                    for (int blk = 0; blk < MAXB && nblocks < T; blk++)
+                        if ((s->free_blocks >> blk) & 1) blocks[nblocks++] = (uint8_t)blk;
+                    for (int i = 0; i < nblocks; i++) s->free_blocks &= (uint16_t)~(1u << blocks[i]);
+                    alloc(w, r, blocks, nblocks, hit);
+                    inside(w, 1);
+                    c = &s->req[r];
+                    uint8_t loader = hit > 0 ? (uint8_t)w->last_job : NONE8;  /* the load just created */
+                    if (hit && is_async) {
+                        core_reset(c, C_REMOTE);
+                        memcpy(c->cblocks, blocks, (size_t)nblocks);
+                        c->ncblocks = (uint8_t)nblocks;
+                        c->loading = (uint8_t)hit;
+                        c->cload = loader;
+                    } else {
+                        core_reset(c, C_RUNNING);
+                        c->computed = (uint8_t)hit;
+                        memcpy(c->cblocks, blocks, (size_t)nblocks);
+                        c->ncblocks = (uint8_t)nblocks;
+                        c->cload = loader;
+                        admitted = r;
+                        sched[nsched++] = r;
+                    }
+                }
+            } else {  /* an async load ended: it runs now, without a lookup */
+                c->cstatus = C_RUNNING;
+                memcpy(blocks, c->cblocks, c->ncblocks);
+                nblocks = c->ncblocks;
+                admitted = r;
+                sched[nsched++] = r;
+            }
+        }
+        for (int q = 0; q < b->requests; q++) {
+            const Req *c = &s->req[q];
+            if (c->cstatus == C_RUNNING && q != admitted && c->computed < T) {
+                cached |= (uint8_t)(1u << q);
+                sched[nsched++] = q;
+            }
+        }
+        build_meta(w, admitted, blocks, nblocks, cached, sched, nsched, s->pending_finished,
+                   s->pending_preempted);
+        for (int i = 0; i < nsched; i++) {
+            Req *c = &s->req[sched[i]];
+            c->computed = (uint8_t)(c->computed + 1 < T ? c->computed + 1 : T);
+        }
+        s->pending_finished = s->pending_preempted = 0;
+        follow_connector(w);
+    } else if (kind == EV_REPORT || kind == EV_STRAY) {
+        int id = EV_JOB(ev), count = EV_COUNT(ev), failed = EV_FAILED(ev);
+        if (id < s->threshold && !held_job(w, id)) {
+            if (!b->stray_reports) fail(w, ERR_NOT_ENABLED, "no stray reports");
+            Kw kw;
+            memset(&kw, 0, sizeof kw);
+            kw.count = count;
+            fire(w, M_FENCE, 0, FT_drained_report, &kw);
+            return;
+        }
+        Job *due = live_job(w, id);
+        if (!due) due = held_job(w, id);
+        if (!due || (due->age == NONE8 && (due->flags & JF_TABLE))) fail(w, ERR_NOT_ENABLED, "not shipped");
+        if (count < 1 || count > due->unreported) fail(w, ERR_NOT_ENABLED, "count");
+        if (behind_a_sync_load(s, due)) fail(w, ERR_NOT_ENABLED, "behind a sync load");
+        if (count > due->pending)
+            fail(w, ERR_MODEL, "job %d: %d reports from the workers but only %d due by the "
+                 "scheduler's count (over-ack)", id, count, due->pending);
+        if (failed) {
+            if (s->budget[1] >= b->failures) fail(w, ERR_NOT_ENABLED, "failure budget");
+            s->budget[1]++;
+        }
+        int owner = due->owner;
+        int completes = count == due->unreported && due->kind == KIND_LOAD && !(due->flags & JF_SYNC);
+        if (failed) failed_copy(w, id);  /* before the connector hears of it */
+        report(w, id, failed ? 0 : count, failed ? count : 0);
+        int i = job_pos(s, id);
+        if (i >= 0) s->job[i].unreported = (uint8_t)(s->job[i].unreported - count);
+        int cs = s->req[owner].cstatus;
+        int recving = completes && (cs == C_REMOTE || cs == C_FINISHED);
+        if (recving && (s->req[owner].flags & RF_TRACKED) && s->req[owner].state == R_ORPHANED_LOAD)
+            fire(w, M_REQUEST, owner, RT_load_recving, NULL);
+        follow_connector(w);
+    } else if (kind == EV_ABORT && s->req[r].cstatus == C_NONE) {
+        core_reset(&s->req[r], C_FINISHED);
+        s->req[r].aborted = 1;
+        finish(w, r);
+    } else if (kind == EV_FINISH || kind == EV_ABORT) {
+        Req *c = &s->req[r];
+        if (c->cstatus == C_NONE || c->cstatus == C_FINISHED) fail(w, ERR_NOT_ENABLED, "not live");
+        if (kind == EV_FINISH && (c->cstatus != C_RUNNING || c->computed < T)) fail(w, ERR_NOT_ENABLED, "not done");
+        int keep = c->cstatus == C_REMOTE;
+        uint8_t computed = c->computed, blocks2[MAXT], n2 = c->ncblocks;
+        uint8_t kv_bad = c->ckv_bad, loader = c->cload;
+        memcpy(blocks2, c->cblocks, MAXT);
+        if (!keep) core_free(w, blocks2, n2);
+        core_reset(c, C_FINISHED);
+        c->computed = computed;
+        c->ckv_bad = kv_bad;
+        c->cload = loader;
+        if (keep) { memcpy(c->cblocks, blocks2, MAXT); c->ncblocks = n2; }
+        c->aborted = kind == EV_ABORT;
+        finish(w, r);
+        s->pending_finished |= (uint8_t)(1u << r);
+    } else if (kind == EV_PREEMPT) {
+        Req *c = &s->req[r];
+        if (c->cstatus != C_RUNNING) fail(w, ERR_NOT_ENABLED, "not running");
+        if (s->budget[2] >= b->preemptions) fail(w, ERR_NOT_ENABLED, "preemption budget");
+        s->budget[2]++;
+        core_free(w, c->cblocks, c->ncblocks);
+        core_reset(c, C_WAITING);
+        s->pending_preempted |= (uint8_t)(1u << r);
+    } else if (kind == EV_RESET) {
+        if (s->budget[0] >= b->resets) fail(w, ERR_NOT_ENABLED, "reset budget");
+        s->budget[0]++;
+        reset(w);
+        follow_connector(w);
+    }
+}
+
+/* events(s): every event the environment may send, in spec.model's order */
+int kv_events(const Bounds *b, const State *s, uint32_t *out) {
+    int n = 0;
+    for (int r = 0; r < b->requests; r++)
+        if (s->req[r].cstatus == C_NONE) {
+            out[n++] = EV(EV_ARRIVE, r, 0, 0, 0, 0);
+            out[n++] = EV(EV_ABORT, r, 0, 0, 0, 0);
+        }
+    out[n++] = EV(EV_STEP, 0, 0, 0, 0, 0);
+    for (int r = 0; r < b->requests; r++) {
+        const Req *c = &s->req[r];
+        if (c->cstatus == C_NONE) continue;
+        if (c->cstatus == C_WAITING) out[n++] = EV(EV_STEP, r, 0, 0, 0, 1);
+        if (c->cstatus == C_RUNNING) {
+            if (c->computed >= b->tokens) out[n++] = EV(EV_FINISH, r, 0, 0, 0, 0);
+            out[n++] = EV(EV_PREEMPT, r, 0, 0, 0, 0);
+        }
+        if (c->cstatus != C_FINISHED) out[n++] = EV(EV_ABORT, r, 0, 0, 0, 0);
+    }
+    for (int pass = 0; pass < 2; pass++)  /* the table's jobs, then the held ones */
+        for (int i = 0; i < s->njobs; i++) {
+            const Job *j = &s->job[i];
+            if (!(j->flags & (pass ? JF_HELD : JF_TABLE))) continue;
+            if (j->age == NONE8 && !((JS_HELD >> j->state) & 1)) continue;
+            if (j->unreported == 0) continue;
+            int counts[2], nc = 0;
+            if (b->partial_reports && j->unreported > 1) counts[nc++] = 1;
+            counts[nc++] = j->unreported;
+            for (int k = 0; k < nc; k++) {
+                out[n++] = EV(EV_REPORT, 0, j->id, counts[k], 0, 0);
+                out[n++] = EV(EV_REPORT, 0, j->id, counts[k], 1, 0);
+            }
+        }
+    if (b->stray_reports)
+        for (int id = 0; id < s->threshold; id++) {
+            int held = 0;
+            for (int i = 0; i < s->njobs; i++) held |= (s->job[i].flags & JF_HELD) && s->job[i].id == id;
+            if (!held) { out[n++] = EV(EV_STRAY, 0, id, 1, 0, 0); break; }
+        }
+    out[n++] = EV(EV_RESET, 0, 0, 0, 0, 0);
+    return n;
+}
+
+int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, uint32_t ev,
+             State *out, uint8_t *fired, int check_inside, uint32_t without, int *inside_inv,
+             int *inside_hook, char *msg) {
+    World w;
+    jmp_buf jb;
+    memset(&w, 0, sizeof w);
+    w.b = b;
+    w.t = t;
+    w.faults = faults;
+    w.s = *s;
+    w.jb = &jb;
+    w.fired = fired;
+    w.check_inside = check_inside;
+    w.without = without;
+    w.last_job = -1;
+    if (setjmp(jb)) {
+        if (msg) memcpy(msg, w.msg, sizeof w.msg);
+        return w.err;
+    }
+    apply(&w, ev);
+    uint16_t present = 0;  /* World.freeze: the truth of chunks the manager no longer holds */
+    for (int c = 0; c < MAXK; c++)
+        if (w.s.chunk[c] != CH_ABSENT) present |= (uint16_t)(1u << c);
+    w.s.bad_chunks &= present;
+    *out = w.s;
+    if (inside_inv) *inside_inv = w.inside_found ? w.inside_inv : -1;
+    if (inside_hook) *inside_hook = w.inside_hook;
+    return ERR_NONE;
+}
+
+/* ============================================================== canonical (projection.py) */
+void kv_canonical(State *s) {
+    uint32_t known = 0, ids = 0;
+    for (int i = 0; i < s->njobs; i++) known |= 1u << s->job[i].id;
+    ids = known | s->to_flush;
+    for (int r = 0; r < MAXR; r++) ids |= s->req[r].jobs;
+    for (int b = 0; b < MAXB; b++) ids |= s->block_fence[b];
+    int n = __builtin_popcount(ids);
+    int below = __builtin_popcount(ids & (s->threshold >= 32 ? ~0u : (1u << s->threshold) - 1));
+    int dangling = 0;
+    for (int r = 0; r < MAXR; r++) {
+        if ((s->req[r].flags & RF_KVLOAD) && !((known >> s->req[r].kv_load) & 1)) dangling = 1;
+        if (s->req[r].cload != NONE8 && !((known >> s->req[r].cload) & 1)) dangling = 1;
+    }
+    if (ids == (n == 32 ? ~0u : (1u << n) - 1) && s->counter == n && s->threshold == below &&
+        !dangling)
+        return;  /* already dense */
+    int ren[MAXID];
+    for (int id = 0, k = 0; id < MAXID; id++) ren[id] = (ids >> id) & 1 ? k++ : -1;
+    for (int i = 0; i < s->njobs; i++) s->job[i].id = (uint8_t)ren[s->job[i].id];
+#define REMAP(mask) do { uint32_t m_ = (mask), o_ = 0; \
+        while (m_) { int id_ = __builtin_ctz(m_); m_ &= m_ - 1; o_ |= 1u << ren[id_]; } \
+        (mask) = o_; } while (0)
+    for (int r = 0; r < MAXR; r++) {
+        Req *q = &s->req[r];
+        REMAP(q->jobs);
+        if (q->cload != NONE8)
+            q->cload = (known >> q->cload) & 1 ? (uint8_t)ren[q->cload] : NONE8;
+        if (q->flags & RF_KVLOAD) {
+            if ((known >> q->kv_load) & 1) q->kv_load = (uint8_t)ren[q->kv_load];
+            else { q->flags &= (uint8_t)~RF_KVLOAD; q->kv_load = 0; }
+        }
+    }
+    REMAP(s->to_flush);
+    for (int b = 0; b < MAXB; b++) REMAP(s->block_fence[b]);
+#undef REMAP
+    s->counter = (uint8_t)n;
+    s->threshold = (uint8_t)below;
+}

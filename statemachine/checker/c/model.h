@@ -1,0 +1,156 @@
+/* The compiled twin of spec/model: the same state, the same events, the same semantics,
+ * interpreted through the same table rows (passed at run time). Each function names the
+ * Python function it mirrors; the differential tests keep the two equal (same reachable
+ * states, same edges, same verdicts). */
+#ifndef KV_MODEL_H
+#define KV_MODEL_H
+
+#include <setjmp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "tables.h"
+
+#define MAXR 4          /* requests */
+#define MAXT 4          /* tokens of a request (= GPU blocks = chunks) */
+#define MAXJ 24         /* job records in a state (live and held) */
+#define MAXB 16         /* GPU blocks */
+#define MAXK 16         /* chunk keys: family * tokens + position */
+#define MAXID 32        /* job ids of one event stay below (masks are 32 bits) */
+
+#define NONE8 0xFF
+#define CH_ABSENT (-128)
+
+enum { KIND_LOAD = 0, KIND_STORE = 1 };
+enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
+
+/* job flags */
+#define JF_SYNC 1
+#define JF_FAILED 2
+#define JF_FLUSH_REQ 4
+#define JF_FLUSH_SHIPPED 8
+#define JF_HELD 16      /* in w.held: the reset fence (STALE) or the timeout quarantine (TIMED_OUT) */
+#define JF_QUAR 32      /* its GPU blocks are quarantined (quarantined_blocks entry) */
+#define JF_TABLE 64     /* in w.jobs, the job table. A record is in the table, held, or (only
+                         * under a broken table, a mutant) both, as Python's two dicts allow */
+#define JF_BAD 128      /* the data's truth (truth.py): what it copies is invalid */
+
+/* request flags */
+#define RF_TRACKED 1
+#define RF_FINISHED 2
+#define RF_SIGNALED 4
+#define RF_LOAD_INVALID 8
+#define RF_SYNC_RES 16
+#define RF_HIT 32
+#define RF_KVLOAD 64
+#define RF_SIGENTRY 128  /* the manager's signal count has an entry for it */
+
+typedef struct {
+    uint8_t id, kind, owner, state, pending, unreported, age, held_slots, flags, nblocks;
+    uint16_t keys, deferred;
+    uint8_t blocks[MAXT];
+} Job;
+
+typedef struct {
+    uint8_t state, flags, hit, cursor, kv_load, nblocks, signals, after_signal;
+    uint32_t jobs;
+    uint8_t blocks[MAXT];
+    /* the core's view (MCore), with the data's truth: its KV is invalid (ckv_bad), the load
+     * that fills its blocks (cload, NONE8: none) */
+    uint8_t cstatus, computed, loading, aborted, ncblocks, ckv_bad, cload;
+    uint8_t cblocks[MAXT];
+} Req;
+
+typedef struct {
+    Req req[MAXR];
+    Job job[MAXJ];
+    uint8_t njobs, counter, threshold, fence, reset_since_step;
+    uint8_t pending_finished, pending_preempted;
+    uint8_t budget[3];
+    int8_t chunk[MAXK];
+    uint16_t being_loaded, free_blocks, bad_chunks;  /* bad_chunks: the data's truth */
+    uint32_t to_flush;
+    uint32_t block_fence[MAXB];
+} State;
+
+typedef struct {
+    int32_t requests, tokens, workers, cpu_chunks, gpu_blocks, resets, failures, preemptions;
+    int32_t timeout_steps; /* -1: none */
+    int32_t sync_loads, partial_reports, stray_reports;
+    int32_t family[MAXR];
+} Bounds;
+
+/* the keyword arguments a trigger carries to its row's effects (spec.model's **kw) */
+typedef struct {
+    int hit_tokens, sync, count, live_jobs, job_id, end_chunk, first_block_index;
+    uint16_t keys;
+    int nblocks, ntable;
+    uint8_t blocks[MAXT], table[MAXT];
+} Kw;
+
+typedef struct {
+    const int32_t *rows;
+    int nrows;
+    /* rows of (machine, trigger, state), in table order */
+    int16_t *index;   /* flattened lists, -1 terminated */
+    int32_t *start[N_MACHINES];
+    int ntrig[N_MACHINES], nstate[N_MACHINES];
+} Tables;
+
+enum { ERR_NONE = 0, ERR_NOT_ENABLED = 1, ERR_MODEL = 2, ERR_LIMIT = 3 };
+
+typedef struct World World;
+typedef int GuardFn(World *w, int subject, const Kw *kw);
+typedef void EffectFn(World *w, int subject, const Kw *kw);
+
+struct World {
+    const Bounds *b;
+    const Tables *t;
+    uint32_t faults;
+    State s;
+    /* the event's scratch */
+    int step_open;
+    uint32_t batch_jobs, batch_loads;
+    uint16_t batch_alloc;
+    uint8_t preempted_early;
+    int has_new, last_job;
+    Job pending_new;
+    jmp_buf *jb;
+    int err;
+    char msg[200];
+    uint8_t *fired;           /* coverage: rows fired (may be NULL) */
+    int check_inside;         /* check the invariants after a step's lookup and allocation */
+    int inside_found, inside_inv, inside_hook;
+    uint32_t without;         /* invariants switched off (bit i: INV-(i+1)) */
+};
+
+/* faults: FT_* of tables.h (spec.model.faults.Fault, in its order) */
+#define FAULT(w, f) ((w)->faults & (1u << (f)))
+
+/* events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15 */
+enum { EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY };
+#define EV(kind, req, job, count, failed, admit) \
+    ((uint32_t)(kind) | ((uint32_t)(req) << 3) | ((uint32_t)(job) << 6) | \
+     ((uint32_t)(count) << 11) | ((uint32_t)(failed) << 14) | ((uint32_t)(admit) << 15))
+#define EV_KIND(e) ((e) & 7)
+#define EV_REQ(e) (((e) >> 3) & 7)
+#define EV_JOB(e) (((e) >> 6) & 31)
+#define EV_COUNT(e) (((e) >> 11) & 7)
+#define EV_FAILED(e) (((e) >> 14) & 1)
+#define EV_ADMIT(e) (((e) >> 15) & 1)
+
+/* model.c */
+int kv_tables_init(Tables *t, const int32_t *rows, int nrows);
+void kv_tables_free(Tables *t);
+void kv_initial(const Bounds *b, State *s);
+int kv_events(const Bounds *b, const State *s, uint32_t *out);
+int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, uint32_t ev,
+             State *out, uint8_t *fired, int check_inside, uint32_t without, int *inside_inv,
+             int *inside_hook, char *msg);
+void kv_canonical(State *s);
+int kv_key(const Bounds *b, int req, int pos);
+
+/* invariants.c: the first safety invariant (index 0 = INV-1) broken, or -1 */
+int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t without);
+
+#endif

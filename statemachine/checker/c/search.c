@@ -1,0 +1,728 @@
+/* The exhaustive search of the compiled model: breadth first over canonical states (the
+ * visited set holds each state's compact encoding), every safety invariant in every new state
+ * and after every hook inside a step, an event with no table row as a finding; then, on the
+ * explored graph, the progress properties as liveness under weak fairness (fair strongly
+ * connected components of the states where the property is not yet met), and the old
+ * reachability check (a quiescent state reachable from every state) for comparison. A
+ * counterexample is a path of events (a lasso for liveness), which Python replays. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "model.h"
+
+#define ENC_MAX 1024
+
+/* ============================================================== compact encoding */
+static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
+    int n = 0, T = b->tokens;
+    o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
+    o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
+    for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
+    for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
+    o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
+    o[n++] = q->ncblocks; o[n++] = q->ckv_bad; o[n++] = q->cload;
+    for (int i = 0; i < T; i++) o[n++] = q->cblocks[i];
+    return n;
+}
+
+int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
+    int n = 0, T = b->tokens;
+    for (int r = 0; r < b->requests; r++) n += put_req(b, &s->req[r], o + n);
+    o[n++] = s->njobs;
+    for (int i = 0; i < s->njobs; i++) {
+        const Job *j = &s->job[i];
+        o[n++] = j->id; o[n++] = j->kind; o[n++] = j->owner; o[n++] = j->state;
+        o[n++] = j->pending; o[n++] = j->unreported; o[n++] = j->age; o[n++] = j->held_slots;
+        o[n++] = j->flags; o[n++] = j->nblocks;
+        o[n++] = (uint8_t)j->keys; o[n++] = (uint8_t)(j->keys >> 8);
+        o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
+        for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
+    }
+    o[n++] = s->counter; o[n++] = s->threshold; o[n++] = s->fence; o[n++] = s->reset_since_step;
+    o[n++] = s->pending_finished; o[n++] = s->pending_preempted;
+    for (int i = 0; i < 3; i++) o[n++] = s->budget[i];
+    for (int k = 0; k < b->requests * T; k++) o[n++] = (uint8_t)s->chunk[k];
+    o[n++] = (uint8_t)s->being_loaded; o[n++] = (uint8_t)(s->being_loaded >> 8);
+    o[n++] = (uint8_t)s->free_blocks; o[n++] = (uint8_t)(s->free_blocks >> 8);
+    o[n++] = (uint8_t)s->bad_chunks; o[n++] = (uint8_t)(s->bad_chunks >> 8);
+    for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->to_flush >> (8 * i));
+    for (int blk = 0; blk < b->gpu_blocks; blk++)
+        for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->block_fence[blk] >> (8 * i));
+    return n;
+}
+
+static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
+    int n = 0, T = b->tokens;
+    q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
+    q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
+    q->jobs = 0;
+    for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
+    for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
+    q->cstatus = o[n++]; q->computed = o[n++]; q->loading = o[n++]; q->aborted = o[n++];
+    q->ncblocks = o[n++]; q->ckv_bad = o[n++]; q->cload = o[n++];
+    for (int i = 0; i < T; i++) q->cblocks[i] = o[n++];
+    return n;
+}
+
+void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
+    int n = 0, T = b->tokens;
+    memset(s, 0, sizeof *s);
+    for (int k = 0; k < MAXK; k++) s->chunk[k] = CH_ABSENT;
+    for (int r = 0; r < b->requests; r++) n += get_req(b, &s->req[r], o + n);
+    s->njobs = o[n++];
+    for (int i = 0; i < s->njobs; i++) {
+        Job *j = &s->job[i];
+        j->id = o[n++]; j->kind = o[n++]; j->owner = o[n++]; j->state = o[n++];
+        j->pending = o[n++]; j->unreported = o[n++]; j->age = o[n++]; j->held_slots = o[n++];
+        j->flags = o[n++]; j->nblocks = o[n++];
+        j->keys = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+        j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+        for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
+    }
+    s->counter = o[n++]; s->threshold = o[n++]; s->fence = o[n++]; s->reset_since_step = o[n++];
+    s->pending_finished = o[n++]; s->pending_preempted = o[n++];
+    for (int i = 0; i < 3; i++) s->budget[i] = o[n++];
+    for (int k = 0; k < b->requests * T; k++) s->chunk[k] = (int8_t)o[n++];
+    s->being_loaded = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    s->free_blocks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    s->bad_chunks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    s->to_flush = 0;
+    for (int i = 0; i < 4; i++) s->to_flush |= (uint32_t)o[n++] << (8 * i);
+    for (int blk = 0; blk < b->gpu_blocks; blk++) {
+        s->block_fence[blk] = 0;
+        for (int i = 0; i < 4; i++) s->block_fence[blk] |= (uint32_t)o[n++] << (8 * i);
+    }
+}
+
+/* ============================================================== the visited set */
+typedef struct {
+    uint8_t *arena;
+    size_t used, cap;
+    int64_t *offset;      /* state i's encoding: arena + offset[i], length len[i] */
+    uint16_t *len;
+    uint32_t *hash;       /* the low 32 bits of each state's hash (probe filter, rehash) */
+    int32_t *parent;
+    uint32_t *via;        /* the event from the parent */
+    uint16_t *depth;
+    uint64_t *enabled;    /* fairness classes with an edge out of the state */
+    int64_t n, alloc;
+    uint64_t *slots;      /* open addressing: (state index + 1) << 24 | 24 bits of its hash; 0 empty */
+    int64_t nslots;
+    /* edges, in BFS order of their source */
+    int32_t *edst;
+    uint32_t *elabel;
+    int64_t *efirst;      /* edges of state i: efirst[i] .. efirst[i + 1] */
+    int64_t nedges, ecap;
+} Graph;
+
+static uint64_t hash_bytes(const uint8_t *p, int n) {  /* 8 bytes a round, then mixed */
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        h = (h ^ v) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+    }
+    uint64_t v = 0;
+    memcpy(&v, p + i, (size_t)(n - i));
+    h = (h ^ v) * 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 29;
+    h *= 0xFF51AFD7ED558CCDull;
+    return h ^ (h >> 32);
+}
+
+static int grow(void **p, size_t elem, int64_t count) {
+    void *q = realloc(*p, elem * (size_t)count);
+    if (!q) return -1;
+    *p = q;
+    return 0;
+}
+
+static int graph_init(Graph *g) {
+    memset(g, 0, sizeof *g);
+    g->alloc = 1 << 16;
+    g->cap = 1 << 22;
+    g->nslots = 1 << 17;
+    g->ecap = 1 << 18;
+    g->arena = malloc(g->cap);
+    g->slots = calloc((size_t)g->nslots, sizeof(uint64_t));
+    if (!g->arena || !g->slots) return -1;
+    if (grow((void **)&g->offset, sizeof(int64_t), g->alloc) || grow((void **)&g->len, 2, g->alloc) ||
+        grow((void **)&g->hash, 4, g->alloc) ||
+        grow((void **)&g->parent, 4, g->alloc) || grow((void **)&g->via, 4, g->alloc) ||
+        grow((void **)&g->depth, 2, g->alloc) || grow((void **)&g->enabled, 8, g->alloc) ||
+        grow((void **)&g->efirst, 8, g->alloc + 1) || grow((void **)&g->edst, 4, g->ecap) ||
+        grow((void **)&g->elabel, 4, g->ecap))
+        return -1;
+    return 0;
+}
+
+static void graph_free(Graph *g) {
+    free(g->arena); free(g->offset); free(g->len); free(g->hash); free(g->parent); free(g->via);
+    free(g->depth); free(g->enabled); free(g->slots); free(g->edst); free(g->elabel);
+    free(g->efirst);
+}
+
+static int rehash(Graph *g) {
+    int64_t ns = g->nslots * 2;
+    uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
+    if (!slots) return -1;
+    for (int64_t i = 0; i < g->n; i++) {
+        uint64_t h = ((uint64_t)g->hash[i] << 32) | g->hash[i];  /* the slot bits are the low ones */
+        int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(ns - 1));
+        while (slots[k]) k = (k + 1) & (ns - 1);
+        slots[k] = (uint64_t)(i + 1) << 24 | (g->hash[i] >> 8);
+    }
+    free(g->slots);
+    g->slots = slots;
+    g->nslots = ns;
+    return 0;
+}
+
+/* the index of the state `enc`, inserting it if new (*fresh = 1); -1 on memory failure */
+static int64_t intern(Graph *g, const uint8_t *enc, int len, int *fresh) {
+    uint32_t h32 = (uint32_t)hash_bytes(enc, len);
+    uint64_t h = ((uint64_t)h32 << 32) | h32;
+    int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(g->nslots - 1));
+    uint64_t tag = h32 >> 8;
+    while (g->slots[k]) {
+        int64_t i = (int64_t)(g->slots[k] >> 24) - 1;
+        if ((g->slots[k] & 0xFFFFFF) == tag && g->len[i] == len &&
+            !memcmp(g->arena + g->offset[i], enc, (size_t)len)) {
+            *fresh = 0;
+            return i;
+        }
+        k = (k + 1) & (g->nslots - 1);
+    }
+    if (g->n + 1 >= g->alloc) {
+        g->alloc *= 2;
+        if (grow((void **)&g->offset, sizeof(int64_t), g->alloc) || grow((void **)&g->len, 2, g->alloc) ||
+            grow((void **)&g->hash, 4, g->alloc) || grow((void **)&g->parent, 4, g->alloc) || grow((void **)&g->via, 4, g->alloc) ||
+            grow((void **)&g->depth, 2, g->alloc) || grow((void **)&g->enabled, 8, g->alloc) ||
+            grow((void **)&g->efirst, 8, g->alloc + 1))
+            return -1;
+    }
+    while (g->used + (size_t)len > g->cap) {
+        g->cap *= 2;
+        if (grow((void **)&g->arena, 1, (int64_t)g->cap)) return -1;
+    }
+    int64_t i = g->n++;
+    memcpy(g->arena + g->used, enc, (size_t)len);
+    g->offset[i] = (int64_t)g->used;
+    g->len[i] = (uint16_t)len;
+    g->hash[i] = h32;
+    g->used += (size_t)len;
+    g->enabled[i] = 0;
+    g->slots[k] = (uint64_t)(i + 1) << 24 | tag;
+    *fresh = 1;
+    if (g->n * 2 > g->nslots && rehash(g)) return -1;
+    return i;
+}
+
+static int add_edge(Graph *g, int64_t dst, uint32_t label) {
+    if (g->nedges >= g->ecap) {
+        g->ecap *= 2;
+        if (grow((void **)&g->edst, 4, g->ecap) || grow((void **)&g->elabel, 4, g->ecap)) return -1;
+    }
+    g->edst[g->nedges] = (int32_t)dst;
+    g->elabel[g->nedges++] = label;
+    return 0;
+}
+
+/* ============================================================== fairness classes */
+/* the weakly fair classes of spec/progress.py FAIRNESS, one bit each: an engine step, the
+ * admission of request r, the finishing of request r, a worker's report of job j (an ack or
+ * a failure; canonical ids). The environment's choices (arrivals, aborts, preemptions,
+ * resets, stray reports of drained stale ids) carry none. */
+#define FAIR_BIT_STEP 0
+#define FAIR_BIT_ADMIT(r) (1 + (r))
+#define FAIR_BIT_FINISH(r) (1 + MAXR + (r))
+#define FAIR_BIT_REPORT(j) (1 + 2 * MAXR + (j))
+_Static_assert(1 + 2 * MAXR + MAXID <= 64, "fairness classes fit 64 bits");
+_Static_assert(N_FAIR == 4 && FAIR_step == 0 && FAIR_admit == 1 && FAIR_finish == 2 &&
+               FAIR_report == 3, "the classes of spec/progress.py FAIRNESS");
+
+static uint64_t fair_class(uint32_t ev) {
+    switch (EV_KIND(ev)) {
+    case EV_STEP: return 1ull << (EV_ADMIT(ev) ? FAIR_BIT_ADMIT(EV_REQ(ev)) : FAIR_BIT_STEP);
+    case EV_FINISH: return 1ull << FAIR_BIT_FINISH(EV_REQ(ev));
+    case EV_REPORT: return 1ull << FAIR_BIT_REPORT(EV_JOB(ev));
+    default: return 0;
+    }
+}
+
+/* ============================================================== progress predicates */
+static int waiting_P_1(const Bounds *b, const State *s, int r) {  /* jobs, fence, quarantine */
+    (void)b; (void)r;
+    return s->njobs > 0;
+}
+
+static int waiting_P_2(const Bounds *b, const State *s, int r) {  /* r waits on the connector */
+    (void)b;
+    return (s->req[r].flags & RF_TRACKED) && ((RS_WAITING_ON_CONNECTOR >> s->req[r].state) & 1);
+}
+
+static int waiting_P_3(const Bounds *b, const State *s, int r) {  /* not quiescent */
+    (void)r;
+    if (s->njobs) return 1;
+    for (int q = 0; q < b->requests; q++)
+        if ((s->req[q].flags & RF_TRACKED) && !((RS_QUIESCENT >> s->req[q].state) & 1)) return 1;
+    return 0;
+}
+
+static int waiting_P_4(const Bounds *b, const State *s, int r) {  /* the core still holds r */
+    (void)b;
+    return s->req[r].cstatus != C_NONE && s->req[r].cstatus != C_FINISHED;
+}
+
+static int waiting_P_5(const Bounds *b, const State *s, int r) {  /* finished, not signaled */
+    (void)b;
+    const Req *q = &s->req[r];
+    return q->cstatus == C_FINISHED && !((q->flags & RF_SIGENTRY) && q->signals > 0);
+}
+
+#include "progress.h"
+
+/* ============================================================== the result */
+typedef struct {
+    int64_t states, edges, stuck_states;
+    int32_t depth, complete, verdict, invariant, inside_hook, request, nprefix, ncycle;
+    int32_t nlive;        /* progress properties checked and found to hold (in order) */
+    double seconds;
+    char msg[200];
+} Result;
+
+enum { V_OK, V_INVARIANT, V_ILLEGAL, V_LIVENESS, V_STUCK, V_LIMIT, V_MEMORY };
+
+typedef struct {
+    Bounds b;
+    Tables t;
+    int32_t *rows;
+    Graph g;
+    Result r;
+    uint32_t *trace;
+    int trace_cap;
+} Search;
+
+static int path_to(Search *x, int64_t i, uint32_t *out, int cap) {
+    int n = 0;
+    for (int64_t k = i; k > 0; k = x->g.parent[k]) n++;
+    if (n > cap) return -1;
+    int at = n;
+    for (int64_t k = i; k > 0; k = x->g.parent[k]) out[--at] = x->g.via[k];
+    return n;
+}
+
+static void state_of(Search *x, int64_t i, State *s) { kv_decode(&x->b, x->g.arena + x->g.offset[i], s); }
+
+/* ============================================================== liveness */
+/* spec/liveness.py, in C: Tarjan's components of the `waiting` states; a component with an
+ * internal edge in which every class enabled in all of its states is taken on an internal
+ * edge holds a fair cycle. */
+typedef struct {
+    int32_t *index, *low, *stack, *comp, *call, *prev, *queue;
+    int64_t *iter, *pedge;
+    uint8_t *on;
+} Tarjan;
+
+static int64_t fair_scc(Search *x, const uint8_t *bad, Tarjan *tj) {
+    Graph *g = &x->g;
+    int64_t n = g->n, counter = 0, sp = 0, comps = 0;
+    for (int64_t v = 0; v < n; v++) { tj->index[v] = -1; tj->on[v] = 0; tj->comp[v] = -1; }
+    int32_t *call = tj->call;
+    for (int64_t root = 0; root < n; root++) {
+        if (!bad[root] || tj->index[root] >= 0) continue;
+        int64_t depth = 0;
+        call[depth++] = (int32_t)root;
+        tj->index[root] = tj->low[root] = (int32_t)counter++;
+        tj->stack[sp++] = (int32_t)root;
+        tj->on[root] = 1;
+        tj->iter[root] = g->efirst[root];
+        while (depth) {
+            int32_t v = call[depth - 1];
+            if (tj->iter[v] < g->efirst[v + 1]) {
+                int32_t w = g->edst[tj->iter[v]++];
+                if (!bad[w]) continue;
+                if (tj->index[w] < 0) {
+                    tj->index[w] = tj->low[w] = (int32_t)counter++;
+                    tj->stack[sp++] = w;
+                    tj->on[w] = 1;
+                    tj->iter[w] = g->efirst[w];
+                    call[depth++] = w;
+                } else if (tj->on[w] && tj->index[w] < tj->low[v]) {
+                    tj->low[v] = tj->index[w];
+                }
+                continue;
+            }
+            depth--;
+            if (depth) {
+                int32_t u = call[depth - 1];
+                if (tj->low[v] < tj->low[u]) tj->low[u] = tj->low[v];
+            }
+            if (tj->low[v] != tj->index[v]) continue;
+            int64_t id = comps++, first = sp;
+            int32_t w;
+            do {
+                w = tj->stack[--first];
+                tj->comp[w] = (int32_t)id;
+            } while (w != v);
+            uint64_t always = ~0ull, taken = 0;
+            int internal = 0;
+            for (int64_t k = first; k < sp; k++) {
+                int32_t s = tj->stack[k];
+                always &= g->enabled[s];
+                for (int64_t e = g->efirst[s]; e < g->efirst[s + 1]; e++)
+                    if (tj->comp[g->edst[e]] == id) { internal = 1; taken |= fair_class(g->elabel[e]); }
+            }
+            for (int64_t k = first; k < sp; k++) tj->on[tj->stack[k]] = 0;
+            sp = first;
+            if (internal && !(always & ~taken)) return id;
+        }
+    }
+    return -1;
+}
+
+static int32_t edge_src(const Graph *g, int64_t e) {  /* efirst is sorted */
+    int64_t lo = 0, hi = g->n;
+    while (hi - lo > 1) {
+        int64_t mid = (lo + hi) / 2;
+        if (g->efirst[mid] <= e) lo = mid; else hi = mid;
+    }
+    return (int32_t)lo;
+}
+
+/* the shortest path inside component `id` from `from` that ends in `target` (>= 0), or in a
+ * state where class `want` is not enabled, or with an internal edge of class `want`; its
+ * edges are appended to the trace. Returns the new length, or -1. */
+static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t target,
+                     uint64_t want, int n, int32_t *end) {
+    Graph *g = &x->g;
+    int64_t head = 0, tail = 0, last = -1;
+    int32_t stop = -1;
+    tj->queue[tail++] = from;
+    tj->prev[from] = from;
+    tj->pedge[from] = -1;
+    while (head < tail && stop < 0) {
+        int32_t v = tj->queue[head++];
+        if (v != from && (v == target || (want && !(g->enabled[v] & want)))) { stop = v; break; }
+        for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) {
+            int32_t w = g->edst[e];
+            if (tj->comp[w] != id) continue;
+            if (want && fair_class(g->elabel[e]) == want) { stop = v; last = e; break; }
+            if (tj->prev[w] >= 0) continue;
+            tj->prev[w] = v;
+            tj->pedge[w] = e;
+            tj->queue[tail++] = w;
+        }
+    }
+    if (stop < 0) return -1;
+    int len = 0;
+    for (int32_t v = stop; v != from; v = tj->prev[v]) len++;
+    int total = n + len + (last >= 0);
+    if (total > x->trace_cap) return -1;
+    int at = n + len;
+    for (int32_t v = stop; v != from; v = tj->prev[v]) x->trace[--at] = g->elabel[tj->pedge[v]];
+    for (int64_t k = 0; k < tail; k++) tj->prev[tj->queue[k]] = -1;
+    if (last >= 0) { x->trace[n + len] = g->elabel[last]; *end = g->edst[last]; }
+    else *end = stop;
+    return total;
+}
+
+/* the lasso through component `id`: a shortest path to its entry (the member nearest the
+ * initial state), then, from the entry, an edge of each class still owed (enabled in every
+ * state visited and not yet taken), then back to the entry */
+static int lasso(Search *x, Tarjan *tj, int32_t id) {
+    Graph *g = &x->g;
+    int32_t entry = -1;
+    for (int64_t v = 0; v < g->n; v++)
+        if (tj->comp[v] == id && (entry < 0 || g->depth[v] < g->depth[entry])) entry = (int32_t)v;
+    int n = path_to(x, entry, x->trace, x->trace_cap);
+    if (n < 0) return -1;
+    x->r.nprefix = n;
+    for (int64_t v = 0; v < g->n; v++) tj->prev[v] = -1;
+    int start = n;
+    int32_t cur = entry;
+    uint64_t inter = g->enabled[entry], taken = 0;
+    for (;;) {
+        uint64_t owed = inter & ~taken;
+        if (!owed && n > start && cur == entry) break;
+        int32_t end = -1;
+        int from = n;
+        if (owed) n = comp_path(x, tj, id, cur, -1, owed & (~owed + 1), n, &end);
+        else if (cur != entry) n = comp_path(x, tj, id, cur, entry, 0, n, &end);
+        else {  /* nothing owed yet no edge: one internal edge out of the entry */
+            for (int64_t e = g->efirst[entry]; e < g->efirst[entry + 1]; e++)
+                if (tj->comp[g->edst[e]] == id) {
+                    if (n >= x->trace_cap) return -1;
+                    x->trace[n++] = g->elabel[e];
+                    end = g->edst[e];
+                    break;
+                }
+        }
+        if (n < 0 || end < 0) return -1;
+        /* replay the appended labels to learn the states visited and the classes taken */
+        int32_t v = cur;
+        for (int k = from; k < n; k++) {
+            int64_t e = g->efirst[v];
+            while (e < g->efirst[v + 1] && !(g->elabel[e] == x->trace[k] && tj->comp[g->edst[e]] == id)) e++;
+            if (e == g->efirst[v + 1]) return -1;
+            taken |= fair_class(g->elabel[e]);
+            v = g->edst[e];
+            inter &= g->enabled[v];
+        }
+        cur = v;
+    }
+    x->r.ncycle = n - start;
+    return 0;
+}
+
+static void liveness(Search *x) {
+    Graph *g = &x->g;
+    int64_t n = g->n;
+    Tarjan tj;
+    memset(&tj, 0, sizeof tj);
+    uint8_t *bad = malloc((size_t)n);
+    uint8_t *pending = malloc((size_t)n);  /* bit k: the k-th (property, request) instance */
+    tj.index = malloc(sizeof(int32_t) * (size_t)n);
+    tj.low = malloc(sizeof(int32_t) * (size_t)n);
+    tj.stack = malloc(sizeof(int32_t) * (size_t)n);
+    tj.comp = malloc(sizeof(int32_t) * (size_t)n);
+    tj.call = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    tj.prev = malloc(sizeof(int32_t) * (size_t)n);
+    tj.queue = malloc(sizeof(int32_t) * (size_t)n);
+    tj.iter = malloc(sizeof(int64_t) * (size_t)n);
+    tj.pedge = malloc(sizeof(int64_t) * (size_t)n);
+    tj.on = malloc((size_t)n);
+    (void)pending;
+    if (!bad || !tj.index || !tj.low || !tj.stack || !tj.comp || !tj.call || !tj.prev ||
+        !tj.queue || !tj.iter || !tj.pedge || !tj.on) {
+        x->r.verdict = V_MEMORY;
+        goto done;
+    }
+    x->r.nlive = 0;
+    for (int prop = 0; prop < N_PROPS; prop++) {
+        int reqs = PROP_PER_REQUEST[prop] ? x->b.requests : 1;
+        for (int r = 0; r < reqs; r++) {
+            int any = 0;
+            for (int64_t v = 0; v < n; v++) {
+                State s;
+                state_of(x, v, &s);
+                bad[v] = (uint8_t)WAITING[prop](&x->b, &s, r);
+                any |= bad[v];
+            }
+            int64_t id = any ? fair_scc(x, bad, &tj) : -1;
+            if (id >= 0) {
+                x->r.verdict = V_LIVENESS;
+                x->r.invariant = prop;
+                x->r.request = PROP_PER_REQUEST[prop] ? r : -1;
+                if (lasso(x, &tj, (int32_t)id)) x->r.verdict = V_MEMORY;
+                goto done;
+            }
+        }
+        x->r.nlive = prop + 1;
+    }
+done:
+    free(bad); free(pending); free(tj.index); free(tj.low); free(tj.stack); free(tj.comp);
+    free(tj.call); free(tj.prev); free(tj.queue); free(tj.iter); free(tj.pedge); free(tj.on);
+}
+
+/* the old progress check: a quiescent state reachable from every state */
+static void stuck(Search *x) {
+    Graph *g = &x->g;
+    int64_t n = g->n;
+    uint8_t *good = calloc((size_t)n, 1);
+    int64_t *rfirst = calloc((size_t)n + 1, sizeof(int64_t));
+    int32_t *rsrc = malloc(sizeof(int32_t) * (size_t)(g->nedges + 1));
+    int32_t *queue = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    if (!good || !rfirst || !rsrc || !queue) { x->r.verdict = V_MEMORY; goto done; }
+    for (int64_t e = 0; e < g->nedges; e++) rfirst[g->edst[e] + 1]++;
+    for (int64_t v = 0; v < n; v++) rfirst[v + 1] += rfirst[v];
+    int64_t *fill = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!fill) { x->r.verdict = V_MEMORY; goto done; }
+    memcpy(fill, rfirst, sizeof(int64_t) * (size_t)(n + 1));
+    for (int64_t v = 0; v < n; v++)
+        for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) rsrc[fill[g->edst[e]]++] = (int32_t)v;
+    free(fill);
+    int64_t head = 0, tail = 0;
+    for (int64_t v = 0; v < n; v++) {
+        State s;
+        state_of(x, v, &s);
+        int q = s.njobs == 0;
+        for (int r = 0; r < x->b.requests && q; r++)
+            if ((s.req[r].flags & RF_TRACKED) && !((RS_QUIESCENT >> s.req[r].state) & 1)) q = 0;
+        if (q) { good[v] = 1; queue[tail++] = (int32_t)v; }
+    }
+    while (head < tail) {
+        int32_t v = queue[head++];
+        for (int64_t e = rfirst[v]; e < rfirst[v + 1]; e++)
+            if (!good[rsrc[e]]) { good[rsrc[e]] = 1; queue[tail++] = rsrc[e]; }
+    }
+    int64_t first = -1;
+    for (int64_t v = 0; v < n; v++)
+        if (!good[v]) { x->r.stuck_states++; if (first < 0) first = v; }
+    if (first >= 0) {
+        x->r.verdict = V_STUCK;
+        int k = path_to(x, first, x->trace, x->trace_cap);
+        x->r.nprefix = k < 0 ? 0 : k;
+    }
+done:
+    free(good); free(rfirst); free(rsrc); free(queue);
+}
+
+/* ============================================================== the search */
+typedef void Progress(int64_t states, int64_t edges, int32_t depth);
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void *kv_search_new(const Bounds *b, const int32_t *rows, int nrows, int trace_cap) {
+    Search *x = calloc(1, sizeof(Search));
+    if (!x) return NULL;
+    x->b = *b;
+    x->rows = malloc(sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
+    x->trace = malloc(sizeof(uint32_t) * (size_t)trace_cap);
+    x->trace_cap = trace_cap;
+    if (!x->rows || !x->trace || graph_init(&x->g)) return NULL;
+    memcpy(x->rows, rows, sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
+    if (kv_tables_init(&x->t, x->rows, nrows)) return NULL;
+    return x;
+}
+
+void kv_search_free(void *h) {
+    Search *x = h;
+    if (!x) return;
+    kv_tables_free(&x->t);
+    graph_free(&x->g);
+    free(x->rows);
+    free(x->trace);
+    free(x);
+}
+
+const uint32_t *kv_search_trace(void *h) { return ((Search *)h)->trace; }
+
+int kv_search_state(void *h, int64_t i, uint8_t *out) {
+    Search *x = h;
+    if (i < 0 || i >= x->g.n) return -1;
+    memcpy(out, x->g.arena + x->g.offset[i], x->g.len[i]);
+    return x->g.len[i];
+}
+
+int64_t kv_search_parent(void *h, int64_t i) { return ((Search *)h)->g.parent[i]; }
+
+int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states, int do_liveness,
+                  int do_stuck, uint8_t *coverage, Progress *progress, Result *out) {
+    Search *x = h;
+    Graph *g = &x->g;
+    Result *r = &x->r;
+    memset(r, 0, sizeof *r);
+    r->complete = 1;
+    r->request = -1;
+    r->inside_hook = -1;
+    double t0 = now();
+    State s, nxt;
+    uint8_t enc[ENC_MAX];
+    uint32_t evs[64];
+    kv_initial(&x->b, &s);
+    kv_canonical(&s);
+    int fresh;
+    int64_t root = intern(g, enc, kv_encode(&x->b, &s, enc), &fresh);
+    if (root < 0) { r->verdict = V_MEMORY; goto out; }
+    g->parent[0] = -1;
+    g->via[0] = 0;
+    g->depth[0] = 0;
+    int inv = kv_check_invariants(&x->b, &s, 0, without);
+    if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; goto out; }
+    for (int64_t i = 0; i < g->n; i++) {
+        state_of(x, i, &s);
+        g->efirst[i] = g->nedges;
+        int n = kv_events(&x->b, &s, evs);
+        for (int k = 0; k < n; k++) {
+            int inside_inv = -1, hook = -1;
+            int rc = kv_apply(&x->b, &x->t, faults, &s, evs[k], &nxt, coverage, 1, without,
+                              &inside_inv, &hook, r->msg);
+            if (rc == ERR_NOT_ENABLED) continue;
+            r->edges++;
+            if (rc == ERR_LIMIT) { r->verdict = V_LIMIT; goto out; }
+            if (rc == ERR_MODEL || inside_inv >= 0) {
+                int len = path_to(x, i, x->trace, x->trace_cap - 1);
+                x->trace[len++] = evs[k];
+                r->nprefix = len;
+                r->verdict = rc == ERR_MODEL ? V_ILLEGAL : V_INVARIANT;
+                r->invariant = inside_inv;
+                r->inside_hook = rc == ERR_MODEL ? -1 : hook;
+                goto out;
+            }
+            kv_canonical(&nxt);
+            int len = kv_encode(&x->b, &nxt, enc);
+            int64_t j = intern(g, enc, len, &fresh);
+            if (j < 0) { r->verdict = V_MEMORY; goto out; }
+            g->enabled[i] |= fair_class(evs[k]);
+            if (fresh) {
+                g->parent[j] = (int32_t)i;
+                g->via[j] = evs[k];
+                g->depth[j] = (uint16_t)(g->depth[i] + 1);
+                if (g->depth[j] > r->depth) r->depth = g->depth[j];
+                inv = kv_check_invariants(&x->b, &nxt, 0, without);
+                if (inv >= 0) {
+                    r->verdict = V_INVARIANT;
+                    r->invariant = inv;
+                    r->nprefix = path_to(x, j, x->trace, x->trace_cap);
+                    goto out;
+                }
+                if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
+            }
+            if ((do_liveness || do_stuck) && add_edge(g, j, evs[k])) { r->verdict = V_MEMORY; goto out; }
+        }
+        g->efirst[i + 1] = g->nedges;
+        if (max_states > 0 && g->n >= max_states) { r->complete = 0; break; }
+    }
+    if (r->complete && do_liveness) liveness(x);
+    if (r->complete && do_stuck && r->verdict == V_OK) stuck(x);
+out:
+    r->states = g->n;
+    r->seconds = now() - t0;
+    *out = *r;
+    return 0;
+}
+
+/* one event on an encoded state, for the differential tests: the encoded canonical
+ * successor (its length), or -(1 + error) */
+int kv_step(const Bounds *b, const int32_t *rows, int nrows, uint32_t faults, const uint8_t *enc,
+            uint32_t ev, uint8_t *out) {
+    Tables t;
+    if (kv_tables_init(&t, rows, nrows)) return -100;
+    State s, nxt;
+    kv_decode(b, enc, &s);
+    char msg[200];
+    int rc = kv_apply(b, &t, faults, &s, ev, &nxt, NULL, 0, 0, NULL, NULL, msg);
+    kv_tables_free(&t);
+    if (rc) return -(1 + rc);
+    kv_canonical(&nxt);
+    return kv_encode(b, &nxt, out);
+}
+
+int kv_events_of(const Bounds *b, const uint8_t *enc, uint32_t *out) {
+    State s;
+    kv_decode(b, enc, &s);
+    return kv_events(b, &s, out);
+}
+
+int kv_encode_initial(const Bounds *b, uint8_t *out) {
+    State s;
+    kv_initial(b, &s);
+    kv_canonical(&s);
+    return kv_encode(b, &s, out);
+}
+
+int kv_waiting(const Bounds *b, const uint8_t *enc, int prop, int r) {
+    State s;
+    kv_decode(b, enc, &s);
+    return prop >= 0 && prop < N_PROPS ? WAITING[prop](b, &s, r) : -1;
+}
+
+uint64_t kv_fair_class(uint32_t ev) { return fair_class(ev); }

@@ -1,0 +1,346 @@
+"""The compiled twin of `spec.model`: built on first use, called through ctypes.
+
+`Library` builds the C sources of `statemachine/checker/c` with the headers `gen` makes from
+the tables (kernels.toolchain: the system compiler, a per-user cache), and exposes the
+search and, for the differential tests, single steps on encoded states. `encode` is the
+Python side of the C state encoding: a `spec.model.ModelState` encoded here equals the C
+encoding of the same state, byte for byte, which is how the two models are compared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels import toolchain
+from spec import fence as F
+from spec import job as J
+from spec import model as M
+from spec import request as R
+from spec.schema import MachineSpec
+from statemachine.checker import gen
+
+SOURCES = Path(__file__).with_name("c")
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function",
+         "-Wl,--no-undefined")
+MAXR, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 4, 24, 16, 16, 32
+NONE8 = 0xFF
+CH_ABSENT = -128
+TRACE_CAP = 4096
+
+# request and job flags of model.h
+RF_TRACKED, RF_FINISHED, RF_SIGNALED, RF_LOAD_INVALID = 1, 2, 4, 8
+RF_SYNC_RES, RF_HIT, RF_KVLOAD, RF_SIGENTRY = 16, 32, 64, 128
+JF_SYNC, JF_FAILED, JF_FLUSH_REQ, JF_FLUSH_SHIPPED, JF_HELD, JF_QUAR, JF_TABLE, JF_BAD = (
+    1, 2, 4, 8, 16, 32, 64, 128)
+CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
+
+# events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
+EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
+
+VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
+
+
+class CompiledUnavailable(RuntimeError):
+    """No C compiler, a failed build, or bounds beyond the compiled model's limits."""
+
+
+class CBounds(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
+        "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports")] + [
+        ("family", ctypes.c_int32 * MAXR)]
+
+
+class CResult(ctypes.Structure):
+    _fields_ = [("states", ctypes.c_int64), ("edges", ctypes.c_int64),  # type: ignore[assignment]
+                ("stuck_states", ctypes.c_int64)] + [
+        (name, ctypes.c_int32) for name in (
+            "depth", "complete", "verdict", "invariant", "inside_hook", "request", "nprefix",
+            "ncycle", "nlive")] + [("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
+
+
+PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
+
+
+def fits(b: M.Bounds) -> str | None:
+    """Why the compiled model cannot take these bounds (None: it can)."""
+    if b.requests > MAXR or b.tokens > MAXT or b.gpu_blocks > MAXB:
+        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXT} tokens, "
+                f"{MAXB} GPU blocks)")
+    if b.workers > 7:
+        return "more than 7 workers (a report's count has 3 bits)"
+    return None
+
+
+def c_bounds(b: M.Bounds) -> CBounds:
+    cb = CBounds()
+    for name in ("requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets",
+                 "failures", "preemptions"):
+        setattr(cb, name, getattr(b, name))
+    cb.timeout_steps = -1 if b.timeout_steps is None else b.timeout_steps
+    cb.sync_loads, cb.partial_reports = int(b.sync_loads), int(b.partial_reports)
+    cb.stray_reports = int(b.stray_reports)
+    for i, t in enumerate(b.templates()):
+        cb.family[i] = t.family
+    return cb
+
+
+def fault_mask(faults: M.Faults) -> int:
+    order = list(M.Fault)
+    return sum(1 << order.index(f) for f in faults)
+
+
+def without_mask(invariants: frozenset[str]) -> int:
+    return sum(1 << (int(i.split("-")[1]) - 1) for i in invariants)
+
+
+class Library:
+    """The compiled model, built once per process (and cached on disk across them)."""
+
+    def __init__(self) -> None:
+        sources = {p.name: p.read_text() for p in sorted(SOURCES.iterdir())
+                   if p.suffix in (".c", ".h")}
+        sources["tables.h"] = gen.header()
+        sources["dispatch.h"] = gen.dispatch()
+        sources["progress.h"] = gen.progress()
+        try:
+            path = toolchain.build("kvspec_checker", sources, FLAGS)
+        except toolchain.ToolchainError as exc:
+            raise CompiledUnavailable(str(exc)) from exc
+        lib = ctypes.CDLL(str(path))
+        lib.kv_search_new.restype = ctypes.c_void_p
+        lib.kv_search_new.argtypes = [ctypes.POINTER(CBounds), ctypes.POINTER(ctypes.c_int32),
+                                      ctypes.c_int, ctypes.c_int]
+        lib.kv_search_free.argtypes = [ctypes.c_void_p]
+        lib.kv_search_run.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(CResult)]
+        lib.kv_search_trace.restype = ctypes.POINTER(ctypes.c_uint32)
+        lib.kv_search_trace.argtypes = [ctypes.c_void_p]
+        lib.kv_search_state.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p]
+        lib.kv_step.argtypes = [ctypes.POINTER(CBounds), ctypes.POINTER(ctypes.c_int32),
+                                ctypes.c_int, ctypes.c_uint32, ctypes.c_char_p,
+                                ctypes.c_uint32, ctypes.c_char_p]
+        lib.kv_events_of.argtypes = [ctypes.POINTER(CBounds), ctypes.c_char_p,
+                                     ctypes.POINTER(ctypes.c_uint32)]
+        lib.kv_encode_initial.argtypes = [ctypes.POINTER(CBounds), ctypes.c_char_p]
+        lib.kv_waiting.argtypes = [ctypes.POINTER(CBounds), ctypes.c_char_p, ctypes.c_int,
+                                   ctypes.c_int]
+        lib.kv_fair_class.restype = ctypes.c_uint64
+        lib.kv_fair_class.argtypes = [ctypes.c_uint32]
+        self.lib = lib
+        self.path = path
+
+
+@functools.cache
+def library() -> Library:
+    return Library()
+
+
+def available() -> str | None:
+    """None when the compiled model can be used; else why not (one line)."""
+    try:
+        library()
+    except CompiledUnavailable as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def rows_of(tables: M.Tables) -> tuple[ctypes.Array[ctypes.c_int32], int]:
+    machines: Mapping[str, MachineSpec] = tables.machines
+    flat = gen.encode_rows(machines)
+    arr = (ctypes.c_int32 * len(flat))(*flat)
+    return arr, len(flat) // gen.ROW_WIDTH
+
+
+# ==================================================================== events
+def label_event(label: int, b: M.Bounds, ids: list[int] | None = None) -> M.Event:
+    """The model event of a C label; `ids` maps canonical job ids to the state's own."""
+    kind, req = label & 7, (label >> 3) & 7
+    job, count, failed, admit = (label >> 6) & 31, (label >> 11) & 7, (label >> 14) & 1, \
+        (label >> 15) & 1
+    rid = f"r{req}"
+    if ids is not None and kind in (EV_REPORT, EV_STRAY) and job < len(ids):
+        job = ids[job]
+    if kind == EV_ARRIVE:
+        return M.Event("arrive", rid)
+    if kind == EV_ABORT:
+        return M.Event("abort", rid)
+    if kind == EV_STEP:
+        return M.Event("step", rid if admit else None)
+    if kind == EV_FINISH:
+        return M.Event("finish", rid)
+    if kind == EV_PREEMPT:
+        return M.Event("preempt", rid)
+    if kind in (EV_REPORT, EV_STRAY):
+        return M.Event("report", job=job, count=count, failed=bool(failed))
+    return M.Event("reset")
+
+
+def event_label(ev: M.Event) -> int:
+    """The C label of a model event (job ids as they are: canonical in canonical states)."""
+    req = int(ev.req[1:]) if ev.req else 0
+    kind = {"arrive": EV_ARRIVE, "abort": EV_ABORT, "step": EV_STEP, "finish": EV_FINISH,
+            "preempt": EV_PREEMPT, "report": EV_REPORT, "reset": EV_RESET}[ev.kind]
+    return (kind | req << 3 | (ev.job or 0) << 6 | ev.count << 11 | int(ev.failed) << 14
+            | int(ev.kind == "step" and ev.req is not None) << 15)
+
+
+# ==================================================================== the encoding
+def _key_index(b: M.Bounds, key: int) -> int:
+    family, pos = divmod(key - 1, 1000)
+    return family * b.tokens + pos
+
+
+def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
+    return [*blocks, *([0] * (n - len(blocks)))]
+
+
+def encode(s: M.ModelState) -> bytes:
+    """The C encoding of model state `s` (kv_encode in search.c)."""
+    b = s.bounds
+    T = b.tokens
+    out: list[int] = []
+    reqs = {r.id: r for r in s.reqs}
+    core = dict(s.core)
+    signals = dict(s.signals)
+    after = {r: s.stores_after_signal.count(r) for r in set(s.stores_after_signal)}
+    rstate = {n: i for i, n in enumerate(R.REQUEST_MACHINE.state_names)}
+    jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
+    for t in b.templates():
+        q = reqs.get(t.req_id)
+        flags = RF_SIGENTRY if t.req_id in signals else 0
+        if q is not None:
+            flags |= RF_TRACKED
+            flags |= ((RF_FINISHED if q.finished else 0) | (RF_SIGNALED if q.signaled else 0)
+                      | (RF_LOAD_INVALID if q.load_invalid else 0)
+                      | (RF_SYNC_RES if q.sync_reserved else 0)
+                      | (RF_HIT if q.hit is not None else 0)
+                      | (RF_KVLOAD if q.kv_load is not None else 0))
+            head = [rstate[q.state], flags, q.hit or 0, q.cursor, q.kv_load or 0,
+                    len(q.blocks)]
+            jobs = sum(1 << i for i in q.jobs)
+            blocks = _pad(q.blocks, T)
+        else:
+            head, jobs, blocks = [0, flags, 0, 0, 0, 0], 0, [0] * T
+        out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0)]
+        out += list(jobs.to_bytes(4, "little")) + blocks
+        c = core.get(t.req_id)
+        if c is None:
+            out += [0, 0, 0, 0, 0, 0, NONE8] + [0] * T
+        else:
+            out += [CORE_STATUS[c.status], c.computed, c.loading, int(c.aborted),
+                    len(c.blocks), int(c.kv_bad), NONE8 if c.load_job is None else c.load_job]
+            out += _pad(c.blocks, T)
+    quarantined = {i for i, _ in s.quarantined_blocks}
+    records = sorted([(j, False) for j in s.jobs] + [(j, True) for j in s.held],
+                     key=lambda x: x[0].id)
+    out.append(len(records))
+    for j, held in records:
+        flags = ((JF_SYNC if j.sync else 0) | (JF_FAILED if j.failed else 0)
+                 | (JF_FLUSH_REQ if j.flush_requested else 0)
+                 | (JF_FLUSH_SHIPPED if j.flush_shipped else 0) | (JF_HELD if held else JF_TABLE)
+                 | (JF_QUAR if j.id in quarantined else 0) | (JF_BAD if j.bad else 0))
+        keys = sum(1 << _key_index(b, k) for k in j.keys)
+        deferred = sum(1 << blk for blk in j.deferred)
+        owner = int(j.owner[1:])
+        out += [j.id, 0 if j.kind == "load" else 1, owner, jstate[j.state], j.pending,
+                j.unreported, NONE8 if j.age is None else j.age, j.held_slots, flags,
+                len(j.blocks)]
+        out += list(keys.to_bytes(2, "little")) + list(deferred.to_bytes(2, "little"))
+        out += _pad(j.blocks, T)
+    fence = {n: i for i, n in enumerate(F.FENCE_MACHINE.state_names)}
+    out += [s.counter, s.threshold, fence[s.fence_state], int(s.reset_since_step),
+            sum(1 << int(r[1:]) for r in s.pending_finished),
+            sum(1 << int(r[1:]) for r in s.pending_preempted), *s.budget]
+    chunks = {_key_index(b, k): v for k, v in s.chunks}
+    out += [chunks.get(k, CH_ABSENT) & 0xFF for k in range(b.requests * T)]
+    out += list(sum(1 << _key_index(b, k) for k in s.being_loaded).to_bytes(2, "little"))
+    out += list(sum(1 << blk for blk in s.free_blocks).to_bytes(2, "little"))
+    out += list(sum(1 << _key_index(b, k) for k in s.bad_chunks).to_bytes(2, "little"))
+    out += list(sum(1 << i for i in s.to_flush).to_bytes(4, "little"))
+    fences = dict(s.block_fence)
+    for blk in range(b.gpu_blocks):
+        out += list(sum(1 << i for i in fences.get(blk, ())).to_bytes(4, "little"))
+    return bytes(out)
+
+
+# ==================================================================== the search
+@dataclass
+class Run:
+    """What one compiled search found (the checker turns it into a `CheckResult`)."""
+
+    states: int
+    edges: int
+    depth: int
+    complete: bool
+    seconds: float
+    verdict: str
+    invariant: int
+    """The invariant broken (its number: 1 is INV-1), or the progress property violated
+    (its index in `spec.progress.PROGRESS`)."""
+    inside_hook: int
+    request: int
+    prefix: list[int]
+    cycle: list[int]
+    stuck_states: int
+    message: str
+    covered: set[tuple[str, int]]
+    """(machine, row index) of every table row fired."""
+    live_checked: int
+    """How many progress properties (in `spec.progress.PROGRESS` order) were found to hold."""
+
+
+def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPEC_TABLES,
+           max_states: int | None = None, liveness: bool = True, stuck: bool = False,
+           without: frozenset[str] = frozenset(), progress: object = None) -> Run:
+    reason = fits(b)
+    if reason:
+        raise CompiledUnavailable(reason)
+    lib = library().lib
+    rows, nrows = rows_of(tables)
+    cb = c_bounds(b)
+    handle = lib.kv_search_new(ctypes.byref(cb), rows, nrows, TRACE_CAP)
+    if not handle:
+        raise MemoryError("kv_search_new")
+    try:
+        coverage = (ctypes.c_uint8 * nrows)()
+        res = CResult()
+        callback = PROGRESS(progress) if progress is not None else None  # type: ignore[call-overload]
+        lib.kv_search_run(handle, fault_mask(faults), without_mask(without), max_states or 0,
+                          int(liveness), int(stuck), coverage,
+                          ctypes.cast(callback, ctypes.c_void_p) if callback else None,
+                          ctypes.byref(res))
+        trace = lib.kv_search_trace(handle)
+        labels = [trace[i] for i in range(res.nprefix + res.ncycle)]
+        origins = gen.row_origins(tables.machines)
+        return Run(res.states, res.edges, res.depth, bool(res.complete), res.seconds,
+                   VERDICTS[res.verdict], res.invariant, res.inside_hook, res.request,
+                   labels[:res.nprefix], labels[res.nprefix:], res.stuck_states,
+                   res.msg.decode(errors="replace"),
+                   {origins[i] for i in range(nrows) if coverage[i]}, res.nlive)
+    finally:
+        lib.kv_search_free(handle)
+
+
+def all_states(b: M.Bounds, faults: M.Faults = M.NO_FAULTS,
+               tables: M.Tables = M.SPEC_TABLES) -> Iterator[bytes]:
+    """Every state the compiled search visits (encoded), for the differential tests."""
+    lib = library().lib
+    rows, nrows = rows_of(tables)
+    cb = c_bounds(b)
+    handle = lib.kv_search_new(ctypes.byref(cb), rows, nrows, TRACE_CAP)
+    try:
+        res = CResult()
+        lib.kv_search_run(handle, fault_mask(faults), 0, 0, 0, 0, None, None,
+                          ctypes.byref(res))
+        buf = ctypes.create_string_buffer(2048)
+        for i in range(res.states):
+            n = lib.kv_search_state(handle, i, buf)
+            yield buf.raw[:n]
+    finally:
+        lib.kv_search_free(handle)

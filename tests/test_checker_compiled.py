@@ -1,0 +1,167 @@
+"""The compiled twin against `spec.model`: the same reachable states, the same successors,
+the same progress predicates and fairness classes, the same verdicts. The compiled checker is
+what CI runs; these tests are why its answers are the model's."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from collections import Counter, deque
+
+import pytest
+
+from spec import model as M
+from spec.checker import CheckResult, canonical_event, check_model
+from spec.progress import PROGRESS
+from spec.scenarios import SCENARIOS, by_name, hunt_bounds, parse_bounds
+from statemachine.checker import check, compiled, gen
+from statemachine.checker.compiled import CompiledUnavailable
+
+SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset")
+
+
+def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
+    """Every canonical state of `spec.model` within `b`, and the transitions between them."""
+    s0 = M.canonical(M.initial(b))
+    seen = {s0}
+    queue = deque([s0])
+    edges = 0
+    while queue:
+        s = queue.popleft()
+        for _ev, nxt, _calls, _w in M.successors(s):
+            assert not isinstance(nxt, M.ModelError), nxt
+            edges += 1
+            k = M.canonical(nxt)
+            if k not in seen:
+                seen.add(k)
+                queue.append(k)
+    return seen, edges
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_the_same_reachable_states_and_transitions(name: str) -> None:
+    b = by_name(name).bounds
+    states, edges = _python_states(b)
+    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
+    run = compiled.search(b, liveness=False)
+    assert (run.states, run.edges) == (len(states), edges)
+
+
+def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
+    lib = compiled.library().lib
+    cb = compiled.c_bounds(b)
+    rows, nrows = compiled.rows_of(M.SPEC_TABLES)
+    evs = (ctypes.c_uint32 * 64)()
+    buf = ctypes.create_string_buffer(2048)
+    out: Counter[tuple[int, bytes | int]] = Counter()
+    for i in range(lib.kv_events_of(ctypes.byref(cb), enc, evs)):
+        n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, evs[i], buf)
+        if n == -2:  # not enabled
+            continue
+        label = evs[i]
+        if label & 7 == compiled.EV_STRAY:  # a stray report is a report to the model
+            label = (label & ~7) | compiled.EV_REPORT
+        out[label, buf.raw[:n] if n >= 0 else n] += 1
+    return out
+
+
+def _successors_py(s: M.ModelState) -> Counter[tuple[int, bytes | int]]:
+    out: Counter[tuple[int, bytes | int]] = Counter()
+    for ev, nxt, _calls, _w in M.successors(s):
+        target: bytes | int = -3 if isinstance(nxt, M.ModelError) else compiled.encode(
+            M.canonical(nxt))
+        out[compiled.event_label(canonical_event(ev, s)), target] += 1
+    return out
+
+
+def _sample(b: M.Bounds, n: int, seed: int) -> list[M.ModelState]:
+    """`n` canonical states reached by random walks (every scenario, cheaply)."""
+    rng = random.Random(seed)
+    out: list[M.ModelState] = []
+    while len(out) < n:
+        s = M.canonical(M.initial(b))
+        for _ in range(rng.randrange(1, 30)):
+            nexts = [x for _e, x, _c, _w in M.successors(s) if not isinstance(x, M.ModelError)]
+            if not nexts:
+                break
+            s = M.canonical(rng.choice(nexts))
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_the_same_successors_of_sampled_states(scenario: object) -> None:
+    from spec.scenarios import Scenario
+
+    assert isinstance(scenario, Scenario)
+    for s in _sample(scenario.bounds, 40, seed=len(scenario.name)):
+        assert _successors_c(scenario.bounds, compiled.encode(s)) == _successors_py(s), s
+
+
+@pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers"])
+def test_the_same_progress_predicates_and_fairness(name: str) -> None:
+    b = by_name(name).bounds
+    lib = compiled.library().lib
+    cb = compiled.c_bounds(b)
+    for s in _sample(b, 150, seed=7):
+        enc = compiled.encode(s)
+        for k, p in enumerate(PROGRESS):
+            for r in range(b.requests if p.scope == "request" else 1):
+                py = p.waiting(s, f"r{r}") if p.scope == "request" else p.waiting(s)
+                assert bool(lib.kv_waiting(ctypes.byref(cb), enc, k, r)) == py, (p.id, r, s)
+        for ev in M.events(s):
+            klass = M.fair_class(ev, s)
+            bits = lib.kv_fair_class(compiled.event_label(canonical_event(ev, s)))
+            if ev.kind == "report" and klass is None:  # a stray report: the C label differs
+                continue
+            assert (bits != 0) == (klass is not None), ev
+
+
+def _same_finding(py: CheckResult, c: CheckResult) -> None:
+    assert py.verdict == c.verdict
+    assert py.counterexample is not None and c.counterexample is not None
+    assert len(py.counterexample.steps) == len(c.counterexample.steps)
+    assert py.counterexample.cycle_start == c.counterexample.cycle_start
+
+
+@pytest.mark.parametrize("fault", list(M.Fault), ids=lambda f: f.value)
+def test_the_same_verdict_for_every_fault(fault: M.Fault) -> None:
+    b = hunt_bounds(fault)
+    _same_finding(check_model(b, frozenset([fault])), check(b, frozenset([fault])))
+
+
+def test_the_same_lasso_with_an_invariant_switched_off() -> None:
+    fault = M.Fault.RESET_KEEPS_TRANSFER_JOBS
+    b, off = hunt_bounds(fault), frozenset({"INV-1"})
+    _same_finding(check_model(b, frozenset([fault]), without=off),
+                  check(b, frozenset([fault]), without=off))
+
+
+def test_mutated_rows_run_without_a_rebuild() -> None:
+    from statemachine.checker.mutation import SpecMutant
+
+    mutant = next(m for m in (SpecMutant("request", i, "drop", e)
+                              for i, t in enumerate(M.MACHINES["request"].transitions)
+                              for e in t.effects)
+                  if m.target == "drop_request_jobs")
+    b = by_name("preemption-and-fences").bounds
+    _same_finding(check_model(b, tables=mutant.tables()), check(b, tables=mutant.tables()))
+
+
+def test_bounds_beyond_the_compiled_model_fall_back_to_the_reference() -> None:
+    b = parse_bounds("requests=5,tokens=1,resets=0,preemptions=0,failures=0",
+                     by_name("late-reports").bounds)
+    assert compiled.fits(b) is not None
+    with pytest.raises(CompiledUnavailable):
+        check(b, engine="compiled", max_states=10)
+    r = check(b, max_states=200)
+    assert r.engine.startswith("python (") and not r.complete
+
+
+def test_a_name_the_c_model_lacks_fails_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table that names an effect the compiled twin does not implement cannot be checked
+    by it: the build fails, naming the effect."""
+    names = gen.effect_names()
+    monkeypatch.setattr(gen, "effect_names", lambda: (*names, "new_effect"))
+    with pytest.raises(CompiledUnavailable, match="eff_new_effect"):
+        compiled.Library()
