@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test campaign soak check diagrams conformance bench-scheduler clean
+.PHONY: venv demo test campaign soak check mutate diagrams conformance bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ soak: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/kvspec check
+
+# the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py)
+mutate: $(STAMP)
+	$(BIN)/kvspec check --mutate
 
 diagrams: $(STAMP)
 	$(BIN)/kvspec diagrams

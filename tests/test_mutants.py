@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from spec.checker import check_model
 from spec.scenarios import hunt_bounds
+from statemachine.checker import check
 from statemachine.mutants import MUTANTS, Mutant, by_name
 from statemachine.testing import OffloadingStateMachine, replay
 
@@ -39,7 +39,7 @@ def test_patches_are_undone() -> None:
 def test_model_based_replay_kills_abstract_mutant(mutant: Mutant) -> None:
     assert mutant.model_fault is not None
     bounds = hunt_bounds(mutant.model_fault)
-    ce = check_model(bounds, frozenset([mutant.model_fault])).counterexample
+    ce = check(bounds, frozenset([mutant.model_fault])).counterexample
     assert ce is not None
     events = [s.event for s in ce.steps]
     replay(events, bounds)  # the same events pass on the correct implementation
@@ -87,3 +87,18 @@ def test_byte_oracle_kills_kernel_mutant(mutant: Mutant) -> None:
     assert _round_trip_offsets()
     with mutant.patch():
         assert not _round_trip_offsets()
+
+
+def test_the_48102_lasso_replays_on_the_implementation() -> None:
+    """With INV-1 off, PR #48102's fault is a liveness counterexample (a lasso); its prefix
+    and a few turns of its cycle pass on the implementation and fail with the fault on."""
+    mutant = by_name("reset-keeps-transfer-jobs")
+    assert mutant.model_fault is not None
+    bounds = hunt_bounds(mutant.model_fault)
+    r = check(bounds, frozenset([mutant.model_fault]), without=frozenset({"INV-1"}))
+    ce = r.counterexample
+    assert ce is not None and r.verdict.startswith("liveness") and ce.cycle
+    events = [s.event for s in ce.prefix] + [s.event for s in ce.cycle] * 3
+    replay(events, bounds)
+    with mutant.patch(), pytest.raises(BaseException):  # noqa: B017 - any check may fire
+        replay(events, bounds)
