@@ -161,7 +161,8 @@ class VLLMAdapter:
         for jid, js in self.scheduler._jobs.items():
             if jid not in obs.jobs:
                 keys = frozenset(obs.key_of[bytes(k)] for k in js.keys)
-                obs.jobs[jid] = JobMemo("store" if js.is_store else "load", keys)
+                obs.jobs[jid] = JobMemo("store" if js.is_store else "load", keys,
+                                        sync=bool(getattr(js, "is_sync_load", False)))
         if meta is None:
             return
         for table, spec_of in ((meta.load_jobs, "dst_spec"), (meta.store_jobs, "src_spec")):

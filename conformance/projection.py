@@ -50,6 +50,7 @@ class JobMemo:
     kind: str
     keys: frozenset[int]
     blocks: frozenset[int] = frozenset()
+    sync: bool = False
 
 
 @dataclass
@@ -187,7 +188,8 @@ def project(setup: Any, obs: Observations) -> AbstractState:
         fence.append(HeldJob(
             id=jid, kind="load" if memo is not None and memo.kind == "load" else "store",
             reports_due=int(due), keys=memo.keys if memo else frozenset(),
-            blocks=memo.blocks if memo else frozenset(), flushed=jid in obs.flush_shipped))
+            blocks=memo.blocks if memo else frozenset(), flushed=jid in obs.flush_shipped,
+            sync=memo.sync if memo else False))
 
     being_loaded = _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set()
     table = _first(manager._policy, "chunks", "blocks")

@@ -28,7 +28,7 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
                            frozenset(j.keys), frozenset(j.blocks), frozenset(),
                            j.deferred, j.age or 0, j.flush_requested) for j in s.jobs)
     fence = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys), frozenset(j.blocks),
-                          j.flush_shipped) for j in s.held if j.state == J.STALE)
+                          j.flush_shipped, j.sync) for j in s.held if j.state == J.STALE)
     quarantine = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys),
                                frozenset(j.blocks), j.flush_shipped, j.sync)
                        for j in s.held if j.state == J.TIMED_OUT)
