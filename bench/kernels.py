@@ -12,11 +12,16 @@ For each GPU page size and job size (blocks per job), measured side by side in o
 * ``loop``: one ``copy_`` per block from Python (``cpu[row].copy_(gpu[b])``; on CUDA issued
   ``non_blocking`` on a stream, a stand-in for one cudaMemcpyAsync per block).
 
+Then, on the CPU, the jobs vLLM 0.33.0 produces (a request's store of 1, 4 or 16 new chunks
+over 32 or 64 layers, GQA K/V pages or an MLA latent page, one or two groups; a step's 64
+requests storing back to back), per job against one contiguous copy of the same bytes, and
+the fixed cost of the smallest job in microseconds.
+
 Usage: ``python bench/kernels.py [--quick] [--json] [--bpc N] [--threads N] [--reps N]
-[--budget S] [--device cpu|cuda|all]``. The default grid takes well under a minute on an idle
-2-core machine (``--budget`` bounds it on a busy one); ``--quick`` a few seconds. Rows the host
-disturbed are flagged NOISY and left out of the targets. Timings are reported here only; tests
-never look at them.
+[--budget S] [--device cpu|cuda|all] [--no-vllm]``. The default grid takes well under a
+minute on an idle 2-core machine (``--budget`` bounds it on a busy one); ``--quick`` a few
+seconds. Rows the host disturbed are flagged NOISY and left out of the targets. Timings are
+reported here only; tests never look at them.
 """
 
 from __future__ import annotations
@@ -348,6 +353,130 @@ def run_device(device: torch.device, pages: list[int], blocks: list[int], bpc: i
     return rows, over_cap, no_time
 
 
+# -- vLLM-shaped jobs -------------------------------------------------------------------------
+# What vLLM 0.33.0's offloading worker submits: a store of a request's new full chunks (or a
+# load of its hit) over every layer of a KV cache group, one job per group; blocks_per_chunk 1
+# (vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py:121). Pages of real
+# models: 8 KV heads x 128 dims x 16 tokens in bf16 (K and V: two tensors per layer), and an
+# MLA-style single latent page of 576 dims x 16 tokens in bf16 (one tensor per layer).
+VLLM_PAGES = {"gqa 8x128": (8 * 128 * 16 * 2, 2), "mla 576": (576 * 16 * 2, 1)}
+VLLM_SHAPES = [  # (page, layers, groups, chunks)
+    ("gqa 8x128", 32, 1, 1), ("gqa 8x128", 32, 1, 4), ("gqa 8x128", 32, 1, 16),
+    ("gqa 8x128", 64, 1, 4), ("gqa 8x128", 64, 2, 4), ("mla 576", 32, 1, 4),
+    ("mla 576", 64, 1, 16),
+]
+STEP_REQUESTS = 64
+
+
+@dataclass
+class VllmRow:
+    shape: str
+    layers: int
+    groups: int
+    chunks: int
+    jobs: int
+    job_kib: float
+    job_us: float
+    contig_us: float
+
+    @property
+    def vs_contig(self) -> float:
+        return self.contig_us / self.job_us
+
+
+def _engines(page: int, tensors: int, groups: int, pool: int) -> list[CopyEngine]:
+    """One engine per KV cache group over its share of the tensors (a worker's view)."""
+    per = tensors // groups
+    out = []
+    for _ in range(groups):
+        layout = KVLayout((page,) * per, 1)
+        gpu = allocate_gpu_kv(layout, pool, "cpu")
+        cpu = allocate_cpu_kv(layout, pool, pin=False)
+        for t in (*gpu, *cpu):
+            t.fill_(1)  # first touch, outside the timed region
+        out.append(CopyEngine(gpu, cpu, 1, "cpu"))
+    return out
+
+
+def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int,
+                    reps: int, seed: int) -> VllmRow:
+    """`jobs` requests each store `chunks` new chunks (one job per group each), issued back to
+    back and then completed, against one contiguous copy of the same bytes. A job's time
+    includes building its TransferSpec from the block and chunk ids, as a worker does."""
+    page, per_layer = VLLM_PAGES[shape]
+    tensors = layers * per_layer
+    pool = 2 * chunks * jobs + 1
+    engines = _engines(page, tensors, groups, pool)
+    gen = torch.Generator().manual_seed(seed)
+    ids = [(torch.randperm(pool, generator=gen)[:chunks].tolist(),
+            torch.randperm(pool, generator=gen)[:chunks].tolist()) for _ in range(jobs)]
+    counter = itertools.count()
+    nbytes = jobs * chunks * page * tensors
+    src = torch.ones(nbytes, dtype=torch.int8)
+    dst = torch.empty_like(src)
+    dst.fill_(0)
+
+    def run_jobs() -> None:
+        for gpu_ids, cpu_ids in ids:
+            for e in engines:
+                e.submit_store(next(counter), TransferSpec(gpu_ids, cpu_ids))
+        for e in engines:
+            assert all(r.success for r in e.poll())
+
+    def contig() -> None:
+        dst.copy_(src)
+
+    gbps, _ = _measure({"job": run_jobs, "contig": contig}, nbytes, reps,
+                       torch.device("cpu"), time.perf_counter() + 60.0)
+    n_jobs = jobs * groups
+    return VllmRow(shape, layers, groups, chunks, n_jobs, nbytes / n_jobs / KIB,
+                   nbytes / gbps["job"] / 1e3 / n_jobs, nbytes / gbps["contig"] / 1e3 / n_jobs)
+
+
+def fixed_cost_us(reps: int) -> float:
+    """Microseconds per job for the smallest job: one block of a 16-byte page, one tensor,
+    its TransferSpec built, submitted, run and polled (the bytes cost nothing there)."""
+    layout = KVLayout((16,), 1)
+    engine = CopyEngine(allocate_gpu_kv(layout, 8, "cpu"), allocate_cpu_kv(layout, 8, pin=False),
+                        1, "cpu")
+    counter = itertools.count()
+    batch = 1000
+
+    def sample() -> float:
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            engine.submit_store(next(counter), TransferSpec([3], [5]))
+            engine.poll()
+        return (time.perf_counter() - t0) / batch * 1e6
+
+    sample()
+    return statistics.median(sample() for _ in range(reps))
+
+
+def print_vllm(rows: list[VllmRow], fixed_us: float) -> None:
+    print("\n== vLLM-shaped store jobs (cpu, blocks_per_chunk 1): time per job, and one "
+          "contiguous copy of the same bytes")
+    print(f"{'page':>10} {'layers':>6} {'groups':>6} {'chunks':>6} {'jobs':>5} "
+          f"{'KiB/job':>8} {'us/job':>9} {'contig us':>9} {'vs contig':>9}")
+    for r in rows:
+        print(f"{r.shape:>10} {r.layers:6} {r.groups:6} {r.chunks:6} {r.jobs:5} "
+              f"{r.job_kib:8.0f} {r.job_us:9.1f} {r.contig_us:9.1f} {r.vs_contig:9.2f}")
+    print(f"fixed cost of the smallest job (1 block of 16 bytes, 1 tensor, spec built, "
+          f"submitted, run, polled): {fixed_us:.1f} us")
+
+
+def vllm_targets(rows: list[VllmRow], fixed_us: float) -> list[Target]:
+    four = [r for r in rows if (r.shape, r.layers, r.groups, r.chunks, r.jobs) ==
+            ("gqa 8x128", 32, 1, 4, 1)]
+    return [
+        Target("cpu", "smallest job's fixed cost <= 15 us", fixed_us <= 15.0,
+               f"{fixed_us:.1f} us"),
+        Target("cpu", ">= 0.6 of contiguous: store of 4 chunks over 32 layers",
+               all(r.vs_contig >= 0.6 for r in four) if four else None,
+               ", ".join(f"{r.vs_contig:.2f}" for r in four) or "not measured"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small grid (< 30 s)")
@@ -359,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 150, --quick 20)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's default)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="leave out the vLLM-shaped jobs and the fixed-cost figure")
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
                         help="all: cpu, and cuda when available")
     args = parser.parse_args(argv)
@@ -417,6 +548,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"targets (jobs of >= {TARGET_MIN_BLOCKS} blocks; bandwidth targets on jobs "
                   f"of >= {TARGET_MIN_BYTES // MIB} MiB):")
             for t in targets:
+                verdict = "n/a" if t.met is None else "met" if t.met else "NOT MET"
+                print(f"  [{verdict}] {t.name}: {t.detail}")
+    if any(d.type == "cpu" for d in devices) and not args.no_vllm:
+        vrows = [bench_vllm_jobs(shape, layers, groups, chunks, 1, reps, seed=i)
+                 for i, (shape, layers, groups, chunks) in enumerate(VLLM_SHAPES)]
+        vrows.append(bench_vllm_jobs("gqa 8x128", 32, 1, 1, STEP_REQUESTS, reps, seed=99))
+        fixed = fixed_cost_us(reps)
+        vtargets = vllm_targets(vrows, fixed)
+        all_targets += vtargets
+        report["vllm_shaped"] = {
+            "rows": [asdict(r) | {"vs_contig": r.vs_contig} for r in vrows],
+            "fixed_cost_us": fixed, "targets": [asdict(t) for t in vtargets]}
+        if not args.json:
+            print_vllm(vrows, fixed)
+            for t in vtargets:
                 verdict = "n/a" if t.met is None else "met" if t.met else "NOT MET"
                 print(f"  [{verdict}] {t.name}: {t.detail}")
     report["seconds"] = time.perf_counter() - t0

@@ -20,6 +20,7 @@ row-index tensors (GPU rows, CPU sub-rows) that every copy of the job uses.
 
 from __future__ import annotations
 
+import array
 import functools
 import math
 from collections import Counter
@@ -118,13 +119,26 @@ def allocate_cpu_kv(
             for t in range(layout.num_tensors)]
 
 
-def _id_tensor(name: str, ids: Sequence[int]) -> tuple[torch.Tensor, int]:
-    """The ids as a 1-D int64 tensor, and the largest id; rejects non-integers, negatives and
-    duplicates."""
+_PY_IDS_MAX = 64
+"""Id lists up to this long are validated in Python (cheaper than a few tensor ops: a job's
+fixed cost), longer ones with tensor ops (no Python work per id)."""
+
+
+def _id_tensor(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], torch.Tensor, int]:
+    """The ids as a tuple and as a 1-D int64 tensor, and the largest id; rejects non-integers,
+    negatives and duplicates."""
     if isinstance(ids, torch.Tensor):
         raise KernelSpecError(f"{name} must be a sequence of ints, not a tensor")
     if len(ids) == 0:
         raise KernelSpecError(f"{name} is empty")
+    if len(ids) <= _PY_IDS_MAX and all(type(i) is int for i in ids):
+        as_tuple = tuple(ids)
+        if min(as_tuple) >= 0 and len(set(as_tuple)) == len(as_tuple):
+            # through an int64 array: a third of torch.tensor's cost for a few ids (the
+            # tensor keeps the array alive)
+            ids_tensor = torch.frombuffer(array.array("q", as_tuple), dtype=torch.int64)
+            return as_tuple, ids_tensor, max(as_tuple)
+        # a negative or a duplicate: the tensor path below names them
     try:
         t = torch.tensor(ids)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -138,7 +152,7 @@ def _id_tensor(name: str, ids: Sequence[int]) -> tuple[torch.Tensor, int]:
     if t.numel() > 1 and torch.unique(t).numel() != t.numel():
         dups = sorted(i for i, k in Counter(t.tolist()).items() if k > 1)
         raise KernelSpecError(f"{name} contains duplicate ids {dups[:8]}")
-    return t, high
+    return tuple(t.tolist()), t, high
 
 
 @dataclass(frozen=True, init=False)
@@ -161,10 +175,10 @@ class TransferSpec:
         self, gpu_blocks: Sequence[int], cpu_chunks: Sequence[int], first_block_index: int = 0
     ) -> None:
         _check_count("first_block_index", first_block_index, 0)
-        gpu_ids, gpu_max = _id_tensor("gpu_blocks", gpu_blocks)
-        cpu_ids, cpu_max = _id_tensor("cpu_chunks", cpu_chunks)
-        object.__setattr__(self, "gpu_blocks", tuple(gpu_ids.tolist()))
-        object.__setattr__(self, "cpu_chunks", tuple(cpu_ids.tolist()))
+        gpu_tuple, gpu_ids, gpu_max = _id_tensor("gpu_blocks", gpu_blocks)
+        cpu_tuple, cpu_ids, cpu_max = _id_tensor("cpu_chunks", cpu_chunks)
+        object.__setattr__(self, "gpu_blocks", gpu_tuple)
+        object.__setattr__(self, "cpu_chunks", cpu_tuple)
         object.__setattr__(self, "first_block_index", first_block_index)
         object.__setattr__(self, "_gpu_ids", gpu_ids)
         object.__setattr__(self, "_cpu_ids", cpu_ids)

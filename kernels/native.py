@@ -7,8 +7,8 @@ out of it, two passes over the bytes and two dispatches per KV tensor. This modu
 ``memcpy(dst + dst_row * row_bytes, src + src_row * row_bytes, row_bytes)`` (one ``memcpy``
 per run of pairs consecutive on both sides), the pairs split over a few POSIX threads when
 the job is large, and stores that bypass the caches when it is larger than they are. It is
-called through ``ctypes`` with the tensors' data pointers, once per job and tensor: never a
-Python loop over rows.
+called through ``ctypes`` once per job for all of a worker's KV tensors (:class:`TensorPairs`,
+the pointers and row sizes planned once): never a Python loop over rows or tensors.
 
 Every row index is bounds-checked in C before any byte moves (an out-of-range index returns
 an error and copies nothing), so a bad mapping cannot write outside the tensors.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from kernels import toolchain
 
 __all__ = [
     "NativeCopyError",
+    "TensorPairs",
     "available",
     "copy_byte_rows",
     "copy_rows",
@@ -106,50 +108,148 @@ static void *kvspec_copy_part(void *arg) {
     return 0;
 }
 
-/* Copy src row src_rows[i] to dst row dst_rows[i] for i < n, rows of row_bytes bytes.
-   Returns 0; or -(i + 1) if pair i indexes outside either tensor (nothing is copied then). */
-int64_t kvspec_copy_rows(char *dst, int64_t dst_num_rows, const char *src,
-                         int64_t src_num_rows, const int64_t *dst_rows,
-                         const int64_t *src_rows, int64_t n, int64_t row_bytes,
-                         int64_t num_threads, int64_t stream) {
+/* One thread's share of a job: a pair range of a range of tensors. */
+typedef struct {
+    char *const *dst;
+    const char *const *src;
+    const int64_t *row_bytes;
+    int64_t num_tensors;
+    const int64_t *dst_rows;
+    const int64_t *src_rows;
+    int64_t begin, end, stream;
+} kvspec_share;
+
+static void *kvspec_copy_share(void *arg) {
+    const kvspec_share *s = (const kvspec_share *)arg;
+    for (int64_t t = 0; t < s->num_tensors; ++t) {
+        kvspec_part p = {s->dst[t], s->src[t], s->dst_rows, s->src_rows, s->begin, s->end,
+                         s->row_bytes[t], s->stream};
+        kvspec_copy_part(&p);
+    }
+    return 0;
+}
+
+/* A persistent pool of helper threads (creating and joining a thread per job costs about
+   40 us, more than a small job's copy). One job at a time uses it; a caller that finds it
+   busy copies alone. After a fork the child has no helpers: it starts its own. */
+#define KVSPEC_MAX_THREADS 16
+static pthread_mutex_t kvspec_pool_busy = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t kvspec_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t kvspec_pool_go = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t kvspec_pool_done = PTHREAD_COND_INITIALIZER;
+static int64_t kvspec_pool_helpers = 0, kvspec_pool_round = 0, kvspec_pool_count = 0;
+static int64_t kvspec_pool_pending = 0;
+static kvspec_share *kvspec_pool_work = 0;
+static int64_t kvspec_pool_joined[KVSPEC_MAX_THREADS]; /* the round each helper started in */
+static int kvspec_pool_forkable = 0;
+
+static void kvspec_pool_after_fork(void) {
+    pthread_mutex_init(&kvspec_pool_busy, 0);
+    pthread_mutex_init(&kvspec_pool_mu, 0);
+    pthread_cond_init(&kvspec_pool_go, 0);
+    pthread_cond_init(&kvspec_pool_done, 0);
+    kvspec_pool_helpers = kvspec_pool_round = kvspec_pool_count = kvspec_pool_pending = 0;
+}
+
+static void *kvspec_pool_helper(void *arg) {
+    int64_t me = (int64_t)(intptr_t)arg, seen;
+    pthread_mutex_lock(&kvspec_pool_mu);
+    seen = kvspec_pool_joined[me];  /* a round that began before this helper ran is its own */
+    for (;;) {
+        while (kvspec_pool_round == seen) pthread_cond_wait(&kvspec_pool_go, &kvspec_pool_mu);
+        seen = kvspec_pool_round;
+        if (me < kvspec_pool_count) {
+            kvspec_share *work = &kvspec_pool_work[me];
+            pthread_mutex_unlock(&kvspec_pool_mu);
+            kvspec_copy_share(work);
+            pthread_mutex_lock(&kvspec_pool_mu);
+            if (--kvspec_pool_pending == 0) pthread_cond_signal(&kvspec_pool_done);
+        }
+    }
+    return 0;
+}
+
+/* Runs shares[0] here and shares[1..count) on helpers; returns once all are done. */
+static void kvspec_pool_run(kvspec_share *shares, int64_t count) {
+    if (pthread_mutex_trylock(&kvspec_pool_busy) != 0) {
+        for (int64_t t = 0; t < count; ++t) kvspec_copy_share(&shares[t]);
+        return;
+    }
+    pthread_mutex_lock(&kvspec_pool_mu);
+    if (!kvspec_pool_forkable) {
+        pthread_atfork(0, 0, kvspec_pool_after_fork);
+        kvspec_pool_forkable = 1;
+    }
+    while (kvspec_pool_helpers < count - 1) {
+        pthread_t thread;
+        kvspec_pool_joined[kvspec_pool_helpers + 1] = kvspec_pool_round;
+        if (pthread_create(&thread, 0, kvspec_pool_helper,
+                           (void *)(intptr_t)(kvspec_pool_helpers + 1)) != 0)
+            break;
+        pthread_detach(thread);
+        ++kvspec_pool_helpers;
+    }
+    int64_t helped = count - 1 < kvspec_pool_helpers ? count - 1 : kvspec_pool_helpers;
+    kvspec_pool_work = shares;
+    kvspec_pool_count = helped + 1;
+    kvspec_pool_pending = helped;
+    ++kvspec_pool_round;
+    pthread_cond_broadcast(&kvspec_pool_go);
+    pthread_mutex_unlock(&kvspec_pool_mu);
+    kvspec_copy_share(&shares[0]);
+    for (int64_t t = helped + 1; t < count; ++t) kvspec_copy_share(&shares[t]);  /* no helper */
+    pthread_mutex_lock(&kvspec_pool_mu);
+    while (kvspec_pool_pending > 0) pthread_cond_wait(&kvspec_pool_done, &kvspec_pool_mu);
+    pthread_mutex_unlock(&kvspec_pool_mu);
+    pthread_mutex_unlock(&kvspec_pool_busy);
+}
+
+/* A whole job in one call: for each of num_tensors tensor pairs (dst[t], src[t], rows of
+   row_bytes[t] bytes; every destination tensor has dst_num_rows rows, every source tensor
+   src_num_rows), copy src row src_rows[i] to dst row dst_rows[i] for i < n. The pairs are
+   checked once for all tensors before any byte moves. Returns 0; or -(i + 1) if pair i
+   indexes outside the tensors (nothing is copied then). */
+int64_t kvspec_copy_job(int64_t num_tensors, char *const *dst, const char *const *src,
+                        const int64_t *row_bytes, int64_t dst_num_rows, int64_t src_num_rows,
+                        const int64_t *dst_rows, const int64_t *src_rows, int64_t n,
+                        int64_t num_threads, int64_t stream) {
     for (int64_t i = 0; i < n; ++i)
         if (dst_rows[i] < 0 || dst_rows[i] >= dst_num_rows ||
             src_rows[i] < 0 || src_rows[i] >= src_num_rows)
             return -(i + 1);
-    if (num_threads > 16) num_threads = 16;
+    if (num_threads > KVSPEC_MAX_THREADS) num_threads = KVSPEC_MAX_THREADS;
     if (num_threads > n) num_threads = n;
-    if (num_threads <= 1) {
-        kvspec_part whole = {dst, src, dst_rows, src_rows, 0, n, row_bytes, stream};
-        kvspec_copy_part(&whole);
-        return 0;
-    }
-    pthread_t threads[16];
-    kvspec_part parts[16];
-    int started[16];
+    if (num_threads < 1) num_threads = 1;
+    kvspec_share shares[KVSPEC_MAX_THREADS];
     for (int64_t t = 0; t < num_threads; ++t) {
-        kvspec_part p = {dst, src, dst_rows, src_rows, n * t / num_threads,
-                         n * (t + 1) / num_threads, row_bytes, stream};
-        parts[t] = p;
-        started[t] = t > 0 && pthread_create(&threads[t], 0, kvspec_copy_part, &parts[t]) == 0;
+        if (num_tensors >= num_threads) {  /* each thread a share of the tensors, all pairs */
+            int64_t a = num_tensors * t / num_threads, b = num_tensors * (t + 1) / num_threads;
+            kvspec_share s = {dst + a, src + a, row_bytes + a, b - a, dst_rows, src_rows,
+                              0, n, stream};
+            shares[t] = s;
+        } else {  /* each thread a share of the pairs, every tensor */
+            kvspec_share s = {dst, src, row_bytes, num_tensors, dst_rows, src_rows,
+                              n * t / num_threads, n * (t + 1) / num_threads, stream};
+            shares[t] = s;
+        }
     }
-    kvspec_copy_part(&parts[0]);
-    for (int64_t t = 1; t < num_threads; ++t) {
-        if (started[t]) pthread_join(threads[t], 0);
-        else kvspec_copy_part(&parts[t]);  /* no thread: do that part here */
-    }
+    if (num_threads == 1) kvspec_copy_share(&shares[0]);
+    else kvspec_pool_run(shares, num_threads);
     return 0;
 }
 """
 
 _FLAGS = ["-O2", "-shared", "-fPIC", "-pthread"]
 PARALLEL_MIN_BYTES = 4 * 1024 * 1024
-"""Jobs (per tensor) of at least this many bytes are split over threads."""
-STREAM_MIN_BYTES = 8 * 1024 * 1024
-"""Jobs (per tensor) of at least this many bytes write with non-temporal stores (x86): larger
-than the caches, where reading each destination line before writing it costs a third of the
-traffic; smaller jobs stay in cache, where ordinary stores are faster. Measured on the 2-core
-development machine: 4 KiB x 4096 rows +17%, 256 KiB x 256 rows +42%, 4 KiB x 512 rows -18%.
-Such jobs also prefetch the next scattered row's first page while copying one (+6 to 18% at
+"""Jobs of at least this many bytes (over all their tensors) are split over threads."""
+STREAM_MIN_BYTES = 16 * 1024 * 1024
+"""Jobs of at least this many bytes (over all their tensors) write with non-temporal stores
+(x86): their source and destination together outgrow a 32 MiB last-level cache, where
+reading each destination line before writing it costs a third of the traffic; smaller jobs
+stay in cache, where ordinary stores are faster. Measured on the 2-core development machine:
+4 KiB x 4096 rows (16 MiB) +17%, 256 KiB x 256 rows (64 MiB) +42%; 4 KiB x 512 rows (2 MiB)
+-18%, and a vLLM-shaped store of 8 MiB (4 chunks over 64 tensors of 32 KiB pages) -48%. Such
+jobs also prefetch the next scattered row's first page while copying one (+6 to 18% at
 4 KiB x 4096 over streaming alone, medians of 30 interleaved runs)."""
 
 
@@ -180,11 +280,11 @@ def _load() -> ctypes.CDLL | None:
     except (toolchain.ToolchainError, OSError) as exc:
         _reason = f"build or load failed: {exc}"
         return None
-    fn = lib.kvspec_copy_rows
+    fn = lib.kvspec_copy_job
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -206,6 +306,59 @@ def unavailable_reason() -> str:
     return _reason
 
 
+class TensorPairs:
+    """A job's plan, made once per worker and direction: the (destination, source) tensor
+    pairs of every KV tensor, their data pointers and row sizes in C arrays. A job is then one
+    call (:meth:`copy`) whatever the number of tensors: no Python work per tensor or per row.
+
+    Every tensor is a contiguous 2-D CPU tensor; each pair shares its row size in bytes; all
+    destinations have the same number of rows, and all sources (the layout of
+    :mod:`kernels.layout`: every KV tensor has the same blocks and chunks). The tensors must
+    outlive the plan (it keeps references to them)."""
+
+    def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        if len(dst) != len(src) or not dst:
+            raise ValueError("a plan needs as many source as destination tensors, at least one")
+        for t in (*dst, *src):
+            if t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
+                raise ValueError("native copy needs contiguous 2-D CPU tensors")
+        sizes = [int(d.shape[1]) * d.element_size() for d in dst]
+        if sizes != [int(x.shape[1]) * x.element_size() for x in src]:
+            raise ValueError("source and destination rows differ in size")
+        if len({int(d.shape[0]) for d in dst}) != 1 or len({int(x.shape[0]) for x in src}) != 1:
+            raise ValueError("the destination (or source) tensors differ in row count")
+        self._tensors = (tuple(dst), tuple(src))
+        n = len(dst)
+        self._dst = (ctypes.c_void_p * n)(*(t.data_ptr() for t in dst))
+        self._src = (ctypes.c_void_p * n)(*(t.data_ptr() for t in src))
+        self._row_bytes = (ctypes.c_int64 * n)(*sizes)
+        self.num_tensors = n
+        self.pair_bytes = sum(sizes)
+        """Bytes one row pair moves over all tensors."""
+        self.dst_num_rows, self.src_num_rows = int(dst[0].shape[0]), int(src[0].shape[0])
+
+    def copy(self, dst_rows: torch.Tensor, src_rows: torch.Tensor,
+             num_threads: int | None = None) -> None:
+        """Every tensor's ``dst[dst_rows[i]] = src[src_rows[i]]`` in one call. The index
+        tensors are contiguous 1-D int64 CPU tensors of equal length (not checked here: the
+        callers build them so); their ranges are checked in C, before any byte moves."""
+        n = int(dst_rows.shape[0])
+        nbytes = n * self.pair_bytes
+        threads = 1
+        if nbytes >= PARALLEL_MIN_BYTES:
+            threads = num_threads if num_threads is not None else torch.get_num_threads()
+        status = _library().kvspec_copy_job(
+            self.num_tensors, self._dst, self._src, self._row_bytes, self.dst_num_rows,
+            self.src_num_rows, dst_rows.data_ptr(), src_rows.data_ptr(), n, max(1, threads),
+            nbytes >= STREAM_MIN_BYTES)
+        if status < 0:
+            i = -status - 1
+            raise NativeCopyError(
+                f"row pair {i}: source row {int(src_rows[i])} of {self.src_num_rows} -> "
+                f"destination row {int(dst_rows[i])} of {self.dst_num_rows} is out of range; "
+                "nothing was copied")
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
               src_rows: torch.Tensor, num_threads: int | None = None) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for all ``i``, in one pass.
@@ -216,21 +369,14 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     :data:`PARALLEL_MIN_BYTES`. Raises :class:`NativeCopyError` naming the first pair out of
     range (nothing copied), ``RuntimeError`` if the library is unavailable.
     """
-    lib = _library()
-    for t in (dst, src):
-        if t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
-            raise ValueError("native copy needs contiguous 2-D CPU tensors")
-    row_bytes = int(dst.shape[1]) * dst.element_size()
-    if int(src.shape[1]) * src.element_size() != row_bytes:
-        raise ValueError("source and destination rows differ in size")
+    _library()
     for idx in (dst_rows, src_rows):
         if idx.dtype != torch.int64 or idx.dim() != 1 or not idx.is_contiguous() or \
                 idx.device.type != "cpu":
             raise ValueError("row indices must be contiguous 1-D int64 CPU tensors")
-    n = int(dst_rows.shape[0])
-    if int(src_rows.shape[0]) != n:
+    if int(src_rows.shape[0]) != int(dst_rows.shape[0]):
         raise ValueError("row index tensors differ in length")
-    _call(lib, dst, src, dst_rows, src_rows, n, row_bytes, num_threads)
+    TensorPairs([dst], [src]).copy(dst_rows, src_rows, num_threads)
 
 
 def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
@@ -238,21 +384,4 @@ def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     """:func:`copy_rows` for callers that already hold valid arguments: contiguous ``int8``
     2-D tensors of equal row size, and contiguous 1-D int64 index tensors of equal length
     (:mod:`kernels.copy` guarantees this). Row ranges are still checked, in C."""
-    lib = _library()
-    _call(lib, dst, src, dst_rows, src_rows, dst_rows.shape[0], dst.shape[1], None)
-
-
-def _call(lib: ctypes.CDLL, dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
-          src_rows: torch.Tensor, n: int, row_bytes: int, num_threads: int | None) -> None:
-    threads = 1
-    if n * row_bytes >= PARALLEL_MIN_BYTES:
-        threads = num_threads if num_threads is not None else torch.get_num_threads()
-    status = lib.kvspec_copy_rows(dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0],
-                                  dst_rows.data_ptr(), src_rows.data_ptr(), n, row_bytes,
-                                  max(1, threads), n * row_bytes >= STREAM_MIN_BYTES)
-    if status < 0:
-        i = -status - 1
-        raise NativeCopyError(
-            f"row pair {i}: source row {int(src_rows[i])} of {int(src.shape[0])} -> "
-            f"destination row {int(dst_rows[i])} of {int(dst.shape[0])} is out of range; "
-            "nothing was copied")
+    TensorPairs([dst], [src]).copy(dst_rows, src_rows)

@@ -22,7 +22,8 @@ def rows(n: int, width: int, seed: int) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3, 40])
-def test_copy_rows_matches_indexing(threads: int) -> None:
+def test_copy_rows_matches_indexing(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # the threads the test names
     src, dst = rows(50, 4096, 1), rows(40, 4096, 2)
     src_rows = torch.randperm(50)[:30]
     dst_rows = torch.randperm(40)[:30]
@@ -144,3 +145,104 @@ def test_streamed_stores_for_jobs_larger_than_the_caches(width: int, threads: in
     untouched = torch.ones(2 * n + 1, dtype=torch.bool)
     untouched[dst_rows] = False
     assert int(dst[untouched].abs().sum()) == 0
+
+
+def _tensor_set(pages: list[int], n: int, seed: int) -> list[torch.Tensor]:
+    return [rows(n, page, seed + i) for i, page in enumerate(pages)]
+
+
+@needs_native
+@pytest.mark.parametrize(("pages", "threads"), [([64], 2), ([16, 48, 4096], 1),
+                                                ([16, 48, 4096], 2), ([32] * 40, 16),
+                                                ([32] * 3, 7)])
+def test_one_call_copies_every_tensor_of_a_job(pages: list[int], threads: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's plan (TensorPairs): every tensor, its own page size, one call; threads share
+    either the tensors or (fewer tensors than threads) the pairs."""
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # small jobs take the threads too
+    src, dst = _tensor_set(pages, 30, 10), _tensor_set(pages, 20, 50)
+    src_rows, dst_rows = torch.randperm(30)[:12], torch.randperm(20)[:12]
+    expected = [d.clone() for d in dst]
+    for e, s in zip(expected, src, strict=True):
+        e[dst_rows] = s[src_rows]
+    native.TensorPairs(dst, src).copy(dst_rows, src_rows, num_threads=threads)
+    assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True))
+
+
+@needs_native
+def test_a_bad_pair_copies_nothing_in_any_tensor() -> None:
+    src, dst = _tensor_set([16, 64], 10, 1), _tensor_set([16, 64], 10, 2)
+    before = [d.clone() for d in dst]
+    with pytest.raises(native.NativeCopyError, match="row pair 2"):
+        native.TensorPairs(dst, src).copy(torch.tensor([0, 1, 10]), torch.tensor([0, 1, 2]))
+    assert all(torch.equal(d, b) for d, b in zip(dst, before, strict=True))
+
+
+@needs_native
+def test_a_plan_refuses_tensors_that_do_not_pair() -> None:
+    with pytest.raises(ValueError, match="as many"):
+        native.TensorPairs([rows(4, 16, 0)], [])
+    with pytest.raises(ValueError, match="differ in size"):
+        native.TensorPairs([rows(4, 16, 0)], [rows(4, 32, 0)])
+    with pytest.raises(ValueError, match="row count"):
+        native.TensorPairs([rows(4, 16, 0), rows(5, 16, 0)], [rows(4, 16, 0), rows(4, 16, 0)])
+    with pytest.raises(ValueError, match="contiguous"):
+        native.TensorPairs([rows(4, 16, 0).t()], [rows(16, 4, 0)])
+
+
+def _copy_in_child(conn: object) -> None:
+    src, dst = _tensor_set([64] * 4, 8, 3), _tensor_set([64] * 4, 8, 4)
+    native.TensorPairs(dst, src).copy(torch.tensor([7, 0]), torch.tensor([1, 2]), num_threads=2)
+    conn.send(all(torch.equal(d[7], s[1]) and torch.equal(d[0], s[2])  # type: ignore[attr-defined]
+                  for d, s in zip(dst, src, strict=True)))
+
+
+@needs_native
+def test_the_helper_threads_survive_a_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helpers are started once per process; a forked child (pytest-xdist, a process pool)
+    has none and must start its own rather than wait for the parent's."""
+    import multiprocessing
+
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # every copy takes the helpers
+
+    src, dst = _tensor_set([64] * 4, 8, 1), _tensor_set([64] * 4, 8, 2)
+    native.TensorPairs(dst, src).copy(torch.tensor([0, 1]), torch.tensor([2, 3]), num_threads=2)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_copy_in_child, args=(child,))
+    proc.start()
+    proc.join(timeout=30)
+    assert proc.exitcode == 0 and parent.poll(1) and parent.recv() is True
+
+
+@needs_native
+def test_a_cpu_engine_runs_a_job_in_one_native_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine plans each direction once: a job over every KV tensor (here three, of
+    different pages, 2 blocks per chunk, a first-chunk skip) is one call, byte-exact."""
+    from kernels import CopyEngine, allocate_cpu_kv, allocate_gpu_kv
+    from tests.kernel_oracle import oracle_load
+
+    layout = KVLayout((16, 48, 256), 2)
+    gpu = allocate_gpu_kv(layout, 12, "cpu")
+    cpu = allocate_cpu_kv(layout, 8, pin=False)
+    for i, t in enumerate((*gpu, *cpu)):
+        t.copy_(rows(t.shape[0], t.shape[1], i))
+    calls: list[int] = []
+    real = native.TensorPairs.copy
+
+    def counted(self: native.TensorPairs, *args: object, **kw: object) -> None:
+        calls.append(self.num_tensors)
+        real(self, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native.TensorPairs, "copy", counted)
+    store, load = TransferSpec([7, 2, 9], [5, 1], 1), TransferSpec([0, 4, 11], [3, 6], 1)
+    want_cpu = oracle_store(gpu, cpu, store, 2)
+    with CopyEngine(gpu, cpu, 2, "cpu") as engine:
+        engine.submit_store(1, store)
+        assert [r.success for r in engine.poll()] == [True]
+        assert all(torch.equal(c, w) for c, w in zip(cpu, want_cpu, strict=True))
+        want_gpu = oracle_load(gpu, cpu, load, 2)
+        engine.submit_load(2, load)
+        engine.poll()
+    assert all(torch.equal(g, w) for g, w in zip(gpu, want_gpu, strict=True))
+    assert calls == [3, 3]
