@@ -69,9 +69,9 @@ REGRESSIONS: tuple[Regression, ...] = (
         "the model's projection of the reset fence dropped a stale sync load's sync flag, "
         "which the implementation keeps: a refinement failure after any reset with a sync "
         "load in flight.",
-        Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
+        Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6, resets=2,
                failures=2, sync_loads=True),
-        "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 3) ; step(admit=r0) ; "
+        "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 2) ; step(admit=r0) ; "
         "reset()"),
 )
 
