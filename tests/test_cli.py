@@ -84,3 +84,20 @@ def test_no_clash_in_this_environment() -> None:
     import kvspec
 
     assert kvspec.import_clash() is None
+
+
+def test_progress_lines_only_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    from statemachine.cli.common import Progress
+
+    quiet = Progress("scenario")  # stderr captured: not a terminal, as in a CI log
+    quiet("10 states")
+    quiet.close()
+    assert capsys.readouterr().err == ""
+    stream = io.StringIO()
+    shown = Progress("scenario", stream)
+    shown("10 states")
+    assert "scenario: 10 states" in stream.getvalue()
+    shown.close()
+    assert stream.getvalue().endswith("\r")

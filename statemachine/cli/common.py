@@ -36,14 +36,18 @@ def usage_error(command: str, text: str) -> int:
 
 
 class Progress:
-    """A progress line on stderr, rewritten in place, erased by `close`."""
+    """A progress line on stderr, rewritten in place, erased by `close`; silent where stderr
+    is not a terminal (a CI log would keep every rewrite)."""
 
     def __init__(self, label: str, stream: TextIO | None = None) -> None:
         self.label = label
         self.stream = stream or sys.stderr
         self.shown = False
+        self.live = stream is not None or sys.stderr.isatty()
 
     def __call__(self, text: str) -> None:
+        if not self.live:
+            return
         print(f"\r  {self.label}: {text} ...", end="", file=self.stream, flush=True)
         self.shown = True
 
