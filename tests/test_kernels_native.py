@@ -129,8 +129,25 @@ def test_no_compiler_is_reported(fresh_native: pytest.MonkeyPatch, tmp_path: obj
 def test_a_failed_build_is_reported(fresh_native: pytest.MonkeyPatch, tmp_path: object) -> None:
     fresh_native.setenv("KVSPEC_NATIVE_CACHE", str(tmp_path))
     fresh_native.setattr(native, "_FLAGS", ["-definitely-not-a-flag"])
+    fresh_native.setattr(native, "_SERIAL_FLAGS", ["-definitely-not-a-flag"])
     assert not native.available()
     assert "build or load failed" in native.unavailable_reason()
+
+
+def test_without_openmp_the_copy_builds_serial(fresh_native: pytest.MonkeyPatch,
+                                               tmp_path: object) -> None:
+    """A compiler without OpenMP (no libgomp): the same source builds without it (its jobs
+    then run serially) and copies exactly."""
+    fresh_native.setenv("KVSPEC_NATIVE_CACHE", str(tmp_path))
+    fresh_native.setattr(native, "_FLAGS", ["-definitely-not-a-flag"])
+    fresh_native.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    if native.library_path() is None:
+        pytest.skip("no C compiler")
+    assert native.available(), native.unavailable_reason()
+    src, dst = _tensor_set([64, 32], 8, 1), _tensor_set([64, 32], 8, 2)
+    native.TensorPairs(dst, src).copy(torch.tensor([7, 0]), torch.tensor([1, 2]), num_threads=2)
+    assert all(torch.equal(d[7], s[1]) and torch.equal(d[0], s[2])
+               for d, s in zip(dst, src, strict=True))
 
 
 @needs_native
@@ -198,9 +215,9 @@ def _copy_in_child(conn: object) -> None:
 
 
 @needs_native
-def test_the_helper_threads_survive_a_fork(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The helpers are started once per process; a forked child (pytest-xdist, a process pool)
-    has none and must start its own rather than wait for the parent's."""
+def test_a_forked_child_copies_serially(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNU OpenMP cannot run a parallel region in a forked child of a process that ran one
+    (it hangs): a job in a child (a process pool's worker) runs serially and completes."""
     import multiprocessing
 
     monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # every copy takes the helpers
