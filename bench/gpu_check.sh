@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one device check for a lent GPU: the CUDA kernel tests, the data-plane simulation on
-# CUDA, and the GPU kernel benchmark. Run from the repository root on the GPU machine:
+# CUDA, and the GPU kernel benchmark (the page/blocks grid, then the vLLM-shaped jobs). Run from the repository root on the GPU machine:
 #   OUT=/some/dir bash bench/gpu_check.sh
 # Pure-Python dependencies the GPU image lacks (transitions, graphviz) travel as wheels in
 # .whl/ (see bench/RESULTS.md for how they were fetched). Logs go to $OUT.
@@ -23,6 +23,6 @@ python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_kernels_cud
     | tee "$OUT/cuda_tests.txt" || status=1
 python3 -c "import sys; from statemachine.cli import main; sys.exit(main(sys.argv[1:]))" \
     simulate --seed 1 --device cuda --no-progress 2>&1 | tee "$OUT/simulate_cuda.txt" || status=1
-timeout "${BENCH_TIMEOUT:-200}" python3 bench/kernels.py --device cuda \
+timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernels.py --device cuda \
     --budget "${BENCH_BUDGET:-120}" 2>&1 | tee "$OUT/bench_cuda.txt" || status=1
 exit $status

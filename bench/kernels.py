@@ -366,10 +366,12 @@ VLLM_SHAPES = [  # (page, layers, groups, chunks)
     ("mla 576", 64, 1, 16),
 ]
 STEP_REQUESTS = 64
+CPU = torch.device("cpu")
 
 
 @dataclass
 class VllmRow:
+    device: str
     shape: str
     layers: int
     groups: int
@@ -384,52 +386,55 @@ class VllmRow:
         return self.contig_us / self.job_us
 
 
-def _engines(page: int, tensors: int, groups: int, pool: int) -> list[CopyEngine]:
+def _engines(page: int, tensors: int, groups: int, pool: int,
+             device: torch.device) -> list[CopyEngine]:
     """One engine per KV cache group over its share of the tensors (a worker's view)."""
     per = tensors // groups
     out = []
     for _ in range(groups):
         layout = KVLayout((page,) * per, 1)
-        gpu = allocate_gpu_kv(layout, pool, "cpu")
-        cpu = allocate_cpu_kv(layout, pool, pin=False)
+        gpu = allocate_gpu_kv(layout, pool, device)
+        cpu = allocate_cpu_kv(layout, pool, pin=device.type == "cuda")
         for t in (*gpu, *cpu):
             t.fill_(1)  # first touch, outside the timed region
-        out.append(CopyEngine(gpu, cpu, 1, "cpu"))
+        out.append(CopyEngine(gpu, cpu, 1, device))
     return out
 
 
 def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int,
-                    reps: int, seed: int) -> VllmRow:
+                    reps: int, seed: int, device: torch.device = CPU) -> VllmRow:
     """`jobs` requests each store `chunks` new chunks (one job per group each), issued back to
-    back and then completed, against one contiguous copy of the same bytes. A job's time
-    includes building its TransferSpec from the block and chunk ids, as a worker does."""
+    back and then completed, against one contiguous copy of the same bytes (device to pinned
+    host memory on CUDA). A job's time includes building its TransferSpec from the block and
+    chunk ids, as a worker does."""
     page, per_layer = VLLM_PAGES[shape]
     tensors = layers * per_layer
     pool = 2 * chunks * jobs + 1
-    engines = _engines(page, tensors, groups, pool)
+    engines = _engines(page, tensors, groups, pool, device)
     gen = torch.Generator().manual_seed(seed)
     ids = [(torch.randperm(pool, generator=gen)[:chunks].tolist(),
             torch.randperm(pool, generator=gen)[:chunks].tolist()) for _ in range(jobs)]
     counter = itertools.count()
     nbytes = jobs * chunks * page * tensors
-    src = torch.ones(nbytes, dtype=torch.int8)
-    dst = torch.empty_like(src)
-    dst.fill_(0)
+    src = torch.ones(nbytes, dtype=torch.int8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.int8, pin_memory=device.type == "cuda")
+    non_blocking = device.type == "cuda"
 
     def run_jobs() -> None:
         for gpu_ids, cpu_ids in ids:
             for e in engines:
                 e.submit_store(next(counter), TransferSpec(gpu_ids, cpu_ids))
         for e in engines:
+            e.wait(e.in_flight())
             assert all(r.success for r in e.poll())
 
     def contig() -> None:
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
 
-    gbps, _ = _measure({"job": run_jobs, "contig": contig}, nbytes, reps,
-                       torch.device("cpu"), time.perf_counter() + 60.0)
+    gbps, _ = _measure({"job": run_jobs, "contig": contig}, nbytes, reps, device,
+                       time.perf_counter() + 60.0)
     n_jobs = jobs * groups
-    return VllmRow(shape, layers, groups, chunks, n_jobs, nbytes / n_jobs / KIB,
+    return VllmRow(device.type, shape, layers, groups, chunks, n_jobs, nbytes / n_jobs / KIB,
                    nbytes / gbps["job"] / 1e3 / n_jobs, nbytes / gbps["contig"] / 1e3 / n_jobs)
 
 
@@ -453,16 +458,18 @@ def fixed_cost_us(reps: int) -> float:
     return statistics.median(sample() for _ in range(reps))
 
 
-def print_vllm(rows: list[VllmRow], fixed_us: float) -> None:
-    print("\n== vLLM-shaped store jobs (cpu, blocks_per_chunk 1): time per job, and one "
+def print_vllm(rows: list[VllmRow], fixed_us: float | None) -> None:
+    device = rows[0].device if rows else "-"
+    print(f"\n== vLLM-shaped store jobs ({device}, blocks_per_chunk 1): time per job, and one "
           "contiguous copy of the same bytes")
     print(f"{'page':>10} {'layers':>6} {'groups':>6} {'chunks':>6} {'jobs':>5} "
           f"{'KiB/job':>8} {'us/job':>9} {'contig us':>9} {'vs contig':>9}")
     for r in rows:
         print(f"{r.shape:>10} {r.layers:6} {r.groups:6} {r.chunks:6} {r.jobs:5} "
               f"{r.job_kib:8.0f} {r.job_us:9.1f} {r.contig_us:9.1f} {r.vs_contig:9.2f}")
-    print(f"fixed cost of the smallest job (1 block of 16 bytes, 1 tensor, spec built, "
-          f"submitted, run, polled): {fixed_us:.1f} us")
+    if fixed_us is not None:
+        print(f"fixed cost of the smallest job (1 block of 16 bytes, 1 tensor, spec built, "
+              f"submitted, run, polled): {fixed_us:.1f} us")
 
 
 def vllm_targets(rows: list[VllmRow], fixed_us: float) -> list[Target]:
@@ -550,14 +557,18 @@ def main(argv: list[str] | None = None) -> int:
             for t in targets:
                 verdict = "n/a" if t.met is None else "met" if t.met else "NOT MET"
                 print(f"  [{verdict}] {t.name}: {t.detail}")
-    if any(d.type == "cpu" for d in devices) and not args.no_vllm:
-        vrows = [bench_vllm_jobs(shape, layers, groups, chunks, 1, reps, seed=i)
+    vllm_report: dict[str, object] = {}
+    report["vllm_shaped"] = vllm_report
+    for device in [] if args.no_vllm else devices:
+        vrows = [bench_vllm_jobs(shape, layers, groups, chunks, 1, reps, seed=i, device=device)
                  for i, (shape, layers, groups, chunks) in enumerate(VLLM_SHAPES)]
-        vrows.append(bench_vllm_jobs("gqa 8x128", 32, 1, 1, STEP_REQUESTS, reps, seed=99))
-        fixed = fixed_cost_us(reps)
-        vtargets = vllm_targets(vrows, fixed)
+        vrows.append(bench_vllm_jobs("gqa 8x128", 32, 1, 1, STEP_REQUESTS, reps, seed=99,
+                                     device=device))
+        # the CPU targets; on CUDA the targets compare with vLLM's batched op (not built yet)
+        fixed = fixed_cost_us(reps) if device.type == "cpu" else None
+        vtargets = vllm_targets(vrows, fixed) if fixed is not None else []
         all_targets += vtargets
-        report["vllm_shaped"] = {
+        vllm_report[device.type] = {
             "rows": [asdict(r) | {"vs_contig": r.vs_contig} for r in vrows],
             "fixed_cost_us": fixed, "targets": [asdict(t) for t in vtargets]}
         if not args.json:
