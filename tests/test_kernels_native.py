@@ -220,7 +220,7 @@ def test_a_forked_child_copies_serially(monkeypatch: pytest.MonkeyPatch) -> None
     (it hangs): a job in a child (a process pool's worker) runs serially and completes."""
     import multiprocessing
 
-    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # every copy takes the helpers
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # every copy is split over threads
 
     src, dst = _tensor_set([64] * 4, 8, 1), _tensor_set([64] * 4, 8, 2)
     native.TensorPairs(dst, src).copy(torch.tensor([0, 1]), torch.tensor([2, 3]), num_threads=2)
