@@ -58,6 +58,7 @@ __all__ = [
     "copy_chunks_to_blocks",
     "copy_rows",
     "host_view_on_device",
+    "native_plan",
 ]
 
 _WIDE_DTYPES: dict[int, torch.dtype] = {
@@ -224,9 +225,23 @@ class CopyPolicy:
                           runs_by_dma=True, workspace_bytes=None, native=False)
 
 
+def _native_applies(policy: CopyPolicy) -> bool:
+    return policy.native and policy.index_kernels and native.available()
+
+
+def native_plan(dst: Sequence[RowTensor], src: Sequence[RowTensor],
+                policy: CopyPolicy) -> native.TensorPairs | None:
+    """One job's copy of every tensor pair as one native call (planned once; reused for
+    every job of the same tensors), where the policy takes the native copy and every tensor
+    is host memory; else None (copy tensor by tensor with :func:`copy_rows`)."""
+    if not _native_applies(policy) or any(t.data.device.type != "cpu" for t in (*dst, *src)):
+        return None
+    return native.TensorPairs([t.data for t in dst], [t.data for t in src])
+
+
 def choose_strategy(mapping: RowMapping, row_bytes: int, policy: CopyPolicy) -> Strategy:
     """The strategy :func:`copy_rows` uses for ``mapping`` with rows of ``row_bytes`` bytes."""
-    if policy.native and policy.index_kernels and native.available():
+    if _native_applies(policy):
         return Strategy.NATIVE  # before any run analysis: the C loop merges runs itself
     if mapping.num_src_runs == 1 and mapping.num_dst_runs == 1:
         return Strategy.SLICE  # consecutive on both sides
@@ -518,14 +533,18 @@ def _copy_job(
     if not same and pol.index_kernels:
         raise KernelSpecError("index kernels across devices need the CopyEngine's host mapping")
     itemsize = 16 if same else 8
-    workspace = Workspace()
-    for g, c, page in zip(gpu_tensors, cpu_tensors, pages, strict=True):
-        gpu = RowTensor.of(g, page, max_itemsize=itemsize)
-        cpu = RowTensor.of(c, page, max_itemsize=itemsize)
-        if store:
-            copy_rows(cpu, gpu, mapping, pol, workspace)
-        else:
-            copy_rows(gpu, cpu, mapping, pol, workspace)
+    gpu = [RowTensor.of(g, page, max_itemsize=itemsize)
+           for g, page in zip(gpu_tensors, pages, strict=True)]
+    cpu = [RowTensor.of(c, page, max_itemsize=itemsize)
+           for c, page in zip(cpu_tensors, pages, strict=True)]
+    dst, src = (cpu, gpu) if store else (gpu, cpu)
+    plan = native_plan(dst, src, pol)
+    if plan is not None:
+        plan.copy(mapping.dst, mapping.src)
+    else:
+        workspace = Workspace()
+        for d, s in zip(dst, src, strict=True):
+            copy_rows(d, s, mapping, pol, workspace)
     return spec.num_blocks * sum(pages)
 
 

@@ -50,6 +50,7 @@ from kernels.copy import (
     check_kv_tensors,
     copy_rows,
     host_view_on_device,
+    native_plan,
 )
 from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
 
@@ -109,12 +110,9 @@ class _Copier:
     def __init__(self, gpu: list[RowTensor], cpu: list[RowTensor], policy: CopyPolicy) -> None:
         self.gpu, self.cpu, self.policy = gpu, cpu, policy
         self.workspace = Workspace()
-        self.plans: dict[Direction, native.TensorPairs] = {}
-        if gpu[0].data.device.type == "cpu" and policy.native and policy.index_kernels \
-                and native.available():
-            gpu_data, cpu_data = [g.data for g in gpu], [c.data for c in cpu]
-            self.plans = {Direction.STORE: native.TensorPairs(cpu_data, gpu_data),
-                          Direction.LOAD: native.TensorPairs(gpu_data, cpu_data)}
+        self.plans: dict[Direction, native.TensorPairs | None] = {
+            Direction.STORE: native_plan(cpu, gpu, policy),
+            Direction.LOAD: native_plan(gpu, cpu, policy)}
 
     def run(self, job: _Job) -> None:
         plan = self.plans.get(job.direction)

@@ -334,7 +334,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
 
 def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
                    src_rows: torch.Tensor) -> None:
-    """:func:`copy_rows` for callers that already hold valid arguments: contiguous ``int8``
-    2-D tensors of equal row size, and contiguous 1-D int64 index tensors of equal length
-    (:mod:`kernels.copy` guarantees this). Row ranges are still checked, in C."""
+    """:func:`copy_rows` for callers that already hold valid index tensors (contiguous 1-D
+    int64 of equal length: :mod:`kernels.copy` guarantees this), through a one-pair plan
+    (which checks the tensors); row ranges are checked in C."""
     TensorPairs([dst], [src]).copy(dst_rows, src_rows)
