@@ -120,6 +120,7 @@ def _v() -> SimpleNamespace:
         CachedRequestData=output.CachedRequestData,
         SchedulerOutput=output.SchedulerOutput,
         FullAttentionSpec=kv_iface.FullAttentionSpec,
+        SlidingWindowSpec=kv_iface.SlidingWindowSpec,
         KVCacheConfig=kv_iface.KVCacheConfig,
         KVCacheGroupSpec=kv_iface.KVCacheGroupSpec,
         KVCacheTensor=kv_iface.KVCacheTensor,
@@ -198,12 +199,25 @@ class VLLMSetup:
         return self.block_size * self.blocks_per_chunk
 
 
-def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool) -> Any:
+def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
+                     sliding_window: int | None = None) -> Any:
     v = _v()
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
     page = spec.page_size_bytes
+    if sliding_window is not None:  # a hybrid model: layer 0 full attention, layer 1 window
+        if not v33:
+            raise RuntimeError("hybrid KV cache configurations need vLLM 0.33")
+        sw = v.SlidingWindowSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+                                 head_size=HEAD_SIZE, dtype=v.torch.float32,
+                                 sliding_window=sliding_window)
+        tensors = [v.KVCacheTensor(size=page * num_gpu_blocks, layers=[name],
+                                   layer_stride=page * num_gpu_blocks, block_stride=page)
+                   for name in layers]
+        return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                               kv_cache_groups=[v.KVCacheGroupSpec(layers[:1], spec),
+                                                v.KVCacheGroupSpec(layers[1:], sw)])
     if v33:  # one backing allocation for all layers, layer-outermost
         tensors = [v.KVCacheTensor(size=page * NUM_LAYERS * num_gpu_blocks, layers=layers,
                                    layer_stride=page * num_gpu_blocks, block_stride=page)]
@@ -236,11 +250,14 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
                eviction_policy: str = "lru", max_num_seqs: int = 16,
                max_model_len: int = 1024, num_workers: int = 1,
                enable_prefix_caching: bool = True,
-               extra_config: Mapping[str, Any] | None = None) -> VLLMSetup:
+               extra_config: Mapping[str, Any] | None = None,
+               sliding_window: int | None = None) -> VLLMSetup:
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
-    every job then waits for that many acks."""
+    every job then waits for that many acks. With `sliding_window` (tokens) the model is
+    hybrid: KV cache group 0 is full attention, group 1 a sliding window (0.33 only), whose
+    blocks are all retained and offloaded (`prefix_cache_retention_interval=None`)."""
     v = _v()
     version = vllm_version()
     v33 = version >= (0, 26, 0)
@@ -260,13 +277,17 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         extra["block_size"] = block_size * blocks_per_chunk
     extra.update(extra_config or {})
     cfg = v.config
+    # a sliding-window group keeps (and stores) every block, as the spec models it; vLLM's
+    # default (0) keeps only the blocks a hit at the prompt's end needs
+    dense = {"prefix_cache_retention_interval": None} if sliding_window is not None else {}
     parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1
                 else cfg.ParallelConfig())
     vllm_config = cfg.VllmConfig(
         model_config=_model_config(max_model_len),
         cache_config=cfg.CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
                                      cache_dtype="auto",
-                                     enable_prefix_caching=enable_prefix_caching),
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     **dense),
         scheduler_config=cfg.SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_model_len, 2048),
             max_model_len=max_model_len, enable_chunked_prefill=True,
@@ -281,7 +302,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise RuntimeError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33)
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33, sliding_window)
     connector = v.OffloadingConnector(vllm_config, v.KVConnectorRole.SCHEDULER,
                                       kv_cache_config)
     scheduler = connector.connector_scheduler
@@ -325,10 +346,11 @@ def request_status() -> Any:
     return _v().RequestStatus
 
 
-def kv_blocks(block_ids: Sequence[int]) -> Any:
-    """`KVCacheBlocks` of one KV-cache group (what `update_state_after_alloc` receives)."""
+def kv_blocks(block_ids: Sequence[Any]) -> Any:
+    """`KVCacheBlocks` (what `update_state_after_alloc` receives): of one KV-cache group
+    from a flat sequence of ids, or of several from one sequence per group."""
     v = _v()
-    return v.KVCacheBlocks(([v.KVCacheBlock(int(b)) for b in block_ids],))
+    return v.KVCacheBlocks(tuple([v.KVCacheBlock(b) for b in g] for g in _groups(block_ids)))
 
 
 class SortedIdSet(set[str]):
@@ -355,6 +377,14 @@ def scheduler_output_of(setup: VLLMSetup, step: Any, requests: Mapping[str, Any]
         preempted_req_ids=step.preempted)
 
 
+def _groups(blocks: Sequence[Any]) -> tuple[list[int], ...]:
+    """Block ids per KV cache group: a flat sequence of ids is one group's; a sequence of
+    sequences gives each group's (0 is vLLM's null block)."""
+    if blocks and not isinstance(blocks[0], int):
+        return tuple(list(map(int, g)) for g in blocks)
+    return (list(map(int, blocks)),)
+
+
 def scheduler_output(setup: VLLMSetup, *,
                      new: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
                      resumed: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
@@ -374,7 +404,7 @@ def scheduler_output(setup: VLLMSetup, *,
     """
     v = _v()
     out = v.SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [v.NewRequestData.from_request(req, (list(map(int, blocks)),))
+    out.scheduled_new_reqs = [v.NewRequestData.from_request(req, _groups(blocks))
                               for req, blocks in (new or {}).values()]
     ids: list[str] = []
     new_blocks: list[Any] = []
@@ -385,7 +415,7 @@ def scheduler_output(setup: VLLMSetup, *,
     for kind, table in (("resumed", resumed or {}), ("cached", cached or {})):
         for req_id, (req, blocks) in table.items():
             ids.append(req_id)
-            new_blocks.append((list(map(int, blocks)),))
+            new_blocks.append(_groups(blocks))
             computed.append(int(req.num_computed_tokens))
             outputs.append(len(req.output_token_ids))
             if kind == "resumed":

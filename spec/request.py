@@ -151,7 +151,9 @@ EFFECTS = (
            "block fence map: the blocks are about to be freed"),
     Effect("signal_request_finished", "finished_signaled = True; manager.on_request_finished"),
     Effect("delete_request_status", "remove the request from _req_status"),
-    Effect("reset_store_cursor", "store cursors to 0, partial-tail boundary cleared"),
+    Effect("reset_store_cursor", "store cursors to 0, partial-tail boundary cleared; "
+           "sliding-window positions the core freed (before the window) zeroed, so no store "
+           "reads them again (beyond vLLM 0.33.0: F2)"),
     Effect("drop_request_jobs", "the request's jobs leave _jobs and transfer_jobs together "
            "and enter the reset fence (the job machine's reset)"),
     Effect("mark_load_invalid", "remember that the loaded tokens must be recomputed"),

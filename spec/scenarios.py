@@ -128,6 +128,30 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=3, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=3, resets=2,
                     failures=0, preemptions=1, partial_reports=False),
              Expect("pass", 12_907_024, 30)),
+    # -- beyond one full-attention group (the Python model: the compiled twin has one
+    #    full-attention group and one block per chunk) ----------------------------------
+    Scenario("hybrid",
+             "a full-attention and a sliding-window group (window 2): the suffix-window "
+             "lookup beside the prefix scan, converging; the core frees blocks before the "
+             "window while stores read them (fenced at creation); a preemption",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=7, resets=0,
+                    failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=2),
+             Expect("pass", 26_448, 23)),
+    Scenario("hybrid-reset-window",
+             "a full-attention and a sliding-window group (window 1), two prompts: a "
+             "sliding-window block freed and handed to the other request, then a reset puts "
+             "the store cursor back before it (vLLM 0.33.0 then stores from the stale id)",
+             Bounds(requests=2, tokens=2, shared_prefix=False, workers=1, cpu_chunks=4,
+                    gpu_blocks=7, resets=1, failures=0, preemptions=0,
+                    groups=("full", "sliding"), sliding_window=1),
+             Expect("pass", 25_015, 15)),
+    Scenario("multi-block",
+             "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
+             "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "
+             "a reset, a failure and a preemption",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=1, preemptions=1, blocks_per_chunk=2),
+             Expect("pass", 35_945, 18)),
 )
 
 
@@ -148,6 +172,8 @@ _HUNT_OVERRIDE: dict[Fault, Bounds] = {
                                       preemptions=0),
     Fault.AGGREGATE_COUNTS_ONCE: Bounds(requests=1, tokens=2, workers=2, cpu_chunks=2,
                                         gpu_blocks=2, resets=0, failures=0, preemptions=0),
+    Fault.SLIDING_WINDOW_SKIPS_FENCE: by_name("hybrid").bounds,
+    Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS: by_name("hybrid-reset-window").bounds,
 }
 
 
@@ -164,7 +190,13 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
         name, _, value = part.partition("=")
         if name not in fields or not value:
             raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
-        if value.lower() in ("none", "off"):
+        if name == "groups":
+            kinds = tuple(value.split("+"))
+            if any(k not in ("full", "sliding") for k in kinds):
+                raise ValueError(f"bad bound {part!r}: groups are full or sliding, "
+                                 "joined by '+' (groups=full+sliding)")
+            changes[name] = kinds
+        elif value.lower() in ("none", "off"):
             changes[name] = None
         elif value.lower() in ("true", "false"):
             changes[name] = value.lower() == "true"

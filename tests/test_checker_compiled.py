@@ -94,6 +94,9 @@ def test_the_same_successors_of_sampled_states(scenario: object) -> None:
     from spec.scenarios import Scenario
 
     assert isinstance(scenario, Scenario)
+    if compiled.fits(scenario.bounds) is not None:
+        pytest.skip(f"the compiled model does not take {scenario.name}: "
+                    f"{compiled.fits(scenario.bounds)}")
     for s in _sample(scenario.bounds, 40, seed=len(scenario.name)):
         assert _successors_c(scenario.bounds, compiled.encode(s)) == _successors_py(s), s
 

@@ -5,12 +5,12 @@ the free block pool), and how it follows the connector's decisions."""
 from __future__ import annotations
 
 from spec import request as R
-from spec.model.state import MCore, World
+from spec.model.state import NULL_BLOCK, MCore, World
 
 
 def free(w: World, blocks: tuple[int, ...]) -> None:
     quarantined = {b for bs in w.quarantined_blocks.values() for b in bs}
-    w.free_blocks.update(b for b in blocks if b not in quarantined)
+    w.free_blocks.update(b for b in blocks if b not in quarantined and b != NULL_BLOCK)
 
 
 def unquarantine(w: World, job_id: int) -> None:
@@ -19,7 +19,7 @@ def unquarantine(w: World, job_id: int) -> None:
     (it frees them itself, now unquarantined)."""
     blocks = w.quarantined_blocks.pop(job_id, ())
     held = {b for c in w.core.values() for b in c.blocks}
-    w.free_blocks.update(b for b in blocks if b not in held)
+    w.free_blocks.update(b for b in blocks if b not in held and b != NULL_BLOCK)
 
 
 def follow_connector(w: World) -> None:

@@ -16,7 +16,7 @@ from spec.model import truth
 from spec.model.core import unquarantine
 from spec.model.faults import Fault
 from spec.model.interpreter import effect, fire, stateless
-from spec.model.state import MJob, ModelError, World, job_of, put_job, put_req, tracked
+from spec.model.state import NULL_BLOCK, MJob, ModelError, World, job_of, put_job, put_req, tracked
 
 
 @effect
@@ -43,14 +43,14 @@ def bypass_offload_lookup(w: World, k: str, **kw: Any) -> None:
 
 @effect
 def create_load_job(w: World, k: str, keys: tuple[int, ...] = (),
-                    block_ids: tuple[int, ...] = (), first_block_index: int = 0,
+                    block_ids: tuple[int, ...] = (), end_chunk: int = 0,
                     sync: bool = False, block_table: tuple[int, ...] = (), **kw: Any) -> None:
     put_req(w, tracked(w, k)._replace(blocks=block_table))
     w.pending_new = MJob(-1, "load", k, pending=w.bounds.workers, sync=sync, keys=keys,
                          blocks=block_ids, unreported=w.bounds.workers)
     fire(w, "job", -1, "create_load")
     r = tracked(w, k)
-    put_req(w, r._replace(hit=None, cursor=first_block_index + len(block_ids),
+    put_req(w, r._replace(hit=None, cursor=end_chunk,
                            kv_load=w.last_job if sync else None))
 
 
@@ -66,9 +66,12 @@ def record_block_ids(w: World, k: str, block_ids: tuple[int, ...] = (), **kw: An
 
 @effect
 def create_store_job(w: World, k: str, keys: tuple[int, ...] = (),
-                     block_ids: tuple[int, ...] = (), end_chunk: int = 0, **kw: Any) -> None:
+                     block_ids: tuple[int, ...] = (), fenced_block_ids: tuple[int, ...] = (),
+                     end_chunk: int = 0, **kw: Any) -> None:
+    fenced = frozenset(fenced_block_ids)
     w.pending_new = MJob(-1, "store", k, pending=w.bounds.workers, keys=keys, blocks=block_ids,
-                         deferred=frozenset(block_ids), unreported=w.bounds.workers)
+                         deferred=frozenset(block_ids) - fenced, fenced=fenced,
+                         unreported=w.bounds.workers)
     fire(w, "job", -1, "create_store")
     put_req(w, tracked(w, k)._replace(cursor=end_chunk))
 
@@ -111,7 +114,23 @@ def delete_request_status(w: World, k: str, **kw: Any) -> None:
 
 @effect
 def reset_store_cursor(w: World, k: str, **kw: Any) -> None:
-    put_req(w, tracked(w, k)._replace(cursor=0, hit=None))
+    r = tracked(w, k)
+    put_req(w, r._replace(cursor=0, hit=None, blocks=_window_blocks_forgotten(w, k, r.blocks)))
+
+
+def _window_blocks_forgotten(w: World, k: str, table: tuple[int, ...]) -> tuple[int, ...]:
+    """The request's table with the sliding-window positions the core no longer holds (it
+    freed them before the window, and may have handed them out since) zeroed: with the
+    cursor back at 0, a store would read them otherwise. Beyond vLLM 0.33.0, which keeps
+    them (RESET_KEEPS_STALE_WINDOW_BLOCKS)."""
+    b = w.bounds
+    if not b.sliding_groups() or not table \
+            or Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS in w.faults:
+        return table
+    held = w.core[k].blocks if k in w.core else ()
+    n = len(table) // len(b.groups)
+    return tuple(NULL_BLOCK if b.groups[i // n] == "sliding"
+                 and (i >= len(held) or held[i] != x) else x for i, x in enumerate(table))
 
 
 @effect
@@ -186,6 +205,9 @@ def enter_job_table(w: World, k: int, **kw: Any) -> None:
 def register_store_fences(w: World, k: int, **kw: Any) -> None:
     jid = w.last_job
     j = w.jobs[jid]
+    if Fault.SLIDING_WINDOW_SKIPS_FENCE not in w.faults:
+        for b in sorted(j.fenced):  # a sliding-window source: the core may free it any step
+            _fence_add(w, b, jid)
     if tracked(w, j.owner).finished:
         for b in sorted(j.deferred):
             _fence_add(w, b, jid)
@@ -271,7 +293,7 @@ def leave_job_table(w: World, k: int, **kw: Any) -> None:
     kept = j.state == J.STALE and Fault.RESET_KEEPS_TRANSFER_JOBS in w.faults
     if r is not None and not kept:  # the fault: vLLM before PR #48102 kept the id
         put_req(w, r._replace(jobs=r.jobs - {k}))
-    for b in j.deferred:
+    for b in j.deferred | j.fenced:
         if b in w.block_fence:
             w.block_fence[b] = w.block_fence[b] - {k}
             if not w.block_fence[b]:

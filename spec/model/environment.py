@@ -20,6 +20,7 @@ from spec.model.hooks import alloc, build_meta, finish, lookup, report, reset
 from spec.model.interpreter import SPEC_TABLES, Tables, fire
 from spec.model.projection import abstract
 from spec.model.state import (
+    NULL_BLOCK,
     Bounds,
     MCore,
     MJob,
@@ -86,6 +87,38 @@ def initial(bounds: Bounds) -> ModelState:
     return ModelState(bounds, free_blocks=frozenset(range(bounds.gpu_blocks)))
 
 
+def _allocation(b: Bounds, tokens: int, computed: int) -> tuple[int, ...]:
+    """The shape of the block table the core allocates for a request admitted with
+    `computed` tokens already computed (the hit): `tokens` positions per group, 0 for a
+    block to allocate, NULL_BLOCK where a sliding-window group needs none (before the
+    window of the first token to compute)."""
+    skip = b.skipped_blocks(computed)
+    return tuple(NULL_BLOCK if kind == "sliding" and p < skip else 0
+                 for kind in b.groups for p in range(tokens))
+
+
+def _free_before_window(w: World) -> None:
+    """The core frees a running request's sliding-window blocks that fell out of the window
+    (`remove_skipped_blocks`, which vLLM runs as it schedules the request's next step)."""
+    b = w.bounds
+    if not b.sliding_groups():
+        return
+    for r, c in sorted(w.core.items()):
+        if c.status != "running" or not c.blocks:
+            continue
+        table = list(c.blocks)
+        n = len(table) // len(b.groups)
+        freed: list[int] = []
+        for g in b.sliding_groups():
+            for p in range(min(b.skipped_blocks(c.computed), n)):
+                if table[g * n + p] != NULL_BLOCK:
+                    freed.append(table[g * n + p])
+                    table[g * n + p] = NULL_BLOCK
+        if freed:
+            free(w, tuple(freed))
+            w.core[r] = c._replace(blocks=tuple(table))
+
+
 def _behind_a_sync_load(w: World, j: MJob) -> bool:
     """An earlier sync load of the same request still has reports due. A worker waits for a
     sync load before the step's forward pass and reports it in that step (W:256-270,
@@ -137,8 +170,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 hit, is_async = lookup(w, r)
                 calls.append(Call("get_num_new_matched_tokens", (r, 0), (hit, is_async)))
                 _inside(w, calls[-1])
-                if hit is not None and len(w.free_blocks) >= tokens:
-                    blocks = tuple(sorted(w.free_blocks)[:tokens])
+                shape = _allocation(b, tokens, hit or 0)
+                need = sum(1 for x in shape if x != NULL_BLOCK)
+                if hit is not None and len(w.free_blocks) >= need:
+                    pool = iter(sorted(w.free_blocks)[:need])
+                    blocks = tuple(x if x == NULL_BLOCK else next(pool) for x in shape)
                     w.free_blocks.difference_update(blocks)
                     alloc(w, r, blocks, hit)
                     calls.append(Call("update_state_after_alloc", (r, blocks, hit)))
@@ -166,6 +202,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         for r, n in sched.items():
             c = w.core[r]
             w.core[r] = c._replace(computed=min(c.computed + n, w.template(r).tokens))
+        _free_before_window(w)
         w.pending_finished.clear()
         w.pending_preempted.clear()
         follow_connector(w)

@@ -23,6 +23,8 @@ class Fault(StrEnum):
     COMPLETE_LOAD_KEEPS_PIN = "complete-load-keeps-pin"
     LOAD_KEEPS_CHUNKS_BEING_LOADED = "load-keeps-chunks-being-loaded"
     EVICT_PINNED_CHUNKS = "evict-pinned-chunks"
+    SLIDING_WINDOW_SKIPS_FENCE = "sliding-window-skips-fence"
+    RESET_KEEPS_STALE_WINDOW_BLOCKS = "reset-keeps-stale-window-blocks"
 
 
 Faults = frozenset[Fault]

@@ -13,7 +13,7 @@ from spec import request as R
 from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
-from spec.model.state import ModelError, World, put_job, put_req, tracked
+from spec.model.state import NULL_BLOCK, ModelError, World, cdiv, put_job, put_req, tracked
 
 
 def _open(w: World) -> None:
@@ -34,37 +34,118 @@ def lookup(w: World, r: str, local: int = 0) -> tuple[int | None, bool]:
     if req.state in R.MUST_RECOMPUTE:
         fire(w, "request", r, "lookup_resolved")
         return 0, False
-    keys = w.keys_of(r)
-    n_tokens = w.template(r).tokens
-    end, defer = local, False
-    for c in range(local, min(len(keys), n_tokens - 1)):
-        ref = w.chunks.get(keys[c])
-        if ref is None:
-            break
-        if ref == -1 or keys[c] in w.being_loaded:
-            defer = True
-        end = c + 1
-    if defer:
+    hit = _hit(w, r, local)
+    if hit is None:
         fire(w, "request", r, "lookup_deferred")
         return None, False
-    hit = end - local
     sync = w.bounds.sync_loads and hit > 0
     fire(w, "request", r, "lookup_resolved", hit_tokens=hit, sync=sync)
     return hit, bool(hit) and not sync
 
 
+def _scan(w: World, keys: list[int], sliding: bool, first: int, window: int) -> int | None:
+    """One group's lookup over `keys` (S:773-847): the prefix scan of a full-attention group
+    (chunks hit from the start) or the suffix-window scan of a sliding-window group (the end
+    of the last run of `window` hits, from the right); None: defer (a chunk still being
+    written). A write-pending chunk counts as a hit but defers the answer. The first run,
+    at the right edge, may need `first` chunks (a partial rightmost chunk), later runs
+    `window`."""
+    if not sliding:
+        hits, defer = 0, False
+        for k in keys:
+            ref = w.chunks.get(k)
+            if ref is None:
+                break
+            defer |= ref == -1
+            hits += 1
+        return None if defer else hits
+    run, pending, need = 0, False, first
+    for idx in range(len(keys) - 1, -1, -1):
+        ref = w.chunks.get(keys[idx])
+        if ref is None:
+            run, pending, need = 0, False, window
+            continue
+        pending |= ref == -1
+        run += 1
+        if run == need:
+            return None if pending else idx + need
+    return None if pending else run
+
+
+def _hit(w: World, r: str, local: int) -> int | None:
+    """The tokens a lookup finds beyond `local` (`_lookup_complete_chunks`, S:849-1054):
+    every group scans its own keys; a group's answer can shorten the hit, which sends the
+    others round again until the hit converges; None: defer. The hit never reaches the last
+    prompt token (LAST-TOKEN-BOUND)."""
+    b = w.bounds
+    tpc = b.tokens_per_chunk
+    order = tuple(g for g, kind in enumerate(b.groups) if kind == "full") + b.sliding_groups()
+    max_hit = w.template(r).tokens - 1
+    num_hit, defer = 0, False
+    todo = order
+    while todo:
+        looked_sliding, groups, todo = False, todo, ()
+        for g in groups:
+            sliding = b.groups[g] == "sliding"
+            keys = w.keys_of(r, g)
+            max_hit = min(max_hit, len(keys) * tpc)
+            if max_hit - local < tpc:
+                return 0
+            n_chunks = min(cdiv(max_hit, tpc), len(keys))
+            start = local // tpc
+            first = b.load_window_chunks(min(max_hit, n_chunks * tpc)) if sliding else 0
+            found = _scan(w, keys[start:n_chunks], sliding, first, b.window_chunks())
+            if found == 0:
+                return 0
+            if found is None:
+                defer = True
+            else:
+                max_hit = min(max_hit, tpc * (start + found))
+            new = max_hit - local
+            if new < tpc:
+                return 0
+            if new < num_hit:
+                if defer:
+                    defer, todo = False, order
+                elif looked_sliding and not todo:
+                    todo = b.sliding_groups()
+            looked_sliding |= sliding
+            num_hit = new
+    if defer:
+        return None
+    end = local + num_hit
+    for g, kind in enumerate(b.groups):  # a hit chunk an async load still brings (S:1021-1045)
+        keys = w.keys_of(r, g)[local // tpc:cdiv(end, tpc)]
+        if kind == "sliding":
+            keys = keys[-b.load_window_chunks(end):]
+        if any(k in w.being_loaded for k in keys):
+            return None
+    return num_hit
+
+
 def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -> None:
-    """update_state_after_alloc (S:1351-1500)."""
+    """update_state_after_alloc (S:1351-1500): per group, the load fills the non-null blocks
+    from the first fresh one up to the hit's end (a sliding-window group only its window),
+    from the chunks that cover them; the store cursor moves past the loaded chunks."""
+    held = tuple(b for b in blocks if b != NULL_BLOCK)
+    w.batch_alloc.update(held)
     if hit == 0:
-        w.batch_alloc.update(blocks)
         put_req(w, tracked(w, r)._replace(hit=None))
         return
     req = tracked(w, r)
     trigger = "load_sync" if req.sync_reserved else "load_async"
-    keys = tuple(w.keys_of(r)[local:local + hit])
-    w.batch_alloc.update(blocks)
-    fire(w, "request", r, trigger, keys=keys, block_ids=tuple(blocks[local:local + hit]),
-         first_block_index=local, sync=req.sync_reserved, block_table=tuple(blocks))
+    tpc = w.bounds.tokens_per_chunk
+    end = local + hit
+    keys: list[int] = []
+    dst: list[int] = []
+    for g in range(len(w.bounds.groups)):
+        table = w.group_blocks(blocks, g)
+        first = next((i for i in range(local, end) if table[i] != NULL_BLOCK), end)
+        if first < end:
+            keys += w.keys_of(r, g)[first // w.bounds.blocks_per_chunk:cdiv(end, tpc)]
+            dst += table[first:end]
+    fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
+         end_chunk=cdiv(end, tpc), sync=req.sync_reserved, block_table=tuple(blocks))
 
 
 def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
@@ -80,6 +161,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
             put_req(w, cur._replace(blocks=table))
         else:  # the table says from where a request may be scheduled
             fire(w, "request", r, "schedule", block_ids=table)
+    _forget_reallocated_window_blocks(w, set(new))
     for r in sorted(preempted - w.preempted_early):
         opt = w.reqs.get(r)
         if opt is not None and opt.state in R.SCHEDULED:
@@ -112,6 +194,28 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
     _end_step(w)
 
 
+def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
+    """A sliding-window block the core freed (before the window) and handed out again in
+    this step is stale in its old request's table: from the store cursor on it is zeroed,
+    so no store reads it (`_update_req_states`, S:1533-1552). A table the step replaced
+    whole has nothing stale."""
+    b = w.bounds
+    if not b.sliding_groups() or not w.batch_alloc:
+        return
+    bpc = b.blocks_per_chunk
+    for r, req in list(w.reqs.items()):
+        if r in full_tables or not req.blocks:
+            continue
+        table = list(req.blocks)
+        n = len(table) // len(b.groups)
+        for g in b.sliding_groups():
+            for p in range(req.cursor * bpc, n):
+                if table[g * n + p] in w.batch_alloc:
+                    table[g * n + p] = NULL_BLOCK
+        if tuple(table) != req.blocks:
+            put_req(w, req._replace(blocks=tuple(table)))
+
+
 def _store(w: World, r: str, scheduled: int) -> None:
     req = tracked(w, r)
     if req.load_invalid:
@@ -122,12 +226,24 @@ def _store(w: World, r: str, scheduled: int) -> None:
         tokens = core.computed if core.aborted else max(t.tokens, t.tokens - 1)
     else:
         tokens = core.computed + scheduled
-    keys = w.keys_of(r)
-    n = min(tokens, len(keys), len(req.blocks))
+    b = w.bounds
+    bpc = b.blocks_per_chunk
     start = req.cursor
+    n = 0
+    offered: list[int] = []
+    source: dict[int, tuple[tuple[int, ...], bool]] = {}
+    for g, kind in enumerate(b.groups):  # per group, S:1859-1982
+        keys = w.keys_of(r, g)
+        table = w.group_blocks(req.blocks, g)
+        n = min(tokens // b.tokens_per_chunk, len(table) // bpc, len(keys))
+        for c in range(start, n):
+            blocks = table[c * bpc:(c + 1) * bpc]
+            if NULL_BLOCK in blocks:
+                continue  # a block the core freed, or handed out again: nothing to store
+            offered.append(keys[c])
+            source[keys[c]] = (blocks, kind == "sliding")
     if start >= n:
         return
-    offered = keys[start:n]
     candidates = [c for c in offered if c not in w.chunks]
     if not candidates:
         put_req(w, req._replace(cursor=n))
@@ -149,9 +265,10 @@ def _store(w: World, r: str, scheduled: int) -> None:
             del w.chunks[c]
     for c in candidates:
         w.chunks[c] = -1
-    positions = {c: start + i for i, c in enumerate(offered)}
-    blocks = tuple(req.blocks[positions[c]] for c in candidates)
-    fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks, end_chunk=n)
+    blocks = tuple(x for c in candidates for x in source[c][0])
+    fenced = tuple(x for c in candidates if source[c][1] for x in source[c][0])
+    fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks,
+         fenced_block_ids=fenced, end_chunk=n)
 
 
 def _end_step(w: World) -> None:

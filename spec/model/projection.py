@@ -7,16 +7,36 @@ from dataclasses import replace
 
 from spec import job as J
 from spec import request as R
-from spec.model.state import MJob, ModelState
+from spec.model.state import NULL_BLOCK, MCore, MJob, ModelState
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
+
+
+def _held(s: ModelState, table: tuple[int, ...], core: MCore | None) -> tuple[int, ...]:
+    """The blocks of the connector's table the request still holds: a sliding-window
+    group's positions only while the core keeps them (it frees those before the window);
+    no null position."""
+    b = s.bounds
+    if not b.sliding_groups():
+        return table
+    n = len(table) // len(b.groups)
+    mine = core.blocks if core is not None else ()
+    out = []
+    for i, x in enumerate(table):
+        if x == NULL_BLOCK:
+            continue
+        if b.groups[i // n] == "sliding" and (i >= len(mine) or mine[i] != x):
+            continue
+        out.append(x)
+    return tuple(out)
 
 
 def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
     """The model state seen as spec.AbstractState (what the invariants are written over)."""
     reqs = []
+    core = dict(s.core)
     for q in s.reqs:
         if q.state in R.HOLDS_GPU_BLOCKS:
-            blocks = q.blocks
+            blocks = _held(s, q.blocks, core.get(q.id))
         elif q.finished:  # aborted while loading: the load's destination stays held
             blocks = tuple(b for j in s.jobs if j.owner == q.id and j.kind == "load"
                            for b in j.blocks)
@@ -25,7 +45,7 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         reqs.append(RequestRecord(q.id, q.state, q.jobs, q.finished, q.signaled,
                                   q.load_invalid, q.hit is not None, tuple(blocks), q.cursor))
     jobs = tuple(JobRecord(j.id, j.kind, j.owner, j.state, j.pending, j.sync, j.failed,
-                           frozenset(j.keys), frozenset(j.blocks), frozenset(),
+                           frozenset(j.keys), frozenset(j.blocks), j.fenced,
                            j.deferred, j.age or 0, j.flush_requested) for j in s.jobs)
     fence = tuple(HeldJob(j.id, j.kind, j.pending, frozenset(j.keys), frozenset(j.blocks),
                           j.flush_shipped, j.sync) for j in s.held if j.state == J.STALE)

@@ -1,8 +1,12 @@
 """The abstract model's state: bounds, the records of requests, jobs and the core, the
 hashable `ModelState`, and `World`, its mutable working copy during one event.
 
-Granularity: one token is one GPU block is one chunk (block_size 1, blocks_per_chunk 1); the
-chunk key of request template `t` at position `c` is `key(t.family, c)`.
+Granularity: one token is one GPU block (block_size 1); a chunk is `blocks_per_chunk` blocks
+(1 by default). Each KV cache group (`Bounds.groups`: full attention or sliding window) has
+its own blocks and its own chunk keys: the key of request template `t`'s chunk `c` in group
+`g` is `key(t.family, c, g)`. A request's block table is flat, group by group (as vLLM's
+GPULoadStoreSpec orders it), `tokens` blocks per group; `NULL_BLOCK` marks a position the
+core left unallocated or freed (a sliding-window block before the window).
 """
 
 from __future__ import annotations
@@ -38,9 +42,20 @@ class Template:
     tokens: int
 
 
-def key(family: int, position: int) -> int:
-    """The chunk key at `position` of a prompt of `family` (shared prefixes share keys)."""
-    return family * 1000 + position + 1
+GroupKind = Literal["full", "sliding"]
+NULL_BLOCK = -1
+"""A block-table position with no block (vLLM's null block, id 0)."""
+
+
+def key(family: int, position: int, group: int = 0) -> int:
+    """The chunk key at chunk `position` of group `group` of a prompt of `family` (shared
+    prefixes share keys; vLLM: the block hash at the chunk's last block plus the group
+    index, B:27-42)."""
+    return family * 1000 + group * 100 + position + 1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,48 @@ class Bounds:
     shared_prefix (one family, or one per request)."""
     stray_reports: bool = False
     """Also send a report for a stale job that already drained (a confused worker)."""
+    groups: tuple[GroupKind, ...] = ("full",)
+    """The KV cache groups, in vLLM's group order: "full" attention (prefix lookup, blocks
+    held until the request ends) or "sliding" window (suffix-window lookup; the core frees
+    its blocks before the window while the request runs)."""
+    sliding_window: int = 2
+    """Tokens a sliding-window group attends to (the window of its last token)."""
+    blocks_per_chunk: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.groups or any(g not in ("full", "sliding") for g in self.groups):
+            raise ValueError(f"groups must be 'full' or 'sliding', got {self.groups!r}")
+        if self.blocks_per_chunk < 1 or self.sliding_window < 1:
+            raise ValueError("blocks_per_chunk and sliding_window must be >= 1")
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.blocks_per_chunk  # one token per block
+
+    @property
+    def hybrid(self) -> bool:
+        """Beyond the first model: several groups or chunks of several blocks."""
+        return len(self.groups) > 1 or self.groups != ("full",) or self.blocks_per_chunk > 1
+
+    def sliding_groups(self) -> tuple[int, ...]:
+        return tuple(g for g, kind in enumerate(self.groups) if kind == "sliding")
+
+    def window_chunks(self) -> int:
+        """A sliding-window group's window in chunks (`get_sliding_window_size_in_chunks`,
+        connector config.py:61-73, no extra retained tokens)."""
+        return cdiv(self.sliding_window, self.tokens_per_chunk)
+
+    def load_window_chunks(self, end_tokens: int) -> int:
+        """The chunks a load of a sliding-window group ending at `end_tokens` needs
+        (`GroupOffloadConfig.load_window_size_in_chunks`, S:117-134)."""
+        tpc = self.tokens_per_chunk
+        pad = -end_tokens % tpc
+        return max(self.window_chunks(), cdiv(self.sliding_window - 1 + pad, tpc))
+
+    def skipped_blocks(self, computed: int) -> int:
+        """Leading blocks of a sliding-window group the core no longer needs once `computed`
+        tokens are computed (`SlidingWindowManager.get_num_skipped_tokens`)."""
+        return max(0, computed - self.sliding_window + 1)
 
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
@@ -102,6 +159,8 @@ class MJob(NamedTuple):
     keys: tuple[int, ...] = ()
     blocks: tuple[int, ...] = ()
     deferred: frozenset[int] = frozenset()
+    fenced: frozenset[int] = frozenset()
+    """Source blocks fenced from the job's creation on (sliding-window groups)."""
     age: int | None = None
     flush_requested: bool = False
     flush_shipped: bool = False
@@ -257,9 +316,18 @@ class World:
                 return t
         raise ModelError(f"no request template {req_id!r}")
 
-    def keys_of(self, req_id: str) -> list[int]:
+    def keys_of(self, req_id: str, group: int = 0) -> list[int]:
+        """The chunk keys of group `group` of the request: one per full chunk."""
         t = self.template(req_id)
-        return [key(t.family, c) for c in range(t.tokens)]
+        return [key(t.family, c, group)
+                for c in range(t.tokens // self.bounds.tokens_per_chunk)]
+
+    def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
+        """Group `group`'s part of a flat block table (`tokens` blocks per group)."""
+        if not blocks:
+            return ()
+        n = len(blocks) // len(self.bounds.groups)
+        return blocks[group * n:(group + 1) * n]
 
     keep_inside: bool = False
     inside: list[tuple[Call, AbstractState]] = field(default_factory=list)

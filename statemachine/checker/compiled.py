@@ -73,6 +73,9 @@ def fits(b: M.Bounds) -> str | None:
                 f"{MAXB} GPU blocks)")
     if b.workers > 7:
         return "more than 7 workers (a report's count has 3 bits)"
+    if b.hybrid:
+        return ("several KV cache groups, a sliding window or chunks of several blocks "
+                "(the compiled model has one full-attention group, one block per chunk)")
     return None
 
 

@@ -1,0 +1,117 @@
+"""vLLM 0.33.0's connector with a hybrid KV cache (a full-attention group and a
+sliding-window group): the finding of the `hybrid-reset-window` scenario, reproduced on vLLM.
+
+F2 in CONFORMANCE.md. The core frees a running request's sliding-window blocks that fell out
+of the window and hands them to other requests. vLLM's connector keeps the old ids in the
+request's group table; it zeroes one only when the block is re-allocated at or after the
+store cursor, in the step it is re-allocated (`_update_req_states`, S:1533-1552). A
+`reset_cache` puts the cursor back to 0 (S:2429-2433) without touching the table, so the
+request's next store (here its final store) reads a block that belongs to another request
+and publishes it under the request's own chunk key: the CPU tier then serves another
+request's KV for that prefix.
+
+The checker's counterexample (`kvspec check --scenario hybrid-reset-window --mutant
+reset-keeps-stale-window-blocks`, 8 events) is replayed here through vLLM's hooks, with the
+core played by the test: one vLLM block per model token, block 0 is vLLM's null block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.conformance
+
+BLOCK = 16
+WINDOW = BLOCK
+"""Sliding window in tokens: a block leaves the window once the next block is computed
+(`get_num_skipped_tokens`: computed - window + 1 tokens are skipped)."""
+
+
+def _setup(vllm_env: Any) -> Any:
+    if vllm_env.vllm_version() < (0, 26, 0):
+        pytest.skip("hybrid KV cache configurations need vLLM 0.33")
+    return vllm_env.make_setup(num_gpu_blocks=16, block_size=BLOCK,
+                               sliding_window=WINDOW)
+
+
+def _prompt(first: int) -> list[int]:
+    return [3 + first * 3 * BLOCK + i for i in range(3 * BLOCK)]  # three blocks
+
+
+def _store_sources(meta: Any, req_id: str) -> list[tuple[list[int], list[int]]]:
+    """(source block ids per group, group sizes) of each store job of `req_id`."""
+    out = []
+    for job in meta.store_jobs.values():
+        if job.req_id == req_id:
+            spec = job.src_spec
+            ids = [int(b) for b in spec.block_ids]
+            sizes = [int(n) for n in spec.group_sizes]
+            out.append((ids, sizes))
+    return out
+
+
+def _sliding_sources(meta: Any, req_id: str) -> set[int]:
+    """The sliding-window group's (group 1) source blocks of `req_id`'s stores."""
+    found: set[int] = set()
+    for ids, sizes in _store_sources(meta, req_id):
+        found.update(ids[sizes[0]:sizes[0] + sizes[1]])
+    return found
+
+
+def test_f2_reset_then_store_reads_a_reallocated_sliding_window_block(
+        vllm_ready: Any) -> None:
+    E = vllm_ready
+    setup = _setup(E)
+    conn = setup.connector
+    status = E.request_status()
+    r0 = E.make_request(setup, "r0", _prompt(0))
+    r1 = E.make_request(setup, "r1", _prompt(1))
+    conn.on_new_request(r0)
+    conn.on_new_request(r1)
+
+    # step 1: r0 admitted with no hit (full-attention blocks 1-3, window blocks 4-6) and
+    # computes its first block, stored from blocks 1 and 4
+    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
+    conn.update_state_after_alloc(r0, E.kv_blocks(([1, 2, 3], [4, 5, 6])), 0)
+    r0.status = status.RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (r0, ([1, 2, 3], [4, 5, 6]))}, num_scheduled_tokens={"r0": BLOCK}))
+    assert _sliding_sources(meta, "r0") == {4}
+    r0.num_computed_tokens = BLOCK
+
+    # step 2: r0 computes its second block (stored from 2 and 5); block 4 leaves the window
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, cached={"r0": (r0, ([], []))}, num_scheduled_tokens={"r0": BLOCK}))
+    assert _sliding_sources(meta, "r0") == {5}
+    r0.num_computed_tokens = 2 * BLOCK
+
+    # step 3: the core frees block 4 and hands it to r1 (blocks 7-9 and 4, 10, 11); r0
+    # computes its last block. The store that read block 4 was fenced at its creation:
+    # vLLM flushes it (it is still in flight: no worker reported it)
+    assert conn.get_num_new_matched_tokens(r1, 0) == (0, False)
+    conn.update_state_after_alloc(r1, E.kv_blocks(([7, 8, 9], [4, 10, 11])), 0)
+    r1.status = status.RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r1": (r1, ([7, 8, 9], [4, 10, 11]))}, cached={"r0": (r0, ([], []))},
+        num_scheduled_tokens={"r1": BLOCK, "r0": BLOCK}))
+    assert meta.jobs_to_flush, "the store reading block 4 is flushed: it was fenced"
+    r0.num_computed_tokens = 3 * BLOCK
+    r1.num_computed_tokens = BLOCK
+
+    # a cache reset while both run, then r0 finishes
+    conn.reset_cache()
+    r0.status = status.FINISHED_LENGTH_CAPPED
+    conn.request_finished(r0, [1, 2, 3])
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, cached={"r1": (r1, ([], []))}, num_scheduled_tokens={"r1": BLOCK},
+        finished_req_ids={"r0"}))
+
+    # vLLM 0.33.0: r0's final store copies block 4, which r1 holds, into r0's chunk 0 of
+    # the sliding-window group. The spec zeroes the window positions the core freed when
+    # the reset puts the cursor back, and stores nothing from them.
+    sliding = _sliding_sources(meta, "r0")
+    assert 4 in sliding, (
+        f"vLLM no longer stores from the re-allocated block 4 (sources {sliding}): F2 is "
+        "fixed; move it to the fixed findings in CONFORMANCE.md")
