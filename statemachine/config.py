@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from spec.groups import GROUP_KINDS, GroupKind, skipped_blocks
 from statemachine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One KV cache group of the model (vLLM: a `KVCacheGroupSpec` the connector offloads)."""
+
+    kind: GroupKind = "full"
+    sliding_window: int | None = None
+    """Tokens a sliding-window group attends to; None for full attention."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,8 @@ class OffloadingConfig:
     """Beyond vLLM: a job not reported by every worker this many steps after it was shipped
     times out. None: no timeout (vLLM 0.33.0)."""
     offload_prompt_only: bool = False
+    groups: tuple[KVCacheGroup, ...] = field(default=(KVCacheGroup(),))
+    """The KV cache groups, in vLLM's group order (all of `block_size` tokens per block)."""
     check_invariants: bool = True
     """Check every invariant of `spec` after every hook (on in tests; off for speed)."""
 
@@ -43,6 +55,19 @@ class OffloadingConfig:
             need(type(value) is int and value >= 0, f"{name} must be an int >= 0, got {value!r}")
         need(self.sync_load_budget_bytes == 0 or self.kv_bytes_per_token > 0,
              "sync_load_budget_bytes needs kv_bytes_per_token > 0")
+        need(type(self.groups) is tuple and len(self.groups) >= 1
+             and all(isinstance(g, KVCacheGroup) for g in self.groups),
+             f"groups must be a non-empty tuple of KVCacheGroup, got {self.groups!r}")
+        for i, g in enumerate(self.groups):
+            need(g.kind in GROUP_KINDS, f"group {i}: kind must be one of {GROUP_KINDS}, "
+                 f"got {g.kind!r}")
+            if g.kind == "sliding":
+                need(type(g.sliding_window) is int and g.sliding_window >= 1,
+                     f"group {i}: a sliding-window group needs sliding_window >= 1 tokens, "
+                     f"got {g.sliding_window!r}")
+            else:
+                need(g.sliding_window is None,
+                     f"group {i}: a full-attention group has no sliding_window")
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
@@ -50,3 +75,19 @@ class OffloadingConfig:
     @property
     def tokens_per_chunk(self) -> int:
         return self.block_size * self.blocks_per_chunk
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def sliding_groups(self) -> tuple[int, ...]:
+        return tuple(i for i, g in enumerate(self.groups) if g.kind == "sliding")
+
+    def skipped_blocks(self, group: int, computed: int) -> int:
+        """Blocks of `group` before the window once `computed` tokens are computed (the core
+        frees them); 0 for a full-attention group."""
+        g = self.groups[group]
+        if g.sliding_window is None:
+            return 0
+        return skipped_blocks(g.sliding_window, self.block_size, computed)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from spec import job as J
 from spec import request as R
+from spec.groups import NULL_BLOCK
 from statemachine.messages import CPULoadStoreSpec, GPULoadStoreSpec, TransferJob
 from statemachine.models import JobStatus, RequestState, ResetFence
 
@@ -29,7 +30,8 @@ class SchedulerEffects:
         self.s._req_status[req.req_id] = req
 
     def restart_from_token_zero(self, req: RequestState, **_: Any) -> None:
-        req.block_ids.clear()
+        req.set_tables(((),) * self.s.config.num_groups)
+        req.scheduled_end = 0
         req.next_stored_chunk_idx = 0
         req.lookup_hit_tokens = None
         req.kv_load_id = None
@@ -58,11 +60,13 @@ class SchedulerEffects:
 
     def create_load_job(self, req: RequestState, keys: tuple[int, ...] = (),
                         block_ids: tuple[int, ...] = (), first_block_index: int = 0,
-                        sync: bool = False, block_table: tuple[int, ...] = (),
-                        **_: Any) -> None:
-        req.block_ids[:] = block_table  # the core allocated them for the load (and the rest)
+                        group_sizes: tuple[int, ...] = (), block_indices: tuple[int, ...] = (),
+                        end_chunk: int = 0, sync: bool = False,
+                        block_table: tuple[tuple[int, ...], ...] = (), **_: Any) -> None:
+        req.set_tables(block_table)  # the core allocated them for the load (and the rest)
         job = JobStatus(-1, req, "load", self.s.config.num_workers, sync=sync, keys=keys,
-                        gpu_block_ids=block_ids, first_block_index=first_block_index)
+                        gpu_block_ids=block_ids, first_block_index=first_block_index,
+                        group_sizes=group_sizes, block_indices=block_indices)
         self.s._jobs_life.add(job)
         self.s._fire(self.s._jobs_life, job, "create_load")
         if sync:
@@ -70,24 +74,27 @@ class SchedulerEffects:
         req.loaded_from_offload = True
         req.lookup_hit_tokens = None
         # CHUNK_LEVEL policy: loaded chunks are not stored again (S:1471-1472)
-        req.next_stored_chunk_idx = (first_block_index + len(block_ids)) \
-            // self.s.config.blocks_per_chunk
+        req.next_stored_chunk_idx = end_chunk
 
     def mark_chunks_being_loaded(self, req: RequestState, keys: tuple[int, ...] = (),
                                  **_: Any) -> None:
         self.s.chunks_being_loaded.update(keys)
 
-    def record_block_ids(self, req: RequestState, block_ids: tuple[int, ...] = (),
-                         **_: Any) -> None:
-        req.block_ids[:] = block_ids
+    def record_block_ids(self, req: RequestState,
+                         block_ids: tuple[tuple[int, ...], ...] = (), **_: Any) -> None:
+        req.set_tables(block_ids)
 
     def create_store_job(self, req: RequestState, keys: tuple[int, ...] = (),
                          chunk_ids: tuple[int, ...] = (), block_ids: tuple[int, ...] = (),
-                         first_block_index: int = 0, end_chunk: int = 0, **_: Any) -> None:
+                         first_block_index: int = 0, fenced_block_ids: tuple[int, ...] = (),
+                         group_sizes: tuple[int, ...] = (), block_indices: tuple[int, ...] = (),
+                         end_chunk: int = 0, **_: Any) -> None:
+        fenced = frozenset(fenced_block_ids)  # sliding-window sources: fenced from creation
         job = JobStatus(-1, req, "store", self.s.config.num_workers, keys=keys,
                         gpu_block_ids=block_ids, cpu_chunk_ids=chunk_ids,
-                        first_block_index=first_block_index,
-                        deferred_fence_block_ids=frozenset(block_ids))
+                        first_block_index=first_block_index, group_sizes=group_sizes,
+                        block_indices=block_indices, fenced_block_ids=fenced,
+                        deferred_fence_block_ids=frozenset(block_ids) - fenced)
         self.s._jobs_life.add(job)
         self.s._fire(self.s._jobs_life, job, "create_store")
         req.next_stored_chunk_idx = end_chunk
@@ -120,6 +127,12 @@ class SchedulerEffects:
     def reset_store_cursor(self, req: RequestState, **_: Any) -> None:
         req.next_stored_chunk_idx = 0
         req.lookup_hit_tokens = None
+        # beyond vLLM 0.33.0 (F2): the sliding-window positions before the window were freed
+        # by the core (and maybe handed out); with the cursor at 0 a store would read them
+        for g in self.s.config.sliding_groups:
+            table = req.group_block_ids[g]
+            for p in range(min(self.s.config.skipped_blocks(g, req.scheduled_end), len(table))):
+                table[p] = NULL_BLOCK
 
     def drop_request_jobs(self, req: RequestState, **_: Any) -> None:
         for job_id in sorted(req.transfer_jobs):
@@ -178,7 +191,8 @@ class SchedulerEffects:
 
     def put_in_metadata(self, job: JobStatus, **_: Any) -> None:
         job.shipped_step = self.s.step_index
-        gpu = GPULoadStoreSpec(job.gpu_block_ids, job.first_block_index)
+        gpu = GPULoadStoreSpec(job.gpu_block_ids, job.first_block_index, job.group_sizes,
+                               job.block_indices)
         cpu = CPULoadStoreSpec(job.cpu_chunk_ids)
         if job.is_store:
             self.s._meta_store_jobs[job.job_id] = TransferJob(job.owner.req_id, gpu, cpu)

@@ -58,6 +58,11 @@ class Request:
         return self.status.is_finished
 
 
+BlockTable = tuple[int, ...] | tuple[tuple[int, ...], ...]
+"""Block ids per KV cache group (vLLM: `tuple[list[int], ...]`), or a flat tuple of one
+group's ids."""
+
+
 @dataclass(frozen=True)
 class GPULoadStoreSpec:
     """GPU block ids of one transfer (one KV group): `block_ids[i]` is the request's logical
@@ -66,6 +71,12 @@ class GPULoadStoreSpec:
 
     block_ids: tuple[int, ...]
     first_block_index: int = 0
+    group_sizes: tuple[int, ...] = ()
+    """With several KV cache groups: how many of `block_ids` belong to each group, in group
+    order (vLLM's `group_sizes`); empty for one group."""
+    block_indices: tuple[int, ...] = ()
+    """With several groups: each group's first logical block index (vLLM's
+    `block_indices`); empty for one group (`first_block_index`)."""
 
 
 @dataclass(frozen=True)
@@ -132,13 +143,16 @@ class KVConnectorOutput:
 @dataclass(frozen=True)
 class NewRequestData:
     req_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockTable
+    """The whole block table: one tuple per KV cache group (a flat tuple of ids is
+    accepted for one group)."""
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
     req_id: str
-    new_block_ids: tuple[int, ...]
+    new_block_ids: BlockTable
+    """Blocks added this step, one tuple per group (or flat for one group)."""
     resumed_from_preemption: bool = False
     """True when `new_block_ids` is the full block table (resumed request)."""
 

@@ -1,7 +1,7 @@
 """The subjects the lifecycles move: a request's offload state, a job's status, the fence.
 
 Their fields mirror vLLM 0.33.0's `RequestOffloadState` (S:348-493) and
-`TransferJobStatus` (S:77-93) for one full-attention KV group. Their guard methods are the
+`TransferJobStatus` (S:77-93), with a block table per KV cache group. Their guard methods are the
 guards named in the tables; `transitions` calls them with the event. They hold data and
 answer guards; they never change state themselves (only `Lifecycle.fire` does).
 """
@@ -32,7 +32,13 @@ class RequestState:
     is_finished: bool = False
     finished_signaled: bool = False
     loaded_tokens_invalid: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    group_block_ids: list[list[int]] = field(default_factory=lambda: [[]])
+    """The block table per KV cache group as the connector saw it (NULL_BLOCK where the
+    core gave none, or where a sliding-window block was handed out again)."""
+    scheduled_end: int = 0
+    """Tokens computed once the last scheduled step ran (num_computed + num_scheduled at the
+    last build_connector_meta that scheduled it): the core frees a sliding-window group's
+    blocks before the window of this many tokens."""
     next_stored_chunk_idx: int = 0
     num_hit_chunks: int = 0
     num_locally_computed_tokens: int = 0
@@ -52,6 +58,14 @@ class RequestState:
     @property
     def key(self) -> str:
         return self.req_id
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The block table, flat and group by group (as GPULoadStoreSpec orders blocks)."""
+        return tuple(b for g in self.group_block_ids for b in g)
+
+    def set_tables(self, tables: tuple[tuple[int, ...], ...]) -> None:
+        self.group_block_ids = [list(t) for t in tables]
 
     # -- guards (spec.request.GUARDS) --------------------------------------------------
     def other_jobs_remain(self, event: EventData) -> bool:
@@ -79,6 +93,10 @@ class JobStatus:
     """GPU blocks the job reads (store) or writes (load), in transfer order."""
     cpu_chunk_ids: tuple[int, ...] = ()
     first_block_index: int = 0
+    group_sizes: tuple[int, ...] = ()
+    """Blocks per KV cache group in `gpu_block_ids` (empty: one group)."""
+    block_indices: tuple[int, ...] = ()
+    """Each group's first logical block index (empty: one group, `first_block_index`)."""
     fenced_block_ids: frozenset[int] = frozenset()
     deferred_fence_block_ids: frozenset[int] = frozenset()
     state: str = J.UNALLOCATED

@@ -194,6 +194,24 @@ def _no_method(orig: Any) -> Any:
     return method
 
 
+def _window_sources_unfenced(orig: Any) -> Any:
+    def register_store_fences(self: SchedulerEffects, job: JobStatus, **kw: Any) -> None:
+        fenced = job.fenced_block_ids
+        job.fenced_block_ids = frozenset()
+        try:
+            orig(self, job, **kw)
+        finally:
+            job.fenced_block_ids = fenced
+    return register_store_fences
+
+
+def _reset_keeps_window_blocks(orig: Any) -> Any:
+    def reset_store_cursor(self: SchedulerEffects, req: RequestState, **kw: Any) -> None:
+        req.next_stored_chunk_idx = 0  # vLLM 0.33.0 (S:2429-2433): the tables stay
+        req.lookup_hit_tokens = None
+    return reset_store_cursor
+
+
 def _ignore_first_chunk_skip(orig: Any) -> Any:
     def skip(self: Any, blocks_per_chunk: int) -> int:
         return 0
@@ -264,6 +282,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "eviction may take a chunk a live load is reading",
            _evict_pinned,
            Fault.EVICT_PINNED_CHUNKS),
+    Mutant("sliding-window-skips-fence", "groups", "S:2002-2051, S:2068-2069, INV-7",
+           "a store's sliding-window sources are not fenced at its creation: the core frees "
+           "them while the request runs and hands them out, and the store is not flushed",
+           _patch(SchedulerEffects, "register_store_fences", _window_sources_unfenced),
+           Fault.SLIDING_WINDOW_SKIPS_FENCE),
+    Mutant("reset-keeps-stale-window-blocks", "groups", "finding F2 (vLLM 0.33.0, "
+           "S:2429-2433), INV-15",
+           "a reset puts the store cursor back but keeps the sliding-window ids the core freed: "
+           "the next store reads a block another request holds",
+           _patch(SchedulerEffects, "reset_store_cursor", _reset_keeps_window_blocks),
+           Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS),
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",

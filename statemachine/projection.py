@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spec import request as R
+from spec.groups import NULL_BLOCK
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 from statemachine.models import JobStatus, RequestState
 
@@ -20,7 +21,12 @@ if TYPE_CHECKING:
 
 def _gpu_blocks(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
     if req.state in R.HOLDS_GPU_BLOCKS:
-        return tuple(req.block_ids)
+        # a sliding-window group holds only the blocks in the window of its computed tokens
+        # (the core freed the others); no null position
+        cfg = s.config
+        return tuple(b for g, table in enumerate(req.group_block_ids)
+                     for p, b in enumerate(table)
+                     if b != NULL_BLOCK and p >= cfg.skipped_blocks(g, req.scheduled_end))
     if req.is_finished:  # aborted while loading: the load's destination stays held
         held: list[int] = []
         for jid in sorted(req.transfer_jobs):

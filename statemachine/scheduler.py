@@ -1,6 +1,7 @@
 """The scheduler side of the offloading connector, with vLLM 0.33.0's API and semantics.
 
-One full-attention KV group, any `blocks_per_chunk >= 1`. Every state change of a request or
+Several KV cache groups (full attention, sliding window; `OffloadingConfig.groups`), any
+`blocks_per_chunk >= 1`, as `spec` models them. Every state change of a request or
 a job is a trigger of its table's machine (`statemachine.lifecycle`); the effects the tables
 name are the methods of `statemachine.effects`. The hooks here only read, validate, decide
 which trigger fires, and fire it. A bad input is rejected with a typed error before anything
@@ -23,6 +24,7 @@ from typing import Any
 import spec
 from spec import job as J
 from spec import request as R
+from spec.groups import NULL_BLOCK, cdiv, load_window_chunks, offload_key, window_chunks
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -143,21 +145,39 @@ class OffloadingScheduler:
         req = self._req_status.get(req_id)
         return frozenset() if req is None else frozenset(req.transfer_jobs)
 
-    def offload_keys(self, request: Request) -> list[int]:
-        """The chunk keys the request's hashes give so far: one per full chunk, the hash at
-        the chunk's last block (S:412-429)."""
-        bpc = self.config.blocks_per_chunk
+    def offload_keys(self, request: Request, group: int = 0) -> list[int]:
+        """The chunk keys of `group` the request's hashes give so far: one per full chunk,
+        from the hash at the chunk's last block and the group (S:412-429, B:27-42)."""
+        bpc, n = self.config.blocks_per_chunk, self.config.num_groups
         hashes = request.block_hashes
-        return [hashes[(c + 1) * bpc - 1] for c in range(len(hashes) // bpc)]
+        return [offload_key(hashes[(c + 1) * bpc - 1], group, n)
+                for c in range(len(hashes) // bpc)]
 
-    def _request_keys(self, req: RequestState, request: Request) -> list[int]:
+    def _request_keys(self, req: RequestState, request: Request, group: int = 0) -> list[int]:
         """`offload_keys`, telling the manager (through the request context) each key's
         position: the end token of its chunk, as vLLM's scheduler does (S:412-429)."""
-        keys = self.offload_keys(request)
+        keys = self.offload_keys(request, group)
         positions, tpc = req.ctx.positions, self.config.tokens_per_chunk
-        for c in range(len(positions), len(keys)):
-            positions.setdefault(keys[c], (c + 1) * tpc)
+        for c, k in enumerate(keys):
+            positions.setdefault(k, (c + 1) * tpc)
         return keys
+
+    def _tables(self, block_ids: Any, hook: str) -> tuple[tuple[int, ...], ...]:
+        """A hook's block ids as one table per KV cache group: a sequence of sequences (one
+        per group), or a flat sequence of ids for a one-group configuration."""
+        n = self.config.num_groups
+        if not block_ids:
+            return ((),) * n
+        if all(type(b) is int for b in block_ids):
+            if n != 1:
+                raise InvalidArgument(f"{hook}: {n} KV cache groups need one block table per "
+                                      "group, got one flat table")
+            return (tuple(block_ids),)
+        tables = tuple(tuple(t) for t in block_ids)
+        if len(tables) != n or not all(type(b) is int for t in tables for b in t):
+            raise InvalidArgument(f"{hook}: expected {n} block tables of ints (one per KV "
+                                  f"cache group), got {block_ids!r}")
+        return tables
 
     # =================================================================== the hooks
     def on_new_request(self, request: Request) -> None:
@@ -165,7 +185,8 @@ class OffloadingScheduler:
             req = self._req_status.get(request.request_id)
             if req is not None:
                 self._require(self._requests_life, req, "add")
-            req = RequestState(request.request_id, request)
+            req = RequestState(request.request_id, request,
+                               group_block_ids=[[] for _ in self.config.groups])
             self._parse_transfer_params(req, request)
             self._requests_life.add(req)
             self._fire(self._requests_life, req, "add")
@@ -216,30 +237,97 @@ class OffloadingScheduler:
             return hit, bool(hit) and not sync
 
     def _lookup(self, req: RequestState, request: Request, n: int) -> int | None:
-        """Prefix scan of the chunks after the local hit; None means defer (S:773-803)."""
+        """The tokens loadable after the local hit `n`; None means defer
+        (`_lookup_complete_chunks`, S:849-1054). Every group scans its keys (a prefix scan
+        for full attention, a suffix-window scan for a sliding window); a group's answer can
+        shorten the hit, which sends the groups round again until it converges. The hit
+        never covers the last prompt token's block (LAST-TOKEN-BOUND)."""
         if request.skip_reading_prefix_cache:
             return 0
-        tpc = self.config.tokens_per_chunk
-        keys = self._request_keys(req, request)
-        start = n // tpc
-        end_limit = min(len(keys), (request.num_tokens - 1) // tpc)
+        cfg = self.config
+        tpc, bs = cfg.tokens_per_chunk, cfg.block_size
+        keys = [self._request_keys(req, request, g) for g in range(cfg.num_groups)]
+        max_hit = (request.num_tokens - 1) // bs * bs
         if req.max_load_tokens is not None:
-            end_limit = min(end_limit, (n + req.max_load_tokens) // tpc)
-        end, defer = start, False
-        for c in range(start, end_limit):
-            result = self.manager.lookup(keys[c], req.ctx)
+            max_hit = min(max_hit, n + req.max_load_tokens)
+        order = tuple(g for g in range(cfg.num_groups) if g not in cfg.sliding_groups) \
+            + cfg.sliding_groups
+        num_hit, defer, todo = 0, False, order
+        while todo:
+            looked_sliding, groups, todo = False, todo, ()
+            for g in groups:
+                window = cfg.groups[g].sliding_window
+                max_hit = min(max_hit, len(keys[g]) * tpc)
+                if req.max_load_tokens is not None:
+                    max_hit = max_hit // tpc * tpc
+                if max_hit - n < tpc:
+                    return 0
+                n_chunks = min(cdiv(max_hit, tpc), len(keys[g]))
+                start = n // tpc
+                if window is None:
+                    found = self._prefix_scan(keys[g][start:n_chunks], req)
+                else:
+                    first = load_window_chunks(window, tpc, min(max_hit, n_chunks * tpc))
+                    found = self._window_scan(keys[g][start:n_chunks], req, first,
+                                              window_chunks(window, tpc))
+                if found == 0:
+                    return 0
+                if found is None:
+                    defer = True
+                else:
+                    max_hit = min(max_hit, tpc * (start + found))
+                new = max_hit - n
+                if new < tpc:
+                    return 0
+                if new < num_hit:
+                    if defer:
+                        defer, todo = False, order
+                    elif looked_sliding and not todo:
+                        todo = cfg.sliding_groups
+                looked_sliding |= window is not None
+                num_hit = new
+        if defer:
+            return None
+        end = n + num_hit
+        for g, group in enumerate(cfg.groups):  # a hit chunk an async load still brings
+            hit = keys[g][n // tpc:cdiv(end, tpc)]
+            if group.sliding_window is not None:
+                hit = hit[-load_window_chunks(group.sliding_window, tpc, end):]
+            if any(k in self.chunks_being_loaded for k in hit):
+                return None
+        return num_hit
+
+    def _prefix_scan(self, keys: list[int], req: RequestState) -> int | None:
+        """Chunks hit from the start (S:773-803); None: defer (a chunk still being written,
+        or one the manager cannot place yet)."""
+        hits, defer = 0, False
+        for k in keys:
+            result = self.manager.lookup(k, req.ctx)
             if result == LookupResult.MISS:
                 break
             if result == LookupResult.RETRY:
-                defer = True
-                break
-            if result == LookupResult.HIT_PENDING or keys[c] in self.chunks_being_loaded:
-                defer = True
-            end = c + 1
-        if defer:
-            return None
-        hit = end * tpc - n
-        return hit if hit >= tpc else 0
+                defer = True  # keep scanning, as vLLM does, for the answer's sake only
+                continue
+            hits += 1
+            defer |= result == LookupResult.HIT_PENDING
+        return None if defer else hits
+
+    def _window_scan(self, keys: list[int], req: RequestState, first: int,
+                     window: int) -> int | None:
+        """The end (in `keys`) of the last run of `window` hits, scanning from the right; the
+        first run may need `first` (S:805-847). 0: no run; None: defer."""
+        run, need, pending, retry = 0, first, False, False
+        for idx in range(len(keys) - 1, -1, -1):
+            result = self.manager.lookup(keys[idx], req.ctx)
+            if result in (LookupResult.HIT, LookupResult.HIT_PENDING):
+                run += 1
+                pending |= result == LookupResult.HIT_PENDING
+            else:
+                retry |= result == LookupResult.RETRY
+                run, pending, need = 0, False, window
+            if run == need:
+                return None if retry or pending else idx + need
+        return None if retry or pending else run
 
     def _sync_load_fits(self, request: Request, n: int, hit: int) -> bool:
         budget = self.config.sync_load_budget_bytes
@@ -247,7 +335,7 @@ class OffloadingScheduler:
                 and self._batch_sync_load_bytes + hit * self.config.kv_bytes_per_token
                 <= budget)
 
-    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[Any],
                                  num_external_tokens: int) -> None:
         hook = (f"update_state_after_alloc({request.request_id!r}, {len(block_ids)} blocks, "
                 f"{num_external_tokens})")
@@ -255,7 +343,8 @@ class OffloadingScheduler:
             req = self._tracked(request.request_id, "update_state_after_alloc")
             ext = num_external_tokens
             if ext == 0:
-                self._batch_allocated_blocks.update(block_ids)
+                self._batch_allocated_blocks.update(
+                    b for t in self._tables(block_ids, hook) for b in t if b != NULL_BLOCK)
                 req.lookup_hit_tokens = None
                 return
             trigger = "load_sync" if req.sync_load_reserved else "load_async"
@@ -263,18 +352,41 @@ class OffloadingScheduler:
             if req.lookup_hit_tokens != ext:
                 raise InvalidArgument(f"{hook}: the last lookup of this request answered "
                                       f"{req.lookup_hit_tokens} tokens in this step, not {ext}")
-            bs, bpc = self.config.block_size, self.config.blocks_per_chunk
-            first = req.num_locally_computed_tokens // bs
-            end = (req.num_locally_computed_tokens + ext) // bs
-            if len(block_ids) < end:
-                raise InvalidArgument(f"{hook}: {len(block_ids)} blocks cannot hold {end} "
-                                      "blocks of computed and loaded tokens")
-            keys = tuple(self._request_keys(req, request)[first // bpc: end // bpc])
+            cfg = self.config
+            bs, bpc, tpc = cfg.block_size, cfg.blocks_per_chunk, cfg.tokens_per_chunk
+            tables = self._tables(block_ids, hook)
+            n = req.num_locally_computed_tokens
+            cached = n + ext
+            num_gpu = cdiv(cached, bs)
+            keys: list[int] = []
+            dst: list[int] = []
+            sizes: list[int] = []
+            starts: list[int] = []
+            for g, table in enumerate(tables):  # per group, S:1385-1466
+                if len(table) < num_gpu:
+                    raise InvalidArgument(f"{hook}: group {g}: {len(table)} blocks cannot "
+                                          f"hold {num_gpu} blocks of computed and loaded "
+                                          "tokens")
+                start = next((i for i in range(cdiv(n, bs), num_gpu)
+                              if table[i] != NULL_BLOCK), num_gpu)
+                if start < num_gpu:
+                    keys += self._request_keys(req, request, g)[start // bpc:cdiv(cached, tpc)]
+                dst += table[start:num_gpu]
+                sizes.append(num_gpu - start)
+                starts.append(start)
             self._open_step()
-            self._batch_allocated_blocks.update(block_ids)
-            self._fire(self._requests_life, req, trigger, keys=keys,
-                       block_ids=tuple(block_ids[first:end]), first_block_index=first,
-                       sync=req.sync_load_reserved, block_table=tuple(block_ids))
+            self._batch_allocated_blocks.update(b for t in tables for b in t if b != NULL_BLOCK)
+            self._fire(self._requests_life, req, trigger, keys=tuple(keys),
+                       block_ids=tuple(dst), first_block_index=starts[0],
+                       **self._group_layout(sizes, starts), end_chunk=cdiv(cached, tpc),
+                       sync=req.sync_load_reserved, block_table=tables)
+
+    def _group_layout(self, sizes: list[int], starts: list[int]) -> dict[str, tuple[int, ...]]:
+        """A job's per-group layout (vLLM's `group_sizes`, `block_indices`), for several
+        groups; one group needs none (`first_block_index` says it)."""
+        if self.config.num_groups == 1:
+            return {}
+        return {"group_sizes": tuple(sizes), "block_indices": tuple(starts)}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> (
             OffloadingConnectorMetadata):
@@ -341,22 +453,47 @@ class OffloadingScheduler:
                 self._fire(self._jobs_life, job, "time_out")
 
     def _update_req_states(self, out: SchedulerOutput) -> None:
+        """The scheduled requests' tables (S:1502-1552): a full table replaces, new blocks
+        extend; then a sliding-window block the core handed out again in this step is zeroed
+        in any table that still lists it, from the store cursor to where the table ended
+        before this step (earlier positions were stored already)."""
+        ends: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             self._scheduled(self._req_status[new.req_id], new.block_ids, full=True)
+            ends[new.req_id] = 0
         for cached in out.scheduled_cached_reqs:
-            self._scheduled(self._req_status[cached.req_id], cached.new_block_ids,
-                            full=cached.resumed_from_preemption)
+            req = self._req_status[cached.req_id]
+            full = cached.resumed_from_preemption
+            ends[cached.req_id] = 0 if full else self._table_length(req)
+            self._scheduled(req, cached.new_block_ids, full=full)
+        for req_id, num in out.num_scheduled_tokens.items():
+            scheduled = self._req_status.get(req_id)
+            if scheduled is not None:
+                scheduled.scheduled_end = scheduled.request.num_computed_tokens + num
+        if not self.config.sliding_groups or not self._batch_allocated_blocks:
+            return
+        bpc = self.config.blocks_per_chunk
+        for req_id, req in self._req_status.items():
+            for g in self.config.sliding_groups:
+                table = req.group_block_ids[g]
+                for p in range(req.next_stored_chunk_idx * bpc, ends.get(req_id, len(table))):
+                    if table[p] in self._batch_allocated_blocks:
+                        table[p] = NULL_BLOCK
 
-    def _scheduled(self, req: RequestState, block_ids: tuple[int, ...], full: bool) -> None:
-        self._batch_allocated_blocks.update(block_ids)
+    @staticmethod
+    def _table_length(req: RequestState) -> int:
+        return len(req.group_block_ids[0]) if req.group_block_ids else 0
+
+    def _scheduled(self, req: RequestState, block_ids: Any, full: bool) -> None:
+        hook = f"build_connector_meta({req.req_id!r} scheduled)"
+        tables = self._tables(block_ids, hook)
+        self._batch_allocated_blocks.update(b for t in tables for b in t if b != NULL_BLOCK)
+        if not full:
+            tables = tuple((*o, *t) for o, t in zip(req.group_block_ids, tables, strict=True))
         if req.state in R.SCHEDULED:
-            if full:
-                req.block_ids[:] = block_ids
-            else:
-                req.block_ids.extend(block_ids)
+            req.set_tables(tables)
         else:  # the table says from where a request may be scheduled
-            table = tuple(block_ids) if full else (*req.block_ids, *block_ids)
-            self._fire(self._requests_life, req, "schedule", block_ids=table)
+            self._fire(self._requests_life, req, "schedule", block_ids=tables)
 
     def _build_store_job(self, req: RequestState, num_scheduled: int) -> None:
         if req.loaded_tokens_invalid:
@@ -375,12 +512,24 @@ class OffloadingScheduler:
         if cfg.offload_prompt_only:
             tokens = min(tokens, request.num_prompt_tokens)
         bpc = cfg.blocks_per_chunk
+        tables = req.group_block_ids
         n_chunks = min(tokens // cfg.tokens_per_chunk, len(request.block_hashes) // bpc,
-                       len(req.block_ids) // bpc)
+                       *(len(t) // bpc for t in tables))
         start = req.next_stored_chunk_idx
         if start >= n_chunks:  # most steps of a decoding request: no new full chunk
             return
-        offered = self._request_keys(req, request)[start:n_chunks]
+        offered: list[int] = []
+        source: dict[int, tuple[int, int]] = {}
+        for g, table in enumerate(tables):  # per group, S:1859-1982
+            keys = self._request_keys(req, request, g)
+            for c in range(start, n_chunks):
+                if NULL_BLOCK in table[c * bpc:(c + 1) * bpc]:
+                    continue  # a block the core freed or handed out again: nothing to store
+                offered.append(keys[c])
+                source[keys[c]] = (g, c)
+        if not offered:
+            req.next_stored_chunk_idx = n_chunks
+            return
         result = self.manager.prepare_store(offered, req.ctx)
         if result is None:
             self._fire(self._requests_life, req, "store_alloc_failed")
@@ -388,12 +537,24 @@ class OffloadingScheduler:
         if not result.keys_to_store:
             req.next_stored_chunk_idx = n_chunks
             return
-        position = {k: start + i for i, k in enumerate(offered)}
-        chunks = [position[k] for k in result.keys_to_store]
-        blocks = tuple(b for c in chunks for b in req.block_ids[c * bpc:(c + 1) * bpc])
+        blocks: list[int] = []
+        fenced: list[int] = []
+        sizes = [0] * cfg.num_groups
+        starts: list[int | None] = [None] * cfg.num_groups
+        for k in result.keys_to_store:  # in the manager's order: group by group (S:2002-2051)
+            g, c = source[k]
+            chunk = tables[g][c * bpc:(c + 1) * bpc]
+            blocks += chunk
+            sizes[g] += len(chunk)
+            if starts[g] is None:
+                starts[g] = c * bpc
+            if cfg.groups[g].sliding_window is not None:
+                fenced += chunk
+        first = source[result.keys_to_store[0]][1] * bpc
         self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
-                   chunk_ids=tuple(result.chunk_ids), block_ids=blocks,
-                   first_block_index=chunks[0] * bpc, end_chunk=n_chunks)
+                   chunk_ids=tuple(result.chunk_ids), block_ids=tuple(blocks),
+                   first_block_index=first, fenced_block_ids=tuple(fenced),
+                   **self._group_layout(sizes, [s or 0 for s in starts]), end_chunk=n_chunks)
 
     def _end_step(self) -> None:
         self._batch_load_jobs.clear()

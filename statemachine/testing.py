@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 from spec import check as check_invariants
 from spec import model as M
 from spec.state import AbstractState
-from statemachine.config import OffloadingConfig
+from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.messages import (
     CachedRequestData,
     KVConnectorOutput,
@@ -71,15 +71,18 @@ class Adapter(Protocol):
 
 
 class ReferenceAdapter:
-    """Drives `statemachine.OffloadingScheduler` (one token = one block = one chunk)."""
+    """Drives `statemachine.OffloadingScheduler` (one token = one block; the bounds give the
+    KV cache groups and blocks per chunk)."""
 
     def __init__(self, bounds: M.Bounds) -> None:
         self.bounds = bounds
         sync = 10**9 if bounds.sync_loads else 0
         self.config = OffloadingConfig(
-            block_size=1, blocks_per_chunk=1, num_workers=bounds.workers,
+            block_size=1, blocks_per_chunk=bounds.blocks_per_chunk, num_workers=bounds.workers,
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
-            kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps)
+            kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
+            groups=tuple(KVCacheGroup(kind, bounds.sliding_window if kind == "sliding"
+                                      else None) for kind in bounds.groups))
         self.scheduler = self.make_scheduler(self.config)
         self.requests: dict[str, Request] = {}
         self._evicted: list[int] = []
@@ -107,14 +110,14 @@ class ReferenceAdapter:
         if call.hook == "get_num_new_matched_tokens":
             return s.get_num_new_matched_tokens(self._request(a[0]), a[1])
         if call.hook == "update_state_after_alloc":
-            return s.update_state_after_alloc(self._request(a[0]), list(a[1]), a[2])
+            return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), a[2])
         if call.hook == "build_connector_meta":
             new, cached, sched, fin, pre, computed = a
             for r, (n, _aborted) in computed.items():
                 self._request(r).num_computed_tokens = n
             out = SchedulerOutput(
-                tuple(NewRequestData(r, tuple(b)) for r, b in new.items()),
-                tuple(CachedRequestData(r, tuple(b)) for r, b in cached.items()),
+                tuple(NewRequestData(r, self._tables(b)) for r, b in new.items()),
+                tuple(CachedRequestData(r, self._tables(b)) for r, b in cached.items()),
                 dict(sched), frozenset(fin), frozenset(pre))
             shipped = s.build_connector_meta(out)
             self._note_evictions()
@@ -132,6 +135,13 @@ class ReferenceAdapter:
         if call.hook == "reset_cache":
             return s.reset_cache()
         raise ValueError(f"unknown hook {call.hook!r}")
+
+    def _tables(self, flat: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The model's flat table (group by group, `spec.groups.NULL_BLOCK` where the core
+        gave no block) as one table per KV cache group."""
+        n = len(self.bounds.groups)
+        size = len(flat) // n
+        return tuple(tuple(flat[g * size:(g + 1) * size]) for g in range(n))
 
     def _note_evictions(self) -> None:
         for ev in self.scheduler.take_events():
@@ -185,18 +195,41 @@ class InsideStepViolation(AssertionError):
     """An invariant broken at a hook that returned inside a step."""
 
 
+ONE_GROUP_BOUNDS: tuple[M.Bounds, ...] = (
+    M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+             failures=2, preemptions=2),
+    M.Bounds(requests=3, tokens=2, shared_prefix=False, workers=1, cpu_chunks=2,
+             gpu_blocks=4, resets=1, failures=1, preemptions=1, timeout_steps=2),
+    M.Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
+             failures=2, preemptions=1, sync_loads=True),
+)
+"""One full-attention KV group, one block per chunk."""
+
+HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
+    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=6, gpu_blocks=12,
+             resets=2, failures=2, preemptions=2, groups=("full", "sliding"),
+             sliding_window=2),
+    M.Bounds(requests=3, tokens=3, shared_prefix=False, workers=1, cpu_chunks=5,
+             gpu_blocks=10, resets=2, failures=1, preemptions=1, groups=("sliding", "full"),
+             sliding_window=1),
+    M.Bounds(requests=3, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=8, resets=1,
+             failures=1, preemptions=1, blocks_per_chunk=2),
+    M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
+             failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=3,
+             blocks_per_chunk=2, sync_loads=True),
+)
+"""Several KV cache groups (full attention and a sliding window, in either order), chunks
+of several blocks, both (a hit that ends inside a chunk; a window of 3 tokens over chunks of
+2 blocks)."""
+
+
 class OffloadingStateMachine(RuleBasedStateMachine):
     """The model-based test. Subclass to change the adapter or the bounds."""
 
     adapter_factory: ClassVar[type] = ReferenceAdapter
-    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = (
-        M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
-                 failures=2, preemptions=2),
-        M.Bounds(requests=3, tokens=2, shared_prefix=False, workers=1, cpu_chunks=2,
-                 gpu_blocks=4, resets=1, failures=1, preemptions=1, timeout_steps=2),
-        M.Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
-                 failures=2, preemptions=1, sync_loads=True),
-    )
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = ONE_GROUP_BOUNDS + HYBRID_BOUNDS
+    """Each example draws one. An adapter for an implementation of one full-attention group
+    and one block per chunk sets `ONE_GROUP_BOUNDS`."""
     faults: ClassVar[M.Faults] = M.NO_FAULTS
     """Model faults to switch on too (only to test that the machine itself catches them)."""
     CHECK_REFINEMENT: ClassVar[bool] = True

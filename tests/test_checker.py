@@ -108,9 +108,15 @@ def test_a_job_that_never_completes_is_a_p1_lasso_and_the_old_check_agrees() -> 
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.abstract], ids=lambda m: m.name)
 def test_the_checker_finds_each_abstract_mutant(mutant: Mutant) -> None:
     assert mutant.model_fault is not None and mutant.model_fault.value == mutant.name
-    r = check(hunt_bounds(mutant.model_fault), frozenset([mutant.model_fault]))
+    bounds = hunt_bounds(mutant.model_fault)
+    r = check(bounds, frozenset([mutant.model_fault]))
     assert r.counterexample is not None, mutant.name
-    assert r.engine == "compiled"  # and certify() replayed it on the Python model
+    from statemachine.checker import compiled
+
+    if compiled.fits(bounds) is None:
+        assert r.engine == "compiled"  # and certify() replayed it on the Python model
+    else:  # a fault of the groups' paths: the Python model finds it
+        assert r.engine.startswith("python ("), r.engine
 
 
 def test_cli_check_exit_codes_and_json(capsys: pytest.CaptureFixture[str],

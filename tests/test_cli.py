@@ -104,8 +104,7 @@ def test_progress_lines_only_on_a_terminal(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_check_takes_a_fault_of_the_window_paths(capsys: pytest.CaptureFixture[str]) -> None:
-    """`kvspec check --mutant` also takes the model's faults of the sliding-window paths
-    (no catalogue entry yet): F2's trace, 8 events, INV-15."""
+    """`kvspec check --mutant` on a fault of the sliding-window paths: F2's trace, INV-15."""
     code = cli.main(["check", "--mutant", "reset-keeps-stale-window-blocks", "--json"])
     out = json.loads(capsys.readouterr().out)
     text = json.dumps(out)

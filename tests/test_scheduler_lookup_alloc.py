@@ -38,13 +38,15 @@ def test_invalid_transfer_params_are_ignored_and_counted() -> None:
     assert d.s.stats["ignored_transfer_params"] == 1
 
 
-def test_miss_returns_zero_and_hit_returns_whole_chunks_leaving_a_token() -> None:
+def test_miss_returns_zero_and_hit_returns_whole_blocks_leaving_a_token() -> None:
     d = Driver.make(blocks_per_chunk=2)  # 32 tokens per chunk
     stored(d, "a", 100)  # chunks 0..2 stored (96 tokens)
     d.add("b", 100)
     assert d.s.get_num_new_matched_tokens(d.reqs["b"], 0) == (96, True)
-    d.add("c", 96)  # a hit must leave one token to compute: only 2 chunks
-    assert d.s.get_num_new_matched_tokens(d.reqs["c"], 0) == (64, True)
+    # a hit must leave the last token's block to compute: it ends inside chunk 2, which is
+    # loaded in part (vLLM 0.33.0 answers 80 too, with the LAST-TOKEN-BOUND)
+    d.add("c", 96)
+    assert d.s.get_num_new_matched_tokens(d.reqs["c"], 0) == (80, True)
     d.add("x", 100, family=1)
     assert d.s.get_num_new_matched_tokens(d.reqs["x"], 0) == (0, False)
 

@@ -5,7 +5,8 @@ the free block pool), and how it follows the connector's decisions."""
 from __future__ import annotations
 
 from spec import request as R
-from spec.model.state import NULL_BLOCK, MCore, World
+from spec.groups import NULL_BLOCK
+from spec.model.state import MCore, World
 
 
 def free(w: World, blocks: tuple[int, ...]) -> None:

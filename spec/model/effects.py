@@ -12,11 +12,12 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
+from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import unquarantine
 from spec.model.faults import Fault
 from spec.model.interpreter import effect, fire, stateless
-from spec.model.state import NULL_BLOCK, MJob, ModelError, World, job_of, put_job, put_req, tracked
+from spec.model.state import MJob, ModelError, World, job_of, put_job, put_req, tracked
 
 
 @effect
@@ -26,7 +27,8 @@ def create_request_status(w: World, k: str, **kw: Any) -> None:
 
 @effect
 def restart_from_token_zero(w: World, k: str, **kw: Any) -> None:
-    put_req(w, tracked(w, k)._replace(blocks=(), cursor=0, hit=None, kv_load=None))
+    put_req(w, tracked(w, k)._replace(blocks=(), cursor=0, hit=None, kv_load=None,
+                                       window_end=0))
 
 
 @effect
@@ -119,18 +121,18 @@ def reset_store_cursor(w: World, k: str, **kw: Any) -> None:
 
 
 def _window_blocks_forgotten(w: World, k: str, table: tuple[int, ...]) -> tuple[int, ...]:
-    """The request's table with the sliding-window positions the core no longer holds (it
-    freed them before the window, and may have handed them out since) zeroed: with the
-    cursor back at 0, a store would read them otherwise. Beyond vLLM 0.33.0, which keeps
+    """The request's table with the sliding-window positions before the window of its
+    computed tokens zeroed (the core freed them, and may have handed them out since): with
+    the cursor back at 0, a store would read them otherwise. Beyond vLLM 0.33.0, which keeps
     them (RESET_KEEPS_STALE_WINDOW_BLOCKS)."""
     b = w.bounds
     if not b.sliding_groups() or not table \
             or Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS in w.faults:
         return table
-    held = w.core[k].blocks if k in w.core else ()
+    skipped = b.skipped_blocks(tracked(w, k).window_end)
     n = len(table) // len(b.groups)
-    return tuple(NULL_BLOCK if b.groups[i // n] == "sliding"
-                 and (i >= len(held) or held[i] != x) else x for i, x in enumerate(table))
+    return tuple(NULL_BLOCK if b.groups[i // n] == "sliding" and i % n < skipped else x
+                 for i, x in enumerate(table))
 
 
 @effect

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from spec import job as J
 from spec import request as R
+from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import follow_connector, free
 from spec.model.faults import NO_FAULTS, Faults
@@ -20,7 +21,6 @@ from spec.model.hooks import alloc, build_meta, finish, lookup, report, reset
 from spec.model.interpreter import SPEC_TABLES, Tables, fire
 from spec.model.projection import abstract
 from spec.model.state import (
-    NULL_BLOCK,
     Bounds,
     MCore,
     MJob,

@@ -27,10 +27,5 @@ class Fault(StrEnum):
     RESET_KEEPS_STALE_WINDOW_BLOCKS = "reset-keeps-stale-window-blocks"
 
 
-MODEL_ONLY_FAULTS: frozenset[str] = frozenset({
-    Fault.SLIDING_WINDOW_SKIPS_FENCE, Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS})
-"""Faults of paths only the model has so far (several KV cache groups): the mutant
-catalogue gets them with the implementation's groups; `kvspec check --mutant` takes them."""
-
 Faults = frozenset[Fault]
 NO_FAULTS: Faults = frozenset()

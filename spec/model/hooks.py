@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from spec import job as J
 from spec import request as R
+from spec.groups import NULL_BLOCK, cdiv
 from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
-from spec.model.state import NULL_BLOCK, ModelError, World, cdiv, put_job, put_req, tracked
+from spec.model.state import ModelError, World, put_job, put_req, tracked
 
 
 def _open(w: World) -> None:
@@ -161,6 +162,9 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
             put_req(w, cur._replace(blocks=table))
         else:  # the table says from where a request may be scheduled
             fire(w, "request", r, "schedule", block_ids=table)
+    if w.bounds.sliding_groups():
+        for r, n in sched.items():
+            put_req(w, tracked(w, r)._replace(window_end=w.core[r].computed + n))
     _forget_reallocated_window_blocks(w, set(new))
     for r in sorted(preempted - w.preempted_early):
         opt = w.reqs.get(r)

@@ -7,36 +7,30 @@ from dataclasses import replace
 
 from spec import job as J
 from spec import request as R
-from spec.model.state import NULL_BLOCK, MCore, MJob, ModelState
+from spec.groups import NULL_BLOCK
+from spec.model.state import MJob, ModelState
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 
-def _held(s: ModelState, table: tuple[int, ...], core: MCore | None) -> tuple[int, ...]:
+def _held(s: ModelState, table: tuple[int, ...], window_end: int) -> tuple[int, ...]:
     """The blocks of the connector's table the request still holds: a sliding-window
-    group's positions only while the core keeps them (it frees those before the window);
-    no null position."""
+    group's positions only in the window of its computed tokens (the core frees those
+    before it); no null position."""
     b = s.bounds
     if not b.sliding_groups():
         return table
     n = len(table) // len(b.groups)
-    mine = core.blocks if core is not None else ()
-    out = []
-    for i, x in enumerate(table):
-        if x == NULL_BLOCK:
-            continue
-        if b.groups[i // n] == "sliding" and (i >= len(mine) or mine[i] != x):
-            continue
-        out.append(x)
-    return tuple(out)
+    skipped = b.skipped_blocks(window_end)
+    return tuple(x for i, x in enumerate(table) if x != NULL_BLOCK
+                 and not (b.groups[i // n] == "sliding" and i % n < skipped))
 
 
 def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
     """The model state seen as spec.AbstractState (what the invariants are written over)."""
     reqs = []
-    core = dict(s.core)
     for q in s.reqs:
         if q.state in R.HOLDS_GPU_BLOCKS:
-            blocks = _held(s, q.blocks, core.get(q.id))
+            blocks = _held(s, q.blocks, q.window_end)
         elif q.finished:  # aborted while loading: the load's destination stays held
             blocks = tuple(b for j in s.jobs if j.owner == q.id and j.kind == "load"
                            for b in j.blocks)

@@ -17,6 +17,14 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from spec import fence as F
 from spec import job as J
 from spec import request as R
+from spec.groups import (
+    GROUP_KINDS,
+    GroupKind,
+    load_window_chunks,
+    offload_key,
+    skipped_blocks,
+    window_chunks,
+)
 from spec.model.faults import NO_FAULTS, Faults
 from spec.state import AbstractState
 
@@ -42,20 +50,11 @@ class Template:
     tokens: int
 
 
-GroupKind = Literal["full", "sliding"]
-NULL_BLOCK = -1
-"""A block-table position with no block (vLLM's null block, id 0)."""
-
-
-def key(family: int, position: int, group: int = 0) -> int:
-    """The chunk key at chunk `position` of group `group` of a prompt of `family` (shared
-    prefixes share keys; vLLM: the block hash at the chunk's last block plus the group
-    index, B:27-42)."""
-    return family * 1000 + group * 100 + position + 1
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
+    """The chunk key of group `group` whose last block is at `position` of a prompt of
+    `family` (shared prefixes share keys): the block hash there is `family * 1000 +
+    position + 1` (vLLM: the hash at the chunk's last block plus the group index)."""
+    return offload_key(family * 1000 + position + 1, group, num_groups)
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class Bounds:
     blocks_per_chunk: int = 1
 
     def __post_init__(self) -> None:
-        if not self.groups or any(g not in ("full", "sliding") for g in self.groups):
+        if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
             raise ValueError(f"groups must be 'full' or 'sliding', got {self.groups!r}")
         if self.blocks_per_chunk < 1 or self.sliding_window < 1:
             raise ValueError("blocks_per_chunk and sliding_window must be >= 1")
@@ -106,21 +105,13 @@ class Bounds:
         return tuple(g for g, kind in enumerate(self.groups) if kind == "sliding")
 
     def window_chunks(self) -> int:
-        """A sliding-window group's window in chunks (`get_sliding_window_size_in_chunks`,
-        connector config.py:61-73, no extra retained tokens)."""
-        return cdiv(self.sliding_window, self.tokens_per_chunk)
+        return window_chunks(self.sliding_window, self.tokens_per_chunk)
 
     def load_window_chunks(self, end_tokens: int) -> int:
-        """The chunks a load of a sliding-window group ending at `end_tokens` needs
-        (`GroupOffloadConfig.load_window_size_in_chunks`, S:117-134)."""
-        tpc = self.tokens_per_chunk
-        pad = -end_tokens % tpc
-        return max(self.window_chunks(), cdiv(self.sliding_window - 1 + pad, tpc))
+        return load_window_chunks(self.sliding_window, self.tokens_per_chunk, end_tokens)
 
     def skipped_blocks(self, computed: int) -> int:
-        """Leading blocks of a sliding-window group the core no longer needs once `computed`
-        tokens are computed (`SlidingWindowManager.get_num_skipped_tokens`)."""
-        return max(0, computed - self.sliding_window + 1)
+        return skipped_blocks(self.sliding_window, 1, computed)
 
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
@@ -146,6 +137,9 @@ class MReq(NamedTuple):
     local: int = 0
     kv_load: int | None = None
     """The sync load the request's KV depends on, until its next restart."""
+    window_end: int = 0
+    """With a sliding-window group: the tokens computed once its last scheduled step ran
+    (the core frees the window group's blocks before that window); 0 otherwise."""
 
 
 class MJob(NamedTuple):
@@ -318,9 +312,10 @@ class World:
 
     def keys_of(self, req_id: str, group: int = 0) -> list[int]:
         """The chunk keys of group `group` of the request: one per full chunk."""
-        t = self.template(req_id)
-        return [key(t.family, c, group)
-                for c in range(t.tokens // self.bounds.tokens_per_chunk)]
+        t, b = self.template(req_id), self.bounds
+        bpc = b.blocks_per_chunk
+        return [key(t.family, (c + 1) * bpc - 1, group, len(b.groups))
+                for c in range(t.tokens // b.tokens_per_chunk)]
 
     def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
         """Group `group`'s part of a flat block table (`tokens` blocks per group)."""

@@ -12,7 +12,6 @@ from typing import Any
 from spec import model as M
 from spec.checker import CheckResult, Counterexample
 from spec.invariants import INVARIANTS
-from spec.model.faults import MODEL_ONLY_FAULTS
 from spec.progress import FAIRNESS, PROGRESS, UNFAIR
 from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds, parse_bounds
 from statemachine.cli.common import (
@@ -99,13 +98,6 @@ def _without(values: list[str] | None) -> frozenset[str]:
 
 
 def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
-    if args.mutant in MODEL_ONLY_FAULTS:
-        # a fault of the model's paths the implementation does not have yet (several KV
-        # cache groups): no catalogue entry, no implementation patch; the checker hunts it
-        fault = M.Fault(args.mutant)
-        return [Scenario(f"{MUTANT_SCENARIO}:{fault.value}", "a fault of the model only",
-                         parse_bounds(args.bounds or "", hunt_bounds(fault)), None)], \
-            frozenset([fault])
     if args.mutant:
         mutant = mutant_by_name(args.mutant)
         if mutant.model_fault is None:
