@@ -39,9 +39,10 @@ from hypothesis.stateful import initialize
 from conformance import vllm_env as E
 from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
 from spec import model as M
+from spec.groups import NULL_BLOCK, window_tokens
 from spec.state import AbstractState
 from statemachine.core import StepLedger
-from statemachine.testing import OffloadingStateMachine, normalize
+from statemachine.testing import OffloadingStateMachine, model_hit, normalize
 
 BLOCK_SIZE = 16
 """vLLM tokens per model token (one full vLLM block, one block hash, one chunk)."""
@@ -71,13 +72,17 @@ class VLLMAdapter:
         extra: dict[str, Any] = {}
         if bounds.sync_loads:
             extra["sync_load_budget_bytes"] = self.sync_load_budget_bytes
+        self.groups = len(bounds.groups)
         self.setup = E.make_setup(num_gpu_blocks=bounds.gpu_blocks + 1, block_size=BLOCK_SIZE,
+                                  blocks_per_chunk=bounds.blocks_per_chunk,
                                   num_cpu_chunks=bounds.cpu_chunks, num_workers=bounds.workers,
-                                  eviction_policy="lru", extra_config=extra)
+                                  eviction_policy="lru", extra_config=extra,
+                                  **hybrid_setup(bounds))
         self.connector = self.setup.connector
         self.scheduler = self.setup.scheduler
         self.status = E.request_status()
-        self.obs = Observations(num_workers=bounds.workers)
+        self.obs = Observations(num_workers=bounds.workers, groups=bounds.groups,
+                                sliding_window=bounds.sliding_window)
         if not hasattr(self.scheduler, "_reset_fence"):
             self.obs.emulated_fence = {}
         self.requests: dict[str, Any] = {}
@@ -87,6 +92,8 @@ class VLLMAdapter:
         self.last_async: dict[str, bool] = {}
         self.admitted: set[str] = set()
         """Requests looked up in the current step."""
+        self.hit_tokens: dict[str, int] = {}
+        """vLLM's last lookup answer per request, in tokens."""
         self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
             self.scheduler)
         self._evicted: list[int] = []
@@ -143,7 +150,9 @@ class VLLMAdapter:
         if len(hashes) != t.tokens:
             raise AssertionError(f"{req_id}: {len(hashes)} block hashes for {t.tokens} blocks")
         for c, h in enumerate(hashes):
-            self.obs.key_of[bytes(E.offload_key(h))] = M.key(t.family, c)
+            for g in range(self.groups):
+                self.obs.key_of[bytes(E.offload_key(h, g))] = M.key(t.family, c, g,
+                                                                     self.groups)
         self.requests[req_id] = req
         self.family[req_id] = t.family
         return req
@@ -204,6 +213,7 @@ class VLLMAdapter:
             req.status = self.status.PREEMPTED  # re-admitted before the step reported it
         self.obs.core_status[req_id] = "waiting"
         self.obs.core_blocks[req_id] = ()
+        self.obs.window_end[req_id] = 0
         req.num_computed_tokens = 0
         self.admitted.add(req_id)
         if self.bound_last_token:
@@ -220,16 +230,28 @@ class VLLMAdapter:
         self.last_async[req_id] = bool(is_async)
         if hits is None:
             return None, bool(is_async)
-        if hits % BLOCK_SIZE:
-            raise AssertionError(f"lookup of {req_id} hit {hits} tokens, not whole blocks")
-        return hits // BLOCK_SIZE, bool(is_async)
+        self.hit_tokens[req_id] = int(hits)
+        try:
+            return model_hit(int(hits), "sliding" in self.bounds.groups, BLOCK_SIZE), \
+                bool(is_async)
+        except AssertionError as exc:
+            raise AssertionError(f"lookup of {req_id}: {exc}") from None
+
+    def _vllm_table(self, blocks: tuple[int, ...]) -> Any:
+        """The model's flat table as vLLM's: block `b` is `b + 1`, a null position vLLM's
+        null block 0; with several groups, one list per group."""
+        ids = [0 if b == NULL_BLOCK else vllm_block(b) for b in blocks]
+        if self.groups == 1:
+            return ids
+        n = len(ids) // self.groups
+        return tuple(ids[g * n:(g + 1) * n] for g in range(self.groups))
 
     def _alloc(self, req_id: str, blocks: tuple[int, ...], hit: int) -> Any:
         req = self._request(req_id)
-        vblocks = [vllm_block(b) for b in blocks]
-        self.obs.core_blocks[req_id] = tuple(vblocks)
-        out = self.connector.update_state_after_alloc(req, E.kv_blocks(vblocks),
-                                                      hit * BLOCK_SIZE)
+        vblocks = self._vllm_table(blocks)
+        self.obs.core_blocks[req_id] = _flat(vblocks)
+        out = self.connector.update_state_after_alloc(
+            req, E.kv_blocks(vblocks), self.hit_tokens.get(req_id, 0) if hit else 0)
         if hit and self.last_async.get(req_id, False):
             self.obs.core_status[req_id] = "remote"
             req.status = self.status.WAITING_FOR_REMOTE_KVS
@@ -256,17 +278,20 @@ class VLLMAdapter:
                 self.requests[r].num_computed_tokens = n * BLOCK_SIZE
         ledger = self.ledger
         for r in sched:  # in the model's order: the order of vLLM's stores
+            obs.window_end[r] = computed[r][0] + sched[r]
             if r in new:
                 req = self._request(r)
-                vblocks = tuple(vllm_block(b) for b in new[r])
+                vblocks = self._vllm_table(new[r])
                 ledger.admit(r, vblocks, sched[r] * BLOCK_SIZE)
                 req.status = self.status.RUNNING
                 obs.core_status[r] = "running"
-                obs.core_blocks[r] = vblocks
+                obs.core_blocks[r] = _flat(vblocks)
             else:
-                vblocks = tuple(vllm_block(b) for b in cached[r])
+                vblocks = self._vllm_table(cached[r]) if cached[r] or self.groups == 1 \
+                    else tuple([] for _ in range(self.groups))
                 ledger.run(r, vblocks, sched[r] * BLOCK_SIZE)
-                obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
+                if self.groups == 1:
+                    obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
         for r in finished:
             ledger.finish(r)
         for r in preempted:
@@ -304,7 +329,7 @@ class VLLMAdapter:
         req = self._request(req_id)
         req.status = (self.status.FINISHED_ABORTED if aborted
                       else self.status.FINISHED_STOPPED)
-        blocks = list(self.obs.core_blocks.get(req_id, ()))
+        blocks = [b for b in self.obs.core_blocks.get(req_id, ()) if b != 0]
         if self.obs.core_status.get(req_id) != "remote":  # an abort while loading keeps them
             self.obs.core_blocks[req_id] = ()
         self.obs.core_status[req_id] = "finished"
@@ -330,6 +355,30 @@ class VLLMAdapter:
         return project(self.setup, self.obs)
 
 
+def _flat(table: Any) -> tuple[int, ...]:
+    """A vLLM table (one list, or one list per group) as one flat tuple, group by group."""
+    if table and not isinstance(table[0], int):
+        return tuple(b for g in table for b in g)
+    return tuple(table)
+
+
+def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
+    """`make_setup`'s arguments for the bounds' KV cache groups (none for one full-attention
+    group). vLLM stores a window group's chunk in full only where the window covers it
+    (`need >= blocks_per_chunk`, else it stores the chunk's last blocks only): the model
+    stores whole chunks, so the window must span a chunk."""
+    if bounds.groups == ("full",):
+        return {}
+    if len(bounds.groups) != E.NUM_LAYERS or "sliding" not in bounds.groups:
+        raise ValueError(f"the conformance setup takes one group, or {E.NUM_LAYERS} groups "
+                         f"with a sliding window; got {bounds.groups}")
+    if bounds.sliding_window - 1 < bounds.blocks_per_chunk:
+        raise ValueError(f"a sliding window of {bounds.sliding_window} blocks does not span "
+                         f"a chunk of {bounds.blocks_per_chunk} blocks and the one before it")
+    return {"sliding_window": window_tokens(bounds.sliding_window, BLOCK_SIZE),
+            "groups": bounds.groups}
+
+
 # ============================================================================ the machine
 def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
     """The machine's bounds, without worker failures or job timeouts (vLLM has neither)."""
@@ -345,6 +394,27 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
         out.append(M.Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6,
                             resets=2, failures=0, preemptions=1, sync_loads=True))
     return tuple(out)
+
+
+HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
+    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=6, gpu_blocks=12,
+             resets=2, failures=0, preemptions=2, groups=("full", "sliding"),
+             sliding_window=2),
+    M.Bounds(requests=3, tokens=3, shared_prefix=False, workers=1, cpu_chunks=5,
+             gpu_blocks=10, resets=2, failures=0, preemptions=1, groups=("sliding", "full"),
+             sliding_window=2),
+    M.Bounds(requests=3, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=8, resets=1,
+             failures=0, preemptions=1, blocks_per_chunk=2),
+    M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
+             failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=3,
+             blocks_per_chunk=2, sync_loads=True),
+    M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
+             failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
+             blocks_per_chunk=4),
+)
+"""The hybrid machine's bounds: a full-attention and a sliding-window group (either order)
+with 1, 2 and 4 blocks per chunk, and one full-attention group of 2-block chunks (vLLM
+block size 16: one model token is one vLLM block)."""
 
 
 VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")
@@ -405,10 +475,19 @@ class VLLMMachine(OffloadingStateMachine):
         """vLLM's restrictions: no reset where vLLM is known to crash (RESET-TWICE), no
         finish or abort down a documented divergence."""
         if rule == "reset":
-            return not self.reset_would_trip()
+            return not self.reset_would_trip() and not self.reset_keeps_stale_window()
         if rule in ("finish", "abort"):
             return not self.finish_diverges(ev.req)
         return True
+
+    def reset_keeps_stale_window(self) -> bool:
+        """A reset now would leave a request's table with sliding-window ids the core freed
+        below the store cursor it puts back to 0: vLLM's next store of that request reads
+        them (finding F2, RESET-WINDOW in CONFORMANCE.md); the spec zeroes them."""
+        m = self.model
+        if m is None or self.allow_known_divergences or not m.bounds.sliding_groups():
+            return False
+        return any(r.blocks and m.bounds.skipped_blocks(r.window_end) > 0 for r in m.reqs)
 
     def reset_would_trip(self) -> bool:
         """A second reset before any step, while the first one's flush is still pending:
@@ -504,6 +583,12 @@ class VLLMMachine(OffloadingStateMachine):
                                        f"{sorted(state.live_job_ids)}" for r in stuck))
         assert not state.jobs and not state.reset_fence and not state.quarantine, state
         assert all(n == 0 for _, n in state.chunk_ref_cnt), state.chunk_ref_cnt
+
+
+class VLLMHybridMachine(VLLMMachine):
+    """The machine on vLLM's connector built with a hybrid KV cache configuration."""
+
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = HYBRID_VLLM_BOUNDS
 
 
 class VLLM025Machine(VLLMMachine):

@@ -28,9 +28,10 @@ What vLLM does not keep, the adapter observes at the hooks and passes in `Observ
   (any id below the threshold); the spec keeps them in the fence. This is the documented
   translation that lets the same machine run against 0.25.1 (CONFORMANCE.md).
 
-Model granularity: one model token is one vLLM block of `block_size` tokens is one chunk; a
-model GPU block `b` is vLLM block `b + 1` (vLLM's block 0 is the null block); a chunk's
-offload key maps back to the model key `spec.model.key(family, position)`.
+Model granularity: one model token is one vLLM block of `block_size` tokens; a chunk is
+`blocks_per_chunk` of them; a model GPU block `b` is vLLM block `b + 1` (vLLM's block 0 is
+the null block, the model's `NULL_BLOCK`); a chunk's offload key (block hash and group)
+maps back to the model key `spec.model.key(family, position, group, groups)`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
+from spec.groups import skipped_blocks
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 
@@ -72,6 +74,24 @@ class Observations:
     reset_since_last_step: bool = False
     emulated_fence: dict[int, int] | None = None
     """Only for vLLM without `_reset_fence`: stale job id -> reports still due."""
+    groups: tuple[str, ...] = ("full",)
+    """The KV cache groups' kinds (the core's tables are flat, group by group)."""
+    sliding_window: int = 1
+    """The window of a sliding-window group, in model tokens."""
+    window_end: dict[str, int] = field(default_factory=dict)
+    """Model tokens computed once each request's last scheduled step ran: the core frees a
+    window group's blocks before that window (the adapter plays the core)."""
+
+    def held(self, req_id: str) -> tuple[int, ...]:
+        """The model blocks the core still gives `req_id`: no null block, and a window
+        group's positions only in the window."""
+        table = self.core_blocks.get(req_id, ())
+        if "sliding" not in self.groups:
+            return tuple(model_block(b) for b in table if b != 0)
+        n = len(table) // len(self.groups)
+        skipped = skipped_blocks(self.sliding_window, 1, self.window_end.get(req_id, 0))
+        return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and not (
+            self.groups[i // n] == "sliding" and i % n < skipped))
 
 
 def model_block(vllm_block: int) -> int:
@@ -165,7 +185,7 @@ def project(setup: Any, obs: Observations) -> AbstractState:
     for req_id, st in sched._req_status.items():
         state = _request_state(sched, obs, req_id, st)
         if state in R.HOLDS_GPU_BLOCKS:
-            gpu = tuple(model_block(b) for b in obs.core_blocks.get(req_id, ()))
+            gpu = obs.held(req_id)
         elif st.req.is_finished():  # aborted while loading: the load's blocks stay held
             gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
                         and not sched._jobs[j].is_store

@@ -200,15 +200,18 @@ class VLLMSetup:
 
 
 def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
-                     sliding_window: int | None = None) -> Any:
+                     sliding_window: int | None = None,
+                     groups: Sequence[str] = ("full", "sliding")) -> Any:
     v = _v()
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
     page = spec.page_size_bytes
-    if sliding_window is not None:  # a hybrid model: layer 0 full attention, layer 1 window
+    if sliding_window is not None:  # a hybrid model: one layer per group, kinds in order
         if not v33:
             raise RuntimeError("hybrid KV cache configurations need vLLM 0.33")
+        if len(groups) != NUM_LAYERS:
+            raise ValueError(f"a hybrid configuration has {NUM_LAYERS} groups (one per layer)")
         sw = v.SlidingWindowSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                  head_size=HEAD_SIZE, dtype=v.torch.float32,
                                  sliding_window=sliding_window)
@@ -216,8 +219,9 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
                                    layer_stride=page * num_gpu_blocks, block_stride=page)
                    for name in layers]
         return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                               kv_cache_groups=[v.KVCacheGroupSpec(layers[:1], spec),
-                                                v.KVCacheGroupSpec(layers[1:], sw)])
+                               kv_cache_groups=[v.KVCacheGroupSpec(
+                                   [name], sw if kind == "sliding" else spec)
+                                   for name, kind in zip(layers, groups, strict=True)])
     if v33:  # one backing allocation for all layers, layer-outermost
         tensors = [v.KVCacheTensor(size=page * NUM_LAYERS * num_gpu_blocks, layers=layers,
                                    layer_stride=page * num_gpu_blocks, block_stride=page)]
@@ -228,12 +232,14 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
                            kv_cache_groups=[v.KVCacheGroupSpec(layers, spec)])
 
 
-def _chunk_bytes(block_size: int, blocks_per_chunk: int, num_workers: int) -> int:
-    """CPU bytes one chunk takes, as the CPU spec computes it (aligned)."""
+def _chunk_bytes(block_size: int, blocks_per_chunk: int, num_workers: int,
+                 layers: int = NUM_LAYERS) -> int:
+    """CPU bytes one chunk takes, as the CPU spec computes it (aligned): the pages of the
+    `layers` of its group."""
     v = _v()
     spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
-    raw = int(spec.page_size_bytes) * NUM_LAYERS * num_workers * blocks_per_chunk
+    raw = int(spec.page_size_bytes) * layers * num_workers * blocks_per_chunk
     align = int(getattr(v.CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 1) or 1)
     return -(-raw // align) * align
 
@@ -251,20 +257,24 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
                max_model_len: int = 1024, num_workers: int = 1,
                enable_prefix_caching: bool = True,
                extra_config: Mapping[str, Any] | None = None,
-               sliding_window: int | None = None) -> VLLMSetup:
+               sliding_window: int | None = None,
+               groups: Sequence[str] = ("full", "sliding")) -> VLLMSetup:
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
     every job then waits for that many acks. With `sliding_window` (tokens) the model is
-    hybrid: KV cache group 0 is full attention, group 1 a sliding window (0.33 only), whose
-    blocks are all retained and offloaded (`prefix_cache_retention_interval=None`)."""
+    hybrid: one layer per KV cache group, of the kinds `groups` names in order (default: a
+    full-attention group, then a sliding window; 0.33 only); the window's blocks are all
+    retained and offloaded (`prefix_cache_retention_interval=None`)."""
     v = _v()
     version = vllm_version()
     v33 = version >= (0, 26, 0)
     if num_cpu_chunks is not None:
         if cpu_bytes is not None:
             raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
-        cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers)
+        layers = NUM_LAYERS if sliding_window is None else 1
+        cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers,
+                                                  layers)
     if cpu_bytes is None:
         cpu_bytes = 64 << 20
     extra: dict[str, Any] = {
@@ -302,7 +312,8 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise RuntimeError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33, sliding_window)
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33, sliding_window,
+                                       groups)
     connector = v.OffloadingConnector(vllm_config, v.KVConnectorRole.SCHEDULER,
                                       kv_cache_config)
     scheduler = connector.connector_scheduler
@@ -350,7 +361,15 @@ def kv_blocks(block_ids: Sequence[Any]) -> Any:
     """`KVCacheBlocks` (what `update_state_after_alloc` receives): of one KV-cache group
     from a flat sequence of ids, or of several from one sequence per group."""
     v = _v()
-    return v.KVCacheBlocks(tuple([v.KVCacheBlock(b) for b in g] for g in _groups(block_ids)))
+    return v.KVCacheBlocks(tuple([_block(v, b) for b in g] for g in _groups(block_ids)))
+
+
+def _block(v: Any, block_id: int) -> Any:
+    """A `KVCacheBlock`; id 0 is vLLM's null block."""
+    block = v.KVCacheBlock(int(block_id))
+    if block_id == 0:
+        block.is_null = True
+    return block
 
 
 class SortedIdSet(set[str]):

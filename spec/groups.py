@@ -51,3 +51,11 @@ def skipped_blocks(sliding_window: int, tokens_per_block: int, computed: int) ->
     """Leading blocks of a sliding-window group the core no longer needs once `computed`
     tokens are computed: it frees them (computed - window + 1 tokens are skipped)."""
     return max(0, computed - sliding_window + 1) // tokens_per_block
+
+
+def window_tokens(window_blocks: int, block_size: int) -> int:
+    """The sliding window, in tokens of `block_size`-token blocks, that acts as a window of
+    `window_blocks` tokens does at one token per block (the model's): a block leaves it
+    exactly when the model's does (`skipped_blocks`), it spans as many chunks
+    (`window_chunks`), and a hit needs `window_blocks - 1` blocks before its end."""
+    return block_size * (window_blocks - 1) + 1

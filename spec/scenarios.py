@@ -137,7 +137,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "failure and a preemption",
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=7, resets=0,
                     failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=2),
-             Expect("pass", 48_533, 23)),
+             Expect("pass", 48_541, 23)),
     Scenario("hybrid-reset-window",
              "a full-attention and a sliding-window group (window 1), two prompts: a "
              "sliding-window block freed and handed to the other request, then a reset puts "

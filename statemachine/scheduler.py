@@ -250,6 +250,8 @@ class OffloadingScheduler:
         max_hit = (request.num_tokens - 1) // bs * bs
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, n + req.max_load_tokens)
+        if cfg.sliding_groups:  # the last prompt token is recomputed for its logprobs
+            max_hit -= 1        # (S:872-876): a hit may end one token short of a block
         order = tuple(g for g in range(cfg.num_groups) if g not in cfg.sliding_groups) \
             + cfg.sliding_groups
         num_hit, defer, todo = 0, False, order
@@ -473,6 +475,10 @@ class OffloadingScheduler:
         if not self.config.sliding_groups or not self._batch_allocated_blocks:
             return
         bpc = self.config.blocks_per_chunk
+        for job_id in self._batch_load_jobs:  # a table given in this step: nothing stale
+            job = self.jobs.get(job_id)
+            if job is not None:
+                ends.setdefault(job.owner.req_id, 0)
         for req_id, req in self._req_status.items():
             for g in self.config.sliding_groups:
                 table = req.group_block_ids[g]

@@ -42,6 +42,7 @@ from hypothesis.stateful import (
 
 from spec import check as check_invariants
 from spec import model as M
+from spec.groups import window_tokens
 from spec.state import AbstractState
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.messages import (
@@ -70,6 +71,21 @@ class Adapter(Protocol):
         """Chunk keys evicted since the last call (the model lets the policy choose)."""
 
 
+BLOCK = 4
+"""Tokens per GPU block of the reference implementation under the model (one model token
+is one block): above one, so that a hit one token short of a block is a real case."""
+
+
+def model_hit(tokens: int, sliding: bool, block: int = BLOCK) -> int:
+    """A lookup's hit in tokens as the model's, in blocks. With a sliding-window group a
+    hit may stop one token before a block's end (the last prompt token is recomputed,
+    S:872-876): the block is loaded, so it counts."""
+    if tokens % block and not (sliding and tokens % block == block - 1):
+        raise AssertionError(f"a hit of {tokens} tokens is not whole blocks of {block}"
+                             + (" (or one token short of one)" if sliding else ""))
+    return -(-tokens // block)
+
+
 class ReferenceAdapter:
     """Drives `statemachine.OffloadingScheduler` (one token = one block; the bounds give the
     KV cache groups and blocks per chunk)."""
@@ -78,14 +94,17 @@ class ReferenceAdapter:
         self.bounds = bounds
         sync = 10**9 if bounds.sync_loads else 0
         self.config = OffloadingConfig(
-            block_size=1, blocks_per_chunk=bounds.blocks_per_chunk, num_workers=bounds.workers,
+            block_size=BLOCK, blocks_per_chunk=bounds.blocks_per_chunk, num_workers=bounds.workers,
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
-            groups=tuple(KVCacheGroup(kind, bounds.sliding_window if kind == "sliding"
-                                      else None) for kind in bounds.groups))
+            groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
+                                      if kind == "sliding" else None)
+                         for kind in bounds.groups))
         self.scheduler = self.make_scheduler(self.config)
         self.requests: dict[str, Request] = {}
         self._evicted: list[int] = []
+        self._hit_tokens: dict[str, int] = {}
+        """The implementation's last lookup answer per request, in tokens."""
 
     def make_scheduler(self, config: OffloadingConfig) -> OffloadingScheduler:
         return OffloadingScheduler(config)
@@ -98,8 +117,9 @@ class ReferenceAdapter:
     def _request(self, req_id: str) -> Request:
         if req_id not in self.requests:
             t = next(t for t in self.bounds.templates() if t.req_id == req_id)
-            tokens = [M.key(t.family, c) for c in range(t.tokens)]
-            self.requests[req_id] = Request(req_id, tokens, block_hashes=list(tokens))
+            hashes = [M.key(t.family, c) for c in range(t.tokens)]
+            tokens = [h * BLOCK + i for h in hashes for i in range(BLOCK)]
+            self.requests[req_id] = Request(req_id, tokens, block_hashes=hashes)
         return self.requests[req_id]
 
     def call(self, call: M.Call) -> Any:
@@ -108,13 +128,19 @@ class ReferenceAdapter:
         if call.hook == "on_new_request":
             return s.on_new_request(self._request(a[0]))
         if call.hook == "get_num_new_matched_tokens":
-            return s.get_num_new_matched_tokens(self._request(a[0]), a[1])
+            hits, is_async = s.get_num_new_matched_tokens(self._request(a[0]), a[1] * BLOCK)
+            if hits is None:
+                return None, is_async
+            self._hit_tokens[a[0]] = hits
+            return model_hit(hits, bool(self.scheduler.config.sliding_groups)), is_async
         if call.hook == "update_state_after_alloc":
-            return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), a[2])
+            ext = self._hit_tokens.get(a[0], 0) if a[2] else 0
+            return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), ext)
         if call.hook == "build_connector_meta":
             new, cached, sched, fin, pre, computed = a
             for r, (n, _aborted) in computed.items():
-                self._request(r).num_computed_tokens = n
+                self._request(r).num_computed_tokens = n * BLOCK
+            sched = {r: n * BLOCK for r, n in sched.items()}
             out = SchedulerOutput(
                 tuple(NewRequestData(r, self._tables(b)) for r, b in new.items()),
                 tuple(CachedRequestData(r, self._tables(b)) for r, b in cached.items()),

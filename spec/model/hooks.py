@@ -82,6 +82,10 @@ def _hit(w: World, r: str, local: int) -> int | None:
     tpc = b.tokens_per_chunk
     order = tuple(g for g, kind in enumerate(b.groups) if kind == "full") + b.sliding_groups()
     max_hit = w.template(r).tokens - 1
+    # With a sliding-window group vLLM stops the hit one token before the bound (the last
+    # prompt token is recomputed for its logprobs, S:872-876): below a block, so here the
+    # hit keeps the block but is "short" until a group's answer cuts it to a chunk edge.
+    short = bool(b.sliding_groups())
     num_hit, defer = 0, False
     todo = order
     while todo:
@@ -89,8 +93,9 @@ def _hit(w: World, r: str, local: int) -> int | None:
         for g in groups:
             sliding = b.groups[g] == "sliding"
             keys = w.keys_of(r, g)
-            max_hit = min(max_hit, len(keys) * tpc)
-            if max_hit - local < tpc:
+            if len(keys) * tpc < max_hit:
+                max_hit, short = len(keys) * tpc, False
+            if max_hit - local < tpc + short:
                 return 0
             n_chunks = min(cdiv(max_hit, tpc), len(keys))
             start = local // tpc
@@ -100,10 +105,10 @@ def _hit(w: World, r: str, local: int) -> int | None:
                 return 0
             if found is None:
                 defer = True
-            else:
-                max_hit = min(max_hit, tpc * (start + found))
+            elif tpc * (start + found) < max_hit:
+                max_hit, short = tpc * (start + found), False
             new = max_hit - local
-            if new < tpc:
+            if new < tpc + short:
                 return 0
             if new < num_hit:
                 if defer:
@@ -207,9 +212,10 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
     if not b.sliding_groups() or not w.batch_alloc:
         return
     bpc = b.blocks_per_chunk
+    loading = {w.jobs[j].owner for j in w.batch_loads if j in w.jobs}
     for r, req in list(w.reqs.items()):
-        if r in full_tables or not req.blocks:
-            continue
+        if r in full_tables or r in loading or not req.blocks:
+            continue  # a table given in this step (vLLM's is empty until it is scheduled)
         table = list(req.blocks)
         n = len(table) // len(b.groups)
         for g in b.sliding_groups():

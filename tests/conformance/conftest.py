@@ -21,9 +21,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not HAVE_VLLM:
         return ["vllm: not importable (conformance tests skipped)"]
     from conformance import vllm_env
+    from conformance.adapter import HYBRID_VLLM_BOUNDS, VLLMMachine
+
+    def show(b: Any) -> str:
+        groups = "+".join(b.groups)
+        window = f" window {b.sliding_window}" if "sliding" in b.groups else ""
+        return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, "
+                f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s)")
 
     return [f"vllm: {'.'.join(map(str, vllm_env.vllm_version()))} "
-            f"from {vllm_env.vllm_file()}"]
+            f"from {vllm_env.vllm_file()}",
+            "machine bounds: " + "; ".join(show(b) for b in VLLMMachine.bounds_choices),
+            "hybrid bounds (block size 16): "
+            + "; ".join(show(b) for b in HYBRID_VLLM_BOUNDS)]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,8 @@
 """The model-based machine of `statemachine.testing` against vLLM's scheduler-side connector.
 
 - vLLM 0.26+ (0.33.0 pinned): refinement after every step, every invariant, the drain; at
-  least 2,000 model steps in one run. The documented divergences (CONFORMANCE.md) are each
+  least 2,000 model steps in one run; the same with a hybrid KV cache (a full-attention and
+  a sliding-window group, 1, 2 and 4 blocks per chunk). The documented divergences (CONFORMANCE.md) are each
   replayed with the machine's restriction lifted, to show they still diverge as written.
 - vLLM 0.22-0.25 (0.25.1): the same machine must find the PR #48102 stuck request by itself
   (hypothesis search and shrinking, deterministic), shrunk to at most 12 steps.
@@ -61,6 +62,25 @@ def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> Non
           f"{machine.runs} runs, {seconds:.1f} s ({machine.seconds:.1f} s in the steps)")
     record_property("model_steps", machine.steps_taken)
     record_property("seconds", round(seconds, 1))
+    assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
+
+
+def test_vllm_conforms_with_a_hybrid_kv_cache(vllm_ready: Any, record_property: Any) -> None:
+    """The machine on vLLM's connector built with a full-attention and a sliding-window KV
+    cache group (block size 16; 1, 2 and 4 blocks per chunk) and on chunks of 2 blocks:
+    refinement, every invariant after every hook, the drain (`HYBRID_VLLM_BOUNDS`)."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import HYBRID_VLLM_BOUNDS, VLLMHybridMachine
+
+    machine = _fresh(VLLMHybridMachine, "VLLMHybridConformance")
+    examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "300"))
+    t0 = time.perf_counter()
+    machine.TestCase.settings = _settings(examples, 50)
+    machine.TestCase().runTest()
+    seconds = time.perf_counter() - t0
+    print(f"vLLM {vllm_ready.vllm_version()}, hybrid: {machine.steps_taken} model steps in "
+          f"{machine.runs} runs over {len(HYBRID_VLLM_BOUNDS)} bounds, {seconds:.1f} s")
+    record_property("model_steps", machine.steps_taken)
     assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
 
 
