@@ -2,8 +2,9 @@
 
 - vLLM 0.26+ (0.33.0 pinned): refinement after every step, every invariant, the drain; at
   least 2,000 model steps in one run; the same with a hybrid KV cache (a full-attention and
-  a sliding-window group, 1, 2 and 4 blocks per chunk). The documented divergences (CONFORMANCE.md) are each
-  replayed with the machine's restriction lifted, to show they still diverge as written.
+  a sliding-window group, 1, 2 and 4 blocks per chunk). The documented divergences
+  (CONFORMANCE.md) are each replayed with the machine's restriction lifted, to show they
+  still diverge as written.
 - vLLM 0.22-0.25 (0.25.1): the same machine must find the PR #48102 stuck request by itself
   (hypothesis search and shrinking, deterministic), shrunk to at most 12 steps.
 
