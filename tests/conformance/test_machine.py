@@ -85,6 +85,30 @@ def test_vllm_conforms_with_a_hybrid_kv_cache(vllm_ready: Any, record_property: 
     assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
 
 
+F2_RESET_WINDOW = ("arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; step(admit=r1) ; "
+                   "step() ; step() ; reset() ; finish(r0) ; step()")
+"""The checker's shortest trace of `reset-keeps-stale-window-blocks` under the first hybrid
+bounds (window 2): r0's first window block leaves the window and goes to r1; after the
+reset r0's final store reads it."""
+
+
+def test_finding_f2_stale_window_block_under_the_machine(vllm_ready: Any) -> None:
+    """F2 through the machine: with the RESET-WINDOW restriction lifted, vLLM leaves the
+    model at the final store after the reset (the spec zeroed the freed window position)
+    and breaks INV-15; the trace up to the reset conforms."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import HYBRID_VLLM_BOUNDS, VLLMHybridMachine
+
+    class Lifted(VLLMHybridMachine):
+        allow_known_divergences = True
+
+    bounds = HYBRID_VLLM_BOUNDS[0]
+    prefix = F2_RESET_WINDOW.rsplit(" ; reset()", 1)[0]
+    _replay(VLLMHybridMachine, bounds, prefix)
+    with pytest.raises(AssertionError, match=r"INV-15|left the model"):
+        _replay(Lifted, bounds, F2_RESET_WINDOW)
+
+
 def _replay(machine: Any, bounds: M.Bounds, trace: str) -> Any:
     from statemachine.testing import replay
 
