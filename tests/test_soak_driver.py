@@ -3,8 +3,6 @@ reported by its first violation, never by what the teardown drain found afterwar
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from spec import model as M
@@ -34,14 +32,16 @@ def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> No
     assert "reset()" in f.shrunk and f.shrunk_length <= 4 < f.original_length
     # the shrunk program fails the same way when replayed
     with soak.mutant_on("reset-keeps-transfer-jobs"):
-        exc = soak._model_replay(OffloadingStateMachine, M.Bounds(**_bounds(f.bounds)),
+        exc = soak._model_replay(OffloadingStateMachine, _bounds(f.bounds),
                                  M.parse_events(f.shrunk))
     assert exc is not None and soak.signature(exc) == "InvariantViolation: INV-1"
 
 
-def _bounds(text: str) -> dict[str, Any]:
-    inner = text[len("Bounds("):-1]
-    return {k: eval(v) for k, v in (kv.split("=") for kv in inner.split(", ") if kv)}
+def _bounds(text: str) -> M.Bounds:
+    """The bounds a failure prints (their repr), read back."""
+    bounds = eval(text, {"__builtins__": {}}, {"Bounds": M.Bounds})
+    assert isinstance(bounds, M.Bounds)
+    return bounds
 
 
 def test_the_teardown_leaves_a_failed_run_alone(monkeypatch: pytest.MonkeyPatch) -> None:
