@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from hypothesis import strategies as st
@@ -42,7 +43,7 @@ from spec import model as M
 from spec.groups import NULL_BLOCK, window_tokens
 from spec.state import AbstractState
 from statemachine.core import StepLedger
-from statemachine.testing import OffloadingStateMachine, model_hit, normalize
+from statemachine.testing import HYBRID_BOUNDS, OffloadingStateMachine, model_hit, normalize
 
 BLOCK_SIZE = 16
 """vLLM tokens per model token (one full vLLM block, one block hash, one chunk)."""
@@ -397,24 +398,17 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
 
 
 HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
-    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=6, gpu_blocks=12,
-             resets=2, failures=0, preemptions=2, groups=("full", "sliding"),
-             sliding_window=2),
-    M.Bounds(requests=3, tokens=3, shared_prefix=False, workers=1, cpu_chunks=5,
-             gpu_blocks=10, resets=2, failures=0, preemptions=1, groups=("sliding", "full"),
-             sliding_window=2),
-    M.Bounds(requests=3, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=8, resets=1,
-             failures=0, preemptions=1, blocks_per_chunk=2),
-    M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
-             failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=3,
-             blocks_per_chunk=2, sync_loads=True),
+    *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.blocks_per_chunk + 1)
+              if "sliding" in b.groups else b.sliding_window) for b in HYBRID_BOUNDS),
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),
 )
-"""The hybrid machine's bounds: a full-attention and a sliding-window group (either order)
-with 1, 2 and 4 blocks per chunk, and one full-attention group of 2-block chunks (vLLM
-block size 16: one model token is one vLLM block)."""
+"""The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` without worker
+failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block chunks: a
+full-attention and a sliding-window group (either order) with 1, 2 and 4 blocks per chunk,
+and one full-attention group of 2-block chunks (vLLM block size 16: one model token is one
+vLLM block)."""
 
 
 VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")

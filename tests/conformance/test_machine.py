@@ -49,40 +49,40 @@ def _fresh(machine: Any, name: str) -> Any:
 
 
 # ============================================================================ 0.26 and later
-def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> None:
-    _needs(vllm_ready, at_least=True)
-    from conformance.adapter import VLLMMachine
-
-    machine = _fresh(VLLMMachine, "VLLMConformance")
+def _long_run(vllm_env: Any, machine: Any, name: str, record_property: Any) -> str:
+    """Run `machine` for KVSPEC_CONFORMANCE_EXAMPLES hypothesis runs (at least MIN_STEPS
+    model steps in all); the figures, as printed."""
+    _needs(vllm_env, at_least=True)
+    machine = _fresh(machine, name)
     examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "300"))
     t0 = time.perf_counter()
     machine.TestCase.settings = _settings(examples, 50)
     machine.TestCase().runTest()
     seconds = time.perf_counter() - t0
-    print(f"vLLM {vllm_ready.vllm_version()}: {machine.steps_taken} model steps in "
-          f"{machine.runs} runs, {seconds:.1f} s ({machine.seconds:.1f} s in the steps)")
     record_property("model_steps", machine.steps_taken)
     record_property("seconds", round(seconds, 1))
     assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
+    return (f"{machine.steps_taken} model steps in {machine.runs} runs over "
+            f"{len(machine.bounds_choices)} bounds, {seconds:.1f} s "
+            f"({machine.seconds:.1f} s in the steps)")
+
+
+def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> None:
+    from conformance.adapter import VLLMMachine
+
+    figures = _long_run(vllm_ready, VLLMMachine, "VLLMConformance", record_property)
+    print(f"vLLM {vllm_ready.vllm_version()}: {figures}")
 
 
 def test_vllm_conforms_with_a_hybrid_kv_cache(vllm_ready: Any, record_property: Any) -> None:
     """The machine on vLLM's connector built with a full-attention and a sliding-window KV
     cache group (block size 16; 1, 2 and 4 blocks per chunk) and on chunks of 2 blocks:
     refinement, every invariant after every hook, the drain (`HYBRID_VLLM_BOUNDS`)."""
-    _needs(vllm_ready, at_least=True)
-    from conformance.adapter import HYBRID_VLLM_BOUNDS, VLLMHybridMachine
+    from conformance.adapter import VLLMHybridMachine
 
-    machine = _fresh(VLLMHybridMachine, "VLLMHybridConformance")
-    examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "300"))
-    t0 = time.perf_counter()
-    machine.TestCase.settings = _settings(examples, 50)
-    machine.TestCase().runTest()
-    seconds = time.perf_counter() - t0
-    print(f"vLLM {vllm_ready.vllm_version()}, hybrid: {machine.steps_taken} model steps in "
-          f"{machine.runs} runs over {len(HYBRID_VLLM_BOUNDS)} bounds, {seconds:.1f} s")
-    record_property("model_steps", machine.steps_taken)
-    assert machine.steps_taken >= MIN_STEPS, machine.steps_taken
+    figures = _long_run(vllm_ready, VLLMHybridMachine, "VLLMHybridConformance",
+                        record_property)
+    print(f"vLLM {vllm_ready.vllm_version()}, hybrid: {figures}")
 
 
 F2_RESET_WINDOW = ("arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; step(admit=r1) ; "
