@@ -40,7 +40,7 @@ from hypothesis.stateful import initialize
 from conformance import vllm_env as E
 from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
 from spec import model as M
-from spec.groups import NULL_BLOCK, window_tokens
+from spec.groups import NULL_BLOCK, split_groups, window_tokens
 from spec.state import AbstractState
 from statemachine.core import StepLedger
 from statemachine.testing import HYBRID_BOUNDS, OffloadingStateMachine, model_hit, normalize
@@ -244,8 +244,7 @@ class VLLMAdapter:
         ids = [0 if b == NULL_BLOCK else vllm_block(b) for b in blocks]
         if self.groups == 1:
             return ids
-        n = len(ids) // self.groups
-        return tuple(ids[g * n:(g + 1) * n] for g in range(self.groups))
+        return tuple(list(t) for t in split_groups(ids, self.groups))
 
     def _alloc(self, req_id: str, blocks: tuple[int, ...], hit: int) -> Any:
         req = self._request(req_id)

@@ -41,7 +41,7 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
-from spec.groups import skipped_blocks
+from spec.groups import skipped_blocks, window_positions
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 
@@ -88,10 +88,9 @@ class Observations:
         table = self.core_blocks.get(req_id, ())
         if "sliding" not in self.groups:
             return tuple(model_block(b) for b in table if b != 0)
-        n = len(table) // len(self.groups)
         skipped = skipped_blocks(self.sliding_window, 1, self.window_end.get(req_id, 0))
-        return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and not (
-            self.groups[i // n] == "sliding" and i % n < skipped))
+        freed = set(window_positions(self.groups, len(table), 0, skipped))
+        return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and i not in freed)
 
 
 def model_block(vllm_block: int) -> int:

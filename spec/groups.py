@@ -13,6 +13,7 @@ chunks before the hit's end). vLLM 0.33.0: `GroupOffloadConfig` (S:240-270),
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 GroupKind = Literal["full", "sliding"]
@@ -59,3 +60,21 @@ def window_tokens(window_blocks: int, block_size: int) -> int:
     exactly when the model's does (`skipped_blocks`), it spans as many chunks
     (`window_chunks`), and a hit needs `window_blocks - 1` blocks before its end."""
     return block_size * (window_blocks - 1) + 1
+
+
+def split_groups(flat: Sequence[int], num_groups: int) -> tuple[tuple[int, ...], ...]:
+    """A flat block table (group by group, as `GPULoadStoreSpec` orders blocks, every group
+    as long) as one table per group."""
+    n = len(flat) // num_groups
+    return tuple(tuple(flat[g * n:(g + 1) * n]) for g in range(num_groups))
+
+
+def window_positions(groups: Sequence[str], length: int, start: int = 0,
+                     stop: int | None = None) -> Iterator[int]:
+    """The indices, in a flat table of `length` blocks over `groups`, of the sliding-window
+    groups' positions `start <= p < stop` (to the group's end when `stop` is None)."""
+    n = length // len(groups)
+    end = n if stop is None else min(stop, n)
+    for g, kind in enumerate(groups):
+        if kind == "sliding":
+            yield from range(g * n + start, g * n + end)

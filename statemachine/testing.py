@@ -42,7 +42,7 @@ from hypothesis.stateful import (
 
 from spec import check as check_invariants
 from spec import model as M
-from spec.groups import window_tokens
+from spec.groups import split_groups, window_tokens
 from spec.state import AbstractState
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.messages import (
@@ -165,9 +165,7 @@ class ReferenceAdapter:
     def _tables(self, flat: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """The model's flat table (group by group, `spec.groups.NULL_BLOCK` where the core
         gave no block) as one table per KV cache group."""
-        n = len(self.bounds.groups)
-        size = len(flat) // n
-        return tuple(tuple(flat[g * size:(g + 1) * size]) for g in range(n))
+        return split_groups(flat, len(self.bounds.groups))
 
     def _note_evictions(self) -> None:
         for ev in self.scheduler.take_events():

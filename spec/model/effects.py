@@ -12,7 +12,7 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK
+from spec.groups import NULL_BLOCK, window_positions
 from spec.model import truth
 from spec.model.core import unquarantine
 from spec.model.faults import Fault
@@ -129,10 +129,9 @@ def _window_blocks_forgotten(w: World, k: str, table: tuple[int, ...]) -> tuple[
     if not b.sliding_groups() or not table \
             or Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS in w.faults:
         return table
-    skipped = b.skipped_blocks(tracked(w, k).window_end)
-    n = len(table) // len(b.groups)
-    return tuple(NULL_BLOCK if b.groups[i // n] == "sliding" and i % n < skipped else x
-                 for i, x in enumerate(table))
+    freed = set(window_positions(b.groups, len(table), 0,
+                                 b.skipped_blocks(tracked(w, k).window_end)))
+    return tuple(NULL_BLOCK if i in freed else x for i, x in enumerate(table))
 
 
 @effect

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK
+from spec.groups import NULL_BLOCK, window_positions
 from spec.model import truth
 from spec.model.core import follow_connector, free
 from spec.model.faults import NO_FAULTS, Faults
@@ -107,13 +107,11 @@ def _free_before_window(w: World) -> None:
         if c.status != "running" or not c.blocks:
             continue
         table = list(c.blocks)
-        n = len(table) // len(b.groups)
         freed: list[int] = []
-        for g in b.sliding_groups():
-            for p in range(min(b.skipped_blocks(c.computed), n)):
-                if table[g * n + p] != NULL_BLOCK:
-                    freed.append(table[g * n + p])
-                    table[g * n + p] = NULL_BLOCK
+        for i in window_positions(b.groups, len(table), 0, b.skipped_blocks(c.computed)):
+            if table[i] != NULL_BLOCK:
+                freed.append(table[i])
+                table[i] = NULL_BLOCK
         if freed:
             free(w, tuple(freed))
             w.core[r] = c._replace(blocks=tuple(table))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, cdiv
+from spec.groups import NULL_BLOCK, cdiv, window_positions
 from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
@@ -217,11 +217,9 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
         if r in full_tables or r in loading or not req.blocks:
             continue  # a table given in this step (vLLM's is empty until it is scheduled)
         table = list(req.blocks)
-        n = len(table) // len(b.groups)
-        for g in b.sliding_groups():
-            for p in range(req.cursor * bpc, n):
-                if table[g * n + p] in w.batch_alloc:
-                    table[g * n + p] = NULL_BLOCK
+        for i in window_positions(b.groups, len(table), req.cursor * bpc):
+            if table[i] in w.batch_alloc:
+                table[i] = NULL_BLOCK
         if tuple(table) != req.blocks:
             put_req(w, req._replace(blocks=tuple(table)))
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK
+from spec.groups import NULL_BLOCK, window_positions
 from spec.model.state import MJob, ModelState
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
@@ -19,10 +19,8 @@ def _held(s: ModelState, table: tuple[int, ...], window_end: int) -> tuple[int, 
     b = s.bounds
     if not b.sliding_groups():
         return table
-    n = len(table) // len(b.groups)
-    skipped = b.skipped_blocks(window_end)
-    return tuple(x for i, x in enumerate(table) if x != NULL_BLOCK
-                 and not (b.groups[i // n] == "sliding" and i % n < skipped))
+    freed = set(window_positions(b.groups, len(table), 0, b.skipped_blocks(window_end)))
+    return tuple(x for i, x in enumerate(table) if x != NULL_BLOCK and i not in freed)
 
 
 def abstract(s: ModelState, step_open: bool = False) -> AbstractState:

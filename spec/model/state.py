@@ -23,6 +23,7 @@ from spec.groups import (
     load_window_chunks,
     offload_key,
     skipped_blocks,
+    split_groups,
     window_chunks,
 )
 from spec.model.faults import NO_FAULTS, Faults
@@ -319,10 +320,7 @@ class World:
 
     def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
         """Group `group`'s part of a flat block table (`tokens` blocks per group)."""
-        if not blocks:
-            return ()
-        n = len(blocks) // len(self.bounds.groups)
-        return blocks[group * n:(group + 1) * n]
+        return split_groups(blocks, len(self.bounds.groups))[group] if blocks else ()
 
     keep_inside: bool = False
     inside: list[tuple[Call, AbstractState]] = field(default_factory=list)
