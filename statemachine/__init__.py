@@ -1,7 +1,7 @@
 """kvoffload-spec's reference implementation: machines built from the tables of `spec`,
 the scheduler side of the offloading connector with vLLM 0.33.0's API, and its manager."""
 
-from statemachine.config import OffloadingConfig
+from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.errors import (
     ConfigError,
     IllegalTransition,
@@ -42,6 +42,7 @@ __all__ = [
     "InvalidArgument",
     "InvariantViolation",
     "JobTable",
+    "KVCacheGroup",
     "KVConnectorOutput",
     "KVSpecError",
     "LookupResult",
