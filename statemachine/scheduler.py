@@ -491,15 +491,19 @@ class OffloadingScheduler:
         return len(req.group_block_ids[0]) if req.group_block_ids else 0
 
     def _scheduled(self, req: RequestState, block_ids: Any, full: bool) -> None:
-        hook = f"build_connector_meta({req.req_id!r} scheduled)"
-        tables = self._tables(block_ids, hook)
+        tables = self._tables(block_ids, "build_connector_meta (a scheduled request)")
         self._batch_allocated_blocks.update(b for t in tables for b in t if b != NULL_BLOCK)
+        if req.state in R.SCHEDULED:
+            if full:
+                req.set_tables(tables)
+            else:  # a running request: only the step's new blocks (no copy of its table)
+                for own, new in zip(req.group_block_ids, tables, strict=True):
+                    own.extend(new)
+            return
         if not full:
             tables = tuple((*o, *t) for o, t in zip(req.group_block_ids, tables, strict=True))
-        if req.state in R.SCHEDULED:
-            req.set_tables(tables)
-        else:  # the table says from where a request may be scheduled
-            self._fire(self._requests_life, req, "schedule", block_ids=tables)
+        # the table says from where a request may be scheduled
+        self._fire(self._requests_life, req, "schedule", block_ids=tables)
 
     def _build_store_job(self, req: RequestState, num_scheduled: int) -> None:
         if req.loaded_tokens_invalid:
