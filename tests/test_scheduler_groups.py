@@ -62,14 +62,23 @@ def _step(s: OffloadingScheduler, req: Request, new: tuple[tuple[int, ...], ...]
     return dict(meta.store_jobs)
 
 
-def test_window_sources_are_fenced_at_creation_and_full_ones_at_finish() -> None:
+TABLE = ((0, 1, 2), (3, 4, 5))
+"""r0's blocks: full attention 0-2, the window 3-5."""
+
+
+def _admitted() -> tuple[OffloadingScheduler, Request]:
+    """A hybrid scheduler with r0 (3 blocks) looked up (no hit) and allocated `TABLE`."""
     s = OffloadingScheduler(OffloadingConfig(block_size=BS, groups=HYBRID))
     req = _request("r0", 3)
     s.on_new_request(req)
     s.get_num_new_matched_tokens(req, 0)
-    table = ((0, 1, 2), (3, 4, 5))
-    s.update_state_after_alloc(req, table, 0)
-    [(job_id, job)] = _step(s, req, table, BS).items()
+    s.update_state_after_alloc(req, TABLE, 0)
+    return s, req
+
+
+def test_window_sources_are_fenced_at_creation_and_full_ones_at_finish() -> None:
+    s, req = _admitted()
+    [(job_id, job)] = _step(s, req, TABLE, BS).items()
     status = s.job_status(job_id)
     assert status is not None
     assert status.fenced_block_ids == {3} and status.deferred_fence_block_ids == {0}
@@ -82,13 +91,8 @@ def test_window_sources_are_fenced_at_creation_and_full_ones_at_finish() -> None
 def test_a_reset_zeroes_the_window_positions_the_core_freed() -> None:
     """F2: after the reset the cursor is back at 0; the window's first block (freed by the
     core once the second block was computed) must not be a store source again."""
-    s = OffloadingScheduler(OffloadingConfig(block_size=BS, groups=HYBRID))
-    req = _request("r0", 3)
-    s.on_new_request(req)
-    s.get_num_new_matched_tokens(req, 0)
-    table = ((0, 1, 2), (3, 4, 5))
-    s.update_state_after_alloc(req, table, 0)
-    jobs = _step(s, req, table, BS)
+    s, req = _admitted()
+    jobs = _step(s, req, TABLE, BS)
     jobs.update(_step(s, req, None, BS))
     s.update_connector_output(KVConnectorOutput(OffloadingWorkerMetadata(
         {j: 1 for j in jobs})))
