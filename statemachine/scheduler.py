@@ -158,8 +158,12 @@ class OffloadingScheduler:
         position: the end token of its chunk, as vLLM's scheduler does (S:412-429)."""
         keys = self.offload_keys(request, group)
         positions, tpc = req.ctx.positions, self.config.tokens_per_chunk
-        for c, k in enumerate(keys):
-            positions.setdefault(k, (c + 1) * tpc)
+        # a group's keys only grow, and are positioned in order: only its new tail is not
+        first = len(keys)
+        while first and keys[first - 1] not in positions:
+            first -= 1
+        for c in range(first, len(keys)):
+            positions[keys[c]] = (c + 1) * tpc
         return keys
 
     def _tables(self, block_ids: Any, hook: str) -> tuple[tuple[int, ...], ...]:
