@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kernels.layout import (
         KernelSpecError,
         KVLayout,
+        Segment,
         TransferSpec,
         allocate_cpu_kv,
         allocate_gpu_kv,
@@ -30,7 +31,7 @@ _HOME = {
     "kernels.copy": ("CopyPolicy", "RowMapping", "Strategy", "choose_strategy",
                      "copy_blocks_to_chunks", "copy_chunks_to_blocks"),
     "kernels.engine": ("CopyEngine", "CopyResult", "Direction", "KernelStateError"),
-    "kernels.layout": ("KernelSpecError", "KVLayout", "TransferSpec", "allocate_cpu_kv",
+    "kernels.layout": ("KernelSpecError", "KVLayout", "Segment", "TransferSpec", "allocate_cpu_kv",
                        "allocate_gpu_kv", "block_rows"),
 }
 _WHERE = {name: module for module, names in _HOME.items() for name in names}
@@ -58,6 +59,7 @@ __all__ = [
     "KernelSpecError",
     "KernelStateError",
     "RowMapping",
+    "Segment",
     "Strategy",
     "TransferSpec",
     "allocate_cpu_kv",

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import torch
 
 from kernels import native
-from kernels.layout import KernelSpecError, TransferSpec, block_rows
+from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
 
 __all__ = [
     "CopyPolicy",
@@ -120,6 +120,12 @@ class RowMapping:
         mapping = cls.__new__(cls)
         mapping._set(src, dst)
         return mapping
+
+    def part(self, start: int, size: int) -> RowMapping:
+        """Positions ``start .. start + size - 1`` of this mapping (one KV cache group's rows
+        of a job), sharing its index tensors."""
+        return RowMapping.of_block_rows(self.src.narrow(0, start, size),
+                                        self.dst.narrow(0, start, size))
 
     def __len__(self) -> int:
         return int(self.src.shape[0])
@@ -521,8 +527,14 @@ def check_kv_tensors(
 def _copy_job(
     gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor],
     spec: TransferSpec, blocks_per_chunk: int, store: bool, policy: CopyPolicy | None,
+    groups: Sequence[Sequence[int]],
 ) -> int:
     pages, num_blocks, num_chunks = check_kv_tensors(gpu_tensors, cpu_tensors, blocks_per_chunk)
+    layout = KVLayout(tuple(pages), blocks_per_chunk, tuple(tuple(g) for g in groups))
+    if spec.segments[-1].group >= layout.num_groups:
+        raise KernelSpecError(f"the job names blocks of KV cache group "
+                              f"{spec.segments[-1].group}; the layout has {layout.num_groups} "
+                              "groups")
     gpu_rows, cpu_rows = block_rows(spec, blocks_per_chunk, num_blocks, num_chunks)
     mapping = RowMapping(gpu_rows, cpu_rows) if store else RowMapping(cpu_rows, gpu_rows)
     device = gpu_tensors[0].device
@@ -537,36 +549,45 @@ def _copy_job(
            for g, page in zip(gpu_tensors, pages, strict=True)]
     cpu = [RowTensor.of(c, page, max_itemsize=itemsize)
            for c, page in zip(cpu_tensors, pages, strict=True)]
-    dst, src = (cpu, gpu) if store else (gpu, cpu)
-    plan = native_plan(dst, src, pol)
-    if plan is not None:
-        plan.copy(mapping.dst, mapping.src)
-    else:
-        workspace = Workspace()
+    dst_all, src_all = (cpu, gpu) if store else (gpu, cpu)
+    workspace = Workspace()
+    for seg in spec.segments:  # each group's rows in that group's tensors
+        rows = mapping if len(spec.segments) == 1 else mapping.part(seg.start, seg.size)
+        dst = [dst_all[t] for t in layout.groups[seg.group]]
+        src = [src_all[t] for t in layout.groups[seg.group]]
+        plan = native_plan(dst, src, pol)
+        if plan is not None:
+            plan.copy(rows.dst, rows.src)
+            continue
         for d, s in zip(dst, src, strict=True):
-            copy_rows(d, s, mapping, pol, workspace)
-    return spec.num_blocks * sum(pages)
+            copy_rows(d, s, rows, pol, workspace)
+    return layout.job_bytes(spec)
 
 
 def copy_blocks_to_chunks(
     gpu_tensors: Sequence[torch.Tensor], cpu_tensors: Sequence[torch.Tensor],
     spec: TransferSpec, blocks_per_chunk: int, policy: CopyPolicy | None = None,
+    *, groups: Sequence[Sequence[int]] = (),
 ) -> int:
-    """Store: copy the job's GPU blocks into their CPU chunk sub-blocks, for every KV tensor.
+    """Store: copy the job's GPU blocks into their CPU chunk sub-blocks, each KV cache
+    group's blocks in that group's tensors (``groups`` as :attr:`KVLayout.groups`; default:
+    one group of every tensor).
 
     Synchronous on CPU tensors; with CUDA GPU tensors the slice copies are issued on the
     current stream (use :class:`~kernels.engine.CopyEngine` for scattered jobs on CUDA).
     Returns the bytes copied.
     """
-    return _copy_job(gpu_tensors, cpu_tensors, spec, blocks_per_chunk, True, policy)
+    return _copy_job(gpu_tensors, cpu_tensors, spec, blocks_per_chunk, True, policy, groups)
 
 
 def copy_chunks_to_blocks(
     cpu_tensors: Sequence[torch.Tensor], gpu_tensors: Sequence[torch.Tensor],
     spec: TransferSpec, blocks_per_chunk: int, policy: CopyPolicy | None = None,
+    *, groups: Sequence[Sequence[int]] = (),
 ) -> int:
-    """Load: copy the job's CPU chunk sub-blocks into their GPU blocks, for every KV tensor.
+    """Load: copy the job's CPU chunk sub-blocks into their GPU blocks, each KV cache group's
+    blocks in that group's tensors.
 
     Same conventions as :func:`copy_blocks_to_chunks`. Returns the bytes copied.
     """
-    return _copy_job(gpu_tensors, cpu_tensors, spec, blocks_per_chunk, False, policy)
+    return _copy_job(gpu_tensors, cpu_tensors, spec, blocks_per_chunk, False, policy, groups)

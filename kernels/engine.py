@@ -89,6 +89,8 @@ class _Job:
     job_id: int
     direction: Direction
     mapping: RowMapping
+    segments: tuple[tuple[int, int, int], ...]
+    """(KV cache group, first position in the mapping, rows) of each group the job copies."""
     nbytes: int
     fail: bool
     start: Any = None  # torch.cuda.Event on CUDA
@@ -104,27 +106,37 @@ class _Backend(Protocol):
 
 
 class _Copier:
-    """Runs one job's copies for every KV tensor (on the current stream). On host memory with
-    the compiled copy, a job is one call for all tensors, planned once per direction."""
+    """Runs one job's copies (on the current stream): each KV cache group's rows in that
+    group's tensors. On host memory with the compiled copy, a group's part of a job is one
+    call for all its tensors, planned once per group and direction."""
 
-    def __init__(self, gpu: list[RowTensor], cpu: list[RowTensor], policy: CopyPolicy) -> None:
-        self.gpu, self.cpu, self.policy = gpu, cpu, policy
+    def __init__(self, gpu: list[RowTensor], cpu: list[RowTensor], policy: CopyPolicy,
+                 groups: tuple[tuple[int, ...], ...]) -> None:
+        self.policy = policy
         self.workspace = Workspace()
-        self.plans: dict[Direction, native.TensorPairs | None] = {
-            Direction.STORE: native_plan(cpu, gpu, policy),
-            Direction.LOAD: native_plan(gpu, cpu, policy)}
+        self.tensors = [([gpu[t] for t in g], [cpu[t] for t in g]) for g in groups]
+        self.plans: dict[Direction, list[native.TensorPairs | None]] = {
+            Direction.STORE: [native_plan(c, g, policy) for g, c in self.tensors],
+            Direction.LOAD: [native_plan(g, c, policy) for g, c in self.tensors]}
 
     def run(self, job: _Job) -> None:
-        plan = self.plans.get(job.direction)
-        if plan is not None:
-            plan.copy(job.mapping.dst, job.mapping.src)
+        if len(job.segments) == 1:
+            self._run_group(job.direction, job.segments[0][0], job.mapping)
             return
-        store = job.direction is Direction.STORE
-        for gpu, cpu in zip(self.gpu, self.cpu, strict=True):
+        for group, start, size in job.segments:
+            self._run_group(job.direction, group, job.mapping.part(start, size))
+
+    def _run_group(self, direction: Direction, group: int, mapping: RowMapping) -> None:
+        plan = self.plans[direction][group]
+        if plan is not None:
+            plan.copy(mapping.dst, mapping.src)
+            return
+        store = direction is Direction.STORE
+        for gpu, cpu in zip(*self.tensors[group], strict=True):
             if store:
-                copy_rows(cpu, gpu, job.mapping, self.policy, self.workspace)
+                copy_rows(cpu, gpu, mapping, self.policy, self.workspace)
             else:
-                copy_rows(gpu, cpu, job.mapping, self.policy, self.workspace)
+                copy_rows(gpu, cpu, mapping, self.policy, self.workspace)
 
 
 class _CpuBackend:
@@ -183,6 +195,8 @@ class CopyEngine:
     ``gpu_tensors[t]``: ``int8 (num_gpu_blocks, page_bytes[t])`` on ``device`` (a CUDA device,
     or ``cpu`` for the stand-in backend); ``cpu_tensors[t]``: ``int8 (num_chunks,
     page_bytes[t] * blocks_per_chunk)`` in host memory (pinned for fast CUDA copies).
+    ``groups`` (as :attr:`KVLayout.groups`): the tensor indices of each KV cache group; a job's
+    blocks of group ``g`` are copied in group ``g``'s tensors only (default: one group).
     ``device`` defaults to the GPU tensors' device. ``host_mapping`` (CUDA only): map pinned CPU
     chunks into the device address space (``None``: when possible; ``False``: never, copies are
     then one DMA per run of consecutive blocks). ``policy`` overrides
@@ -196,13 +210,15 @@ class CopyEngine:
         blocks_per_chunk: int,
         device: torch.device | str | None = None,
         *,
+        groups: Sequence[Sequence[int]] = (),
         num_streams: int = 2,
         host_mapping: bool | None = None,
         policy: CopyPolicy | None = None,
     ) -> None:
         pages, self.num_gpu_blocks, self.num_chunks = check_kv_tensors(
             gpu_tensors, cpu_tensors, blocks_per_chunk)
-        self.layout = KVLayout(tuple(pages), blocks_per_chunk)
+        self.layout = KVLayout(tuple(pages), blocks_per_chunk,
+                               tuple(tuple(g) for g in groups))
         dev = torch.device(device) if device is not None else gpu_tensors[0].device
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -238,7 +254,7 @@ class CopyEngine:
                     for g, p in zip(gpu_tensors, pages, strict=True)]
         cpu_rows = [RowTensor.of(c, p, mapped=m, max_itemsize=itemsize)
                     for c, m, p in zip(cpu_tensors, mapped, pages, strict=True)]
-        copier = _Copier(gpu_rows, cpu_rows, self.policy)
+        copier = _Copier(gpu_rows, cpu_rows, self.policy, self.layout.groups)
         self._backend: _Backend = (
             _CpuBackend(copier) if dev.type == "cpu"
             else _CudaBackend(copier, dev, num_streams))
@@ -272,6 +288,10 @@ class CopyEngine:
             raise KernelSpecError(f"spec must be a TransferSpec, got {type(spec).__name__}")
         if job_id in self._pending:
             raise KernelStateError(f"job id {job_id} is still pending")
+        groups = self.layout.num_groups
+        if any(seg.group >= groups for seg in spec.segments):
+            raise KernelSpecError(f"the job names blocks of KV cache group "
+                                  f"{spec.segments[-1].group}; the layout has {groups} groups")
         gpu_rows, cpu_rows = block_rows(
             spec, self.layout.blocks_per_chunk, self.num_gpu_blocks, self.num_chunks)
         mapping = (RowMapping.of_block_rows(gpu_rows, cpu_rows) if direction is Direction.STORE
@@ -279,7 +299,8 @@ class CopyEngine:
         fail = job_id in self._fail
         self._fail.discard(job_id)
         job = _Job(self._seq, job_id, direction, mapping,
-                   spec.num_blocks * self.layout.block_bytes, fail)
+                   tuple((seg.group, seg.start, seg.size) for seg in spec.segments),
+                   self.layout.job_bytes(spec), fail)
         self._seq += 1
         self._backend.launch(job)
         self._fifo[direction].append(job)

@@ -16,6 +16,15 @@ logical index of its first GPU block inside the request. The first
 ``i``-th GPU block maps to chunk ``cpu_chunks[(skip + i) // bpc]``, sub-block
 ``(skip + i) % bpc``. :func:`block_rows` validates a spec against a layout and returns the two
 row-index tensors (GPU rows, CPU sub-rows) that every copy of the job uses.
+
+KV cache groups (a hybrid model: full attention beside sliding-window layers). A layout names
+the KV tensors of each group (:attr:`KVLayout.groups`); a job of several groups lists its GPU
+blocks group by group, with vLLM's ``group_sizes`` (blocks of each group) and
+``block_indices`` (each group's first logical block index), and its CPU chunks in the same
+order, each group taking ``cdiv(size + skip, bpc)`` chunks with its own first-chunk skip
+``block_indices[g] % bpc`` (vLLM 0.33.0: ``vllm/v1/kv_offload/worker/cpu_gpu.py:629-669``).
+A group's blocks are copied in that group's tensors only: a block id names a row of every
+tensor, but the core hands it to one group at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 __all__ = [
     "KVLayout",
     "KernelSpecError",
+    "Segment",
     "TransferSpec",
     "allocate_cpu_kv",
     "allocate_gpu_kv",
@@ -54,10 +64,14 @@ def _check_count(name: str, value: object, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Page size in bytes of each KV tensor, and GPU blocks per CPU chunk."""
+    """Page size in bytes of each KV tensor, GPU blocks per CPU chunk, and the KV tensors of
+    each KV cache group."""
 
     page_bytes: tuple[int, ...]
     blocks_per_chunk: int
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Per KV cache group, in group order, the indices of its tensors in `page_bytes`; every
+    tensor belongs to at least one group. Empty (the default): one group of every tensor."""
 
     def __post_init__(self) -> None:
         pages = tuple(self.page_bytes)
@@ -67,10 +81,32 @@ class KVLayout:
             _check_count(f"page_bytes[{i}]", page, 1)
         object.__setattr__(self, "page_bytes", pages)
         _check_count("blocks_per_chunk", self.blocks_per_chunk, 1)
+        groups = tuple(tuple(g) for g in self.groups) or (tuple(range(len(pages))),)
+        for g, tensors in enumerate(groups):
+            if not tensors:
+                raise KernelSpecError(f"group {g} has no KV tensor")
+            for t in tensors:
+                if type(t) is not int or not 0 <= t < len(pages):
+                    raise KernelSpecError(f"group {g} names tensor {t!r}; the layout has "
+                                          f"tensors 0..{len(pages) - 1}")
+            if len(set(tensors)) != len(tensors):
+                raise KernelSpecError(f"group {g} names a tensor twice: {tensors}")
+        orphans = set(range(len(pages))) - {t for g in groups for t in g}
+        if orphans:
+            raise KernelSpecError(f"tensors {sorted(orphans)} belong to no group")
+        object.__setattr__(self, "groups", groups)
 
     @property
     def num_tensors(self) -> int:
         return len(self.page_bytes)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_block_bytes(self, group: int) -> int:
+        """Bytes one GPU block of `group` occupies over the group's tensors."""
+        return sum(self.page_bytes[t] for t in self.groups[group])
 
     def chunk_bytes(self, tensor: int) -> int:
         """Bytes of one CPU chunk row of KV tensor ``tensor``."""
@@ -78,8 +114,13 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one GPU block occupies over all KV tensors (what a job moves per block)."""
+        """Bytes one GPU block occupies over all KV tensors (what a one-group job moves per
+        block)."""
         return sum(self.page_bytes)
+
+    def job_bytes(self, spec: TransferSpec) -> int:
+        """Bytes `spec` moves: each group's blocks over that group's tensors."""
+        return sum(seg.size * self.group_block_bytes(seg.group) for seg in spec.segments)
 
 
 def default_device() -> torch.device:
@@ -155,31 +196,93 @@ def _id_tensor(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], torch.Te
     return tuple(t.tolist()), t, high
 
 
+@dataclass(frozen=True)
+class Segment:
+    """The blocks of one KV cache group inside a job: `size` blocks from position `start` of
+    the job's GPU block list, the first of them logical block `first_block_index` of the
+    request."""
+
+    group: int
+    start: int
+    size: int
+    first_block_index: int
+
+    def skip(self, blocks_per_chunk: int) -> int:
+        """Sub-blocks of the group's first chunk that precede its first block."""
+        return self.first_block_index % blocks_per_chunk
+
+    def num_chunks(self, blocks_per_chunk: int) -> int:
+        """``ceil((size + skip) / blocks_per_chunk)``: CPU chunks the group takes."""
+        return math.ceil((self.size + self.skip(blocks_per_chunk)) / blocks_per_chunk)
+
+
+def _check_group_layout(num_blocks: int, first_block_index: int,
+                        group_sizes: Sequence[int] | None,
+                        block_indices: Sequence[int] | None) -> tuple[Segment, ...]:
+    if group_sizes is None and block_indices is None:
+        return (Segment(0, 0, num_blocks, first_block_index),)
+    if group_sizes is None or block_indices is None:
+        raise KernelSpecError("group_sizes and block_indices go together (one entry per KV "
+                              "cache group)")
+    sizes, starts = tuple(group_sizes), tuple(block_indices)
+    if not sizes or len(sizes) != len(starts):
+        raise KernelSpecError(f"group_sizes {sizes} and block_indices {starts} must have one "
+                              "entry per KV cache group, as many of each")
+    for g, (size, start) in enumerate(zip(sizes, starts, strict=True)):
+        _check_count(f"group_sizes[{g}]", size, 0)
+        _check_count(f"block_indices[{g}]", start, 0)
+    if sum(sizes) != num_blocks:
+        raise KernelSpecError(f"group_sizes {sizes} add up to {sum(sizes)}, but the job names "
+                              f"{num_blocks} GPU blocks")
+    segments, position = [], 0
+    for g, (size, start) in enumerate(zip(sizes, starts, strict=True)):
+        if size:
+            segments.append(Segment(g, position, size, start))
+        position += size
+    first = segments[0]
+    if first_block_index not in (0, first.first_block_index):
+        raise KernelSpecError("with group_sizes, block_indices give each group's first block "
+                              f"index; first_block_index={first_block_index} contradicts "
+                              f"block_indices[{first.group}]={first.first_block_index}")
+    return tuple(segments)
+
+
 @dataclass(frozen=True, init=False)
 class TransferSpec:
     """One transfer job: GPU block ids and CPU chunk ids (both in order), and the logical index
     inside the request of the first GPU block (which fixes the first-chunk skip).
 
+    With several KV cache groups, `group_sizes` and `block_indices` (vLLM's names) say how
+    many of the GPU blocks belong to each group, group by group, and each group's first
+    logical block index; `segments` lists the groups that have blocks.
+
     Construction checks what does not depend on the layout (integers, non-empty, no negatives,
-    no duplicates); :func:`block_rows` checks the rest (chunk count, id ranges).
+    no duplicates, group sizes that add up); :func:`block_rows` checks the rest (chunk count,
+    id ranges).
     """
 
     gpu_blocks: tuple[int, ...]
     cpu_chunks: tuple[int, ...]
     first_block_index: int
+    """The logical index of the job's first GPU block (its first group's)."""
+    segments: tuple[Segment, ...]
     _gpu_ids: torch.Tensor = field(repr=False, compare=False)
     _cpu_ids: torch.Tensor = field(repr=False, compare=False)
     _max_ids: tuple[int, int] = field(repr=False, compare=False)
 
     def __init__(
-        self, gpu_blocks: Sequence[int], cpu_chunks: Sequence[int], first_block_index: int = 0
+        self, gpu_blocks: Sequence[int], cpu_chunks: Sequence[int], first_block_index: int = 0,
+        *, group_sizes: Sequence[int] | None = None, block_indices: Sequence[int] | None = None,
     ) -> None:
         _check_count("first_block_index", first_block_index, 0)
         gpu_tuple, gpu_ids, gpu_max = _id_tensor("gpu_blocks", gpu_blocks)
         cpu_tuple, cpu_ids, cpu_max = _id_tensor("cpu_chunks", cpu_chunks)
+        segments = _check_group_layout(len(gpu_tuple), first_block_index, group_sizes,
+                                       block_indices)
         object.__setattr__(self, "gpu_blocks", gpu_tuple)
         object.__setattr__(self, "cpu_chunks", cpu_tuple)
-        object.__setattr__(self, "first_block_index", first_block_index)
+        object.__setattr__(self, "first_block_index", segments[0].first_block_index)
+        object.__setattr__(self, "segments", segments)
         object.__setattr__(self, "_gpu_ids", gpu_ids)
         object.__setattr__(self, "_cpu_ids", cpu_ids)
         object.__setattr__(self, "_max_ids", (gpu_max, cpu_max))
@@ -190,11 +293,22 @@ class TransferSpec:
 
     def skip(self, blocks_per_chunk: int) -> int:
         """Sub-blocks of the first chunk that precede the job's first block."""
-        return self.first_block_index % blocks_per_chunk
+        return self.segments[0].skip(blocks_per_chunk)
 
     def expected_chunks(self, blocks_per_chunk: int) -> int:
-        """``ceil((num_blocks + skip) / blocks_per_chunk)``: chunks the job must name."""
-        return math.ceil((self.num_blocks + self.skip(blocks_per_chunk)) / blocks_per_chunk)
+        """Chunks the job must name: ``ceil((size + skip) / blocks_per_chunk)`` per group."""
+        return sum(seg.num_chunks(blocks_per_chunk) for seg in self.segments)
+
+    def chunk_position(self, block_position: int, blocks_per_chunk: int) -> int:
+        """The position in `cpu_chunks` of the chunk holding the block at `block_position`
+        of `gpu_blocks`."""
+        first_chunk = 0
+        for seg in self.segments:
+            if block_position < seg.start + seg.size:
+                return first_chunk + (seg.skip(blocks_per_chunk) + block_position - seg.start) \
+                    // blocks_per_chunk
+            first_chunk += seg.num_chunks(blocks_per_chunk)
+        raise IndexError(f"block position {block_position} of a {self.num_blocks}-block job")
 
 
 def block_rows(
@@ -204,16 +318,18 @@ def block_rows(
 
     Both are 1-D int64 CPU tensors of length ``spec.num_blocks``: GPU block ``gpu_rows[i]``
     corresponds to sub-row ``cpu_subrows[i]`` of the CPU tensor viewed as
-    ``(num_chunks * blocks_per_chunk, page_bytes)``. Computed with tensor ops, no per-block loop.
-    The tensors may share memory with ``spec``: treat them as read-only.
+    ``(num_chunks * blocks_per_chunk, page_bytes)``. Computed with tensor ops, no per-block loop
+    (one op per KV cache group of the job). The tensors may share memory with ``spec``: treat
+    them as read-only.
     """
     bpc = _check_count("blocks_per_chunk", blocks_per_chunk, 1)
     want = spec.expected_chunks(bpc)
     if len(spec.cpu_chunks) != want:
+        layout = ", ".join(f"group {s.group}: {s.size} from index {s.first_block_index} "
+                           f"(skip {s.skip(bpc)})" for s in spec.segments)
         raise KernelSpecError(
-            f"{spec.num_blocks} GPU blocks with first_block_index={spec.first_block_index} "
-            f"(skip {spec.skip(bpc)}, {bpc} blocks per chunk) need {want} CPU chunks, "
-            f"got {len(spec.cpu_chunks)}")
+            f"{spec.num_blocks} GPU blocks ({layout}; {bpc} blocks per chunk) need {want} CPU "
+            f"chunks, got {len(spec.cpu_chunks)}")
     gpu_max, cpu_max = spec._max_ids
     if gpu_max >= num_gpu_blocks:
         bad = [b for b in spec.gpu_blocks if b >= num_gpu_blocks]
@@ -223,9 +339,17 @@ def block_rows(
         raise KernelSpecError(f"cpu_chunks {bad[:8]} out of range [0, {num_chunks})")
     if bpc == 1:
         return spec._gpu_ids, spec._cpu_ids
-    # all sub-rows of the named chunks, in order, then drop the skipped head and unused tail
-    subrows = (spec._cpu_ids.unsqueeze(1) * bpc + _sub_offsets(bpc)).view(-1)
-    return spec._gpu_ids, subrows.narrow(0, spec.skip(bpc), spec.num_blocks)
+    # per group: all sub-rows of its chunks, in order, then drop the skipped head and the
+    # unused tail
+    parts: list[torch.Tensor] = []
+    position = 0
+    for seg in spec.segments:
+        n = seg.num_chunks(bpc)
+        chunks = spec._cpu_ids if len(spec.segments) == 1 else spec._cpu_ids.narrow(0, position, n)
+        subrows = (chunks.unsqueeze(1) * bpc + _sub_offsets(bpc)).view(-1)
+        parts.append(subrows.narrow(0, seg.skip(bpc), seg.size))
+        position += n
+    return spec._gpu_ids, parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from statemachine.errors import KVSpecError
-from statemachine.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from statemachine.messages import BlockTable, CachedRequestData, NewRequestData, SchedulerOutput
 
 _HASH_MASK = (1 << 61) - 1
 
@@ -83,13 +83,22 @@ class BlockPool:
             self._free.append(b)
 
 
+def as_block_table(table: BlockTable | Sequence[int] | Sequence[Sequence[int]]) -> BlockTable:
+    """A copy of a block table as the messages carry it: a flat tuple of ids (one group), or
+    one tuple per KV cache group."""
+    if all(type(b) is int for b in table):
+        return tuple(b for b in table if type(b) is int)
+    return tuple(tuple(t) for t in table if not isinstance(t, int))
+
+
 @dataclass
 class CoreStep:
     """One `schedule()` as `build_connector_meta` sees it."""
 
-    new: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """First scheduling of a request: its whole block table."""
-    cached: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    new: dict[str, BlockTable] = field(default_factory=dict)
+    """First scheduling of a request: its whole block table (one per KV cache group, or one
+    flat table for one group)."""
+    cached: dict[str, BlockTable] = field(default_factory=dict)
     """Scheduled again, in scheduling order: a request that keeps running with the blocks
     added in this step, or one resumed after a preemption with its whole new table."""
     resumed: set[str] = field(default_factory=set)
@@ -121,19 +130,19 @@ class StepLedger:
         self._preempted: set[str] = set()
         self._step = CoreStep()
 
-    def admit(self, rid: str, table: Sequence[int], tokens: int) -> None:
+    def admit(self, rid: str, table: BlockTable | Sequence[int], tokens: int) -> None:
         """`rid` is scheduled from the waiting queue, with its whole block table."""
         if rid in self.scheduled_before:
-            self._step.cached[rid] = tuple(table)
+            self._step.cached[rid] = as_block_table(table)
             self._step.resumed.add(rid)
         else:
-            self._step.new[rid] = tuple(table)
+            self._step.new[rid] = as_block_table(table)
         self._step.num_scheduled[rid] = tokens
         self.scheduled_before.add(rid)
 
-    def run(self, rid: str, new_blocks: Sequence[int], tokens: int) -> None:
+    def run(self, rid: str, new_blocks: BlockTable | Sequence[int], tokens: int) -> None:
         """`rid` keeps running, with the blocks added in this step."""
-        self._step.cached[rid] = tuple(new_blocks)
+        self._step.cached[rid] = as_block_table(new_blocks)
         self._step.num_scheduled[rid] = tokens
 
     def finish(self, rid: str) -> None:

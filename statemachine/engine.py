@@ -49,10 +49,12 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from statemachine.config import OffloadingConfig
-from statemachine.core import BlockPool, StepLedger, block_hashes, blocks_needed, cdiv, prefix_hash
+from spec.groups import NULL_BLOCK, offload_key
+from statemachine.config import KVCacheGroup, OffloadingConfig
+from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
 from statemachine.messages import (
+    GPULoadStoreSpec,
     KVConnectorOutput,
     OffloadingConnectorMetadata,
     Request,
@@ -95,6 +97,12 @@ class EngineConfig:
     """Check the CPU rows every store wrote (loads are always checked)."""
     device: str | None = None
     """Where the GPU KV lives: None picks CUDA when available, else the CPU stand-in."""
+    groups: tuple[KVCacheGroup, ...] = (KVCacheGroup(),)
+    """The model's KV cache groups (full attention, sliding window), in vLLM's group order.
+    Each group has `num_layers` KV tensors of its own; all share the GPU block pool."""
+    group_bytes_per_token: tuple[int, ...] = ()
+    """Per group, `bytes_per_token` of that group's layers (so each group has pages of its
+    own size); empty: `bytes_per_token` for every group."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "blocks_per_chunk", "num_gpu_blocks", "num_cpu_chunks",
@@ -103,23 +111,48 @@ class EngineConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"EngineConfig: {name} must be an int >= 1, got {value!r}")
+        per_group = self.group_bytes_per_token
+        if type(per_group) is not tuple or (per_group and len(per_group) != len(self.groups)) \
+                or not all(type(v) is int and v >= 1 for v in per_group):
+            raise ConfigError(f"EngineConfig: group_bytes_per_token must be empty or one int "
+                              f">= 1 per group ({len(self.groups)}), got {per_group!r}")
+        self.offloading_config()  # the groups are the connector's: validated there
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def bytes_per_token_of(self, group: int) -> int:
+        return self.group_bytes_per_token[group] if self.group_bytes_per_token \
+            else self.bytes_per_token
 
     @property
     def page_bytes(self) -> int:
-        return self.block_size * self.bytes_per_token
+        """The page size of group 0's layers."""
+        return self.block_size * self.bytes_per_token_of(0)
+
+    def tensors_of(self, group: int) -> range:
+        """The KV tensor indices of `group` on every worker (group-major, then layer)."""
+        return range(group * self.num_layers, (group + 1) * self.num_layers)
 
     @property
     def layout(self) -> KVLayout:
-        return KVLayout((self.page_bytes,) * self.num_layers, self.blocks_per_chunk)
+        return KVLayout(
+            tuple(self.block_size * self.bytes_per_token_of(g)
+                  for g in range(self.num_groups) for _ in range(self.num_layers)),
+            self.blocks_per_chunk,
+            tuple(tuple(self.tensors_of(g)) for g in range(self.num_groups)))
 
     def offloading_config(self) -> OffloadingConfig:
+        per_token = sum(self.bytes_per_token_of(g) for g in range(self.num_groups))
         return OffloadingConfig(
             block_size=self.block_size, blocks_per_chunk=self.blocks_per_chunk,
             num_workers=self.num_workers, num_cpu_chunks=self.num_cpu_chunks,
             eviction_policy=self.eviction_policy,
             sync_load_budget_bytes=self.sync_load_budget_bytes,
-            kv_bytes_per_token=self.bytes_per_token * self.num_layers * self.num_workers,
-            job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants)
+            kv_bytes_per_token=per_token * self.num_layers * self.num_workers,
+            job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants,
+            groups=self.groups)
 
 
 @dataclass(eq=False)
@@ -129,7 +162,9 @@ class EngineRequest:
     request: Request
     max_tokens: int
     seq: int
-    blocks: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    """The block table of each KV cache group (NULL_BLOCK where a sliding-window group holds
+    no block: before its window); all of one length."""
     handed_over: set[int] = field(default_factory=set)
     """Blocks of this request the connector quarantined (a timed-out load's destination)."""
     load_job: int | None = None
@@ -147,6 +182,18 @@ class EngineRequest:
     @property
     def id(self) -> str:
         return self.request.request_id
+
+    @property
+    def blocks(self) -> list[int]:
+        """Every GPU block the request holds, group by group."""
+        return [b for t in self.tables for b in t if b != NULL_BLOCK]
+
+    @property
+    def table_length(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
+
+    def block_table(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(t) for t in self.tables)
 
     @property
     def status(self) -> RequestStatus:
@@ -185,6 +232,10 @@ class Engine:
             raise ConfigError(f"{len(self.workers)} workers, but the connector expects "
                               f"{self.scheduler.config.num_workers} reports per job")
         self.free_blocks = BlockPool(cfg.num_gpu_blocks)
+        self._offloading = cfg.offloading_config()
+        self.group_stats: list[Counter[str]] = [Counter() for _ in cfg.groups]
+        """Per KV cache group: blocks loaded, stored and computed that the oracle checked,
+        blocks freed before a sliding window, jobs with blocks of the group."""
         self.ledger = StepLedger()
         """Scheduled-before, finished and preempted requests between two steps."""
         self.requests: dict[str, EngineRequest] = {}
@@ -197,12 +248,20 @@ class Engine:
         self.connector_held: set[int] = set()
         """GPU blocks in the connector's quarantine (timed-out loads' destinations)."""
         self._quarantine_seen: set[int] = set()
+        self._freed_before_quarantine: Counter[int] = Counter()
+        """Blocks a timed-out sync load names that the core had already freed (a sliding
+        window left them behind in the load's step): the connector releases them later, and
+        the engine must not free them again."""
         self._unpublished: list[tuple[JobStatus, CorruptedBytes]] = []
         """Stores that copied wrong bytes, held until the connector decides their fate: a
         store it completes publishes them (CorruptedBytes); one it fails, resets or times out
         never does (its request's load failed and poisoned it, say, before every report
         came in)."""
         self._recv_counts: Counter[int] = Counter()
+        self._store_positions: dict[int, tuple[int, ...]] = {}
+        """Store job -> the request's logical block index of each block it copies, from the
+        chunk keys the connector put it under: a group's chunks of one store need not be
+        consecutive (chunks already in the CPU tier are not stored again)."""
         self._seq = 0
         self.step_index = 0
         self.stats: Counter[str] = Counter()
@@ -264,17 +323,63 @@ class Engine:
         self.free_blocks.free(blocks)
 
     def _release_request_blocks(self, r: EngineRequest, keep: Iterable[int] = ()) -> None:
-        """Free a request's blocks tail first, as vLLM's KVCacheManager.free does: its last
-        blocks (the ones its latest stores read) are the first to be reused."""
+        """Free a request's blocks group by group, each tail first, as vLLM's KVCacheManager
+        free does: its last blocks (the ones its latest stores read) are the first reused."""
         kept = set(keep) | r.handed_over
-        self._free(b for b in reversed(r.blocks) if b not in kept)
-        r.blocks = []
+        for table in r.tables:
+            self._free(b for b in reversed(table) if b != NULL_BLOCK and b not in kept)
+        r.tables = []
         r.handed_over = set()
+
+    def _blocks_to_grow(self, r: EngineRequest, tokens: int, computed: int) -> int:
+        """GPU blocks that extending `r`'s tables to `tokens` tokens takes: every group's new
+        positions, but none of a sliding-window group's wholly before the window of token
+        `computed`, the first token to compute (vLLM gives it the null block there)."""
+        length = cdiv(tokens, self.config.block_size)
+        return sum(max(0, length - max(r.table_length,
+                                       self._offloading.skipped_blocks(g, computed)))
+                   for g in range(self.config.num_groups))
+
+    def _grow(self, r: EngineRequest, tokens: int, computed: int) -> tuple[tuple[int, ...], ...]:
+        """Extend `r`'s tables to hold `tokens` tokens (see `_blocks_to_grow`); returns each
+        group's new positions."""
+        length = cdiv(tokens, self.config.block_size)
+        if not r.tables:
+            r.tables = [[] for _ in self.config.groups]
+        ids = iter(self._allocate(self._blocks_to_grow(r, tokens, computed)))
+        added: list[tuple[int, ...]] = []
+        for g, table in enumerate(r.tables):
+            skip = self._offloading.skipped_blocks(g, computed)
+            new = tuple(NULL_BLOCK if p < skip else next(ids) for p in range(len(table), length))
+            table.extend(new)
+            added.append(new)
+        return tuple(added)
+
+    def _free_before_window(self) -> None:
+        """The core frees each running request's sliding-window blocks that left the window
+        and puts the null block in their place (vLLM 0.33.0:
+        vllm/v1/core/single_type_kv_cache_manager.py:682-720, called from
+        vllm/v1/core/kv_cache_manager.py:555-568 as the request's next step is allocated; no
+        connector hook but a finish or a reset comes in between, and the abstract model
+        frees at this same point, the end of the step)."""
+        for r in self.running:
+            for g in self._offloading.sliding_groups:
+                table = r.tables[g]
+                for p in range(min(self._offloading.skipped_blocks(g, r.num_computed),
+                                   len(table))):
+                    b = table[p]
+                    if b == NULL_BLOCK:
+                        continue
+                    table[p] = NULL_BLOCK
+                    if b not in r.handed_over:
+                        self._free((b,))
+                    self.group_stats[g]["blocks_freed_before_window"] += 1
 
     # ================================================================ the step
     def step(self) -> StepResult:
         out = self._schedule()
         meta = self.scheduler.build_connector_meta(out)
+        self._note_stores(meta)
         self._sync_quarantine()
         for hook in self.fault_hooks:
             hook(self, meta)
@@ -291,6 +396,7 @@ class Engine:
         for w in self.workers:
             self._check_copies(w)
         finished = self._update_from_output(out.num_scheduled_tokens, reports)
+        self._free_before_window()
         self.step_index += 1
         self.stats["steps"] += 1
         return StepResult(self.step_index - 1, dict(out.num_scheduled_tokens), meta, finished,
@@ -298,14 +404,13 @@ class Engine:
 
     def _schedule(self) -> SchedulerOutput:
         cfg = self.config
-        bs = cfg.block_size
         budget = cfg.max_num_batched_tokens
         preempted_now = False
         idx = 0
         while idx < len(self.running) and budget > 0:
             r = self.running[idx]
             n = min(r.num_tokens - r.num_computed, budget)
-            need = blocks_needed(r.num_computed + n, bs, len(r.blocks))
+            need = self._blocks_to_grow(r, r.num_computed + n, r.num_computed)
             while need > len(self.free_blocks):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -315,8 +420,7 @@ class Engine:
                     break
             if r.status != RequestStatus.RUNNING:
                 break
-            new = self._allocate(need)
-            r.blocks.extend(new)
+            new = self._grow(r, r.num_computed + n, r.num_computed)
             self.ledger.run(r.id, new, n)
             budget -= n
             idx += 1
@@ -344,30 +448,31 @@ class Engine:
             if is_async:
                 # blocks for every token now, not only the loaded ones: a loaded request then
                 # never waits for blocks that other loaded (not running) requests hold
-                need = blocks_needed(r.num_tokens, bs, 0)
+                need = self._blocks_to_grow(r, r.num_tokens, hit)
                 if need > len(self.free_blocks):
                     self.waiting.insert(0, r)
                     break
-                r.blocks = self._allocate(need)
-                self.scheduler.update_state_after_alloc(r.request, list(r.blocks), hit)
+                self._grow(r, r.num_tokens, hit)
+                self.scheduler.update_state_after_alloc(r.request, r.block_table(), hit)
                 self._note_load(r, hit)
                 r.request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 skipped.append(r)
                 continue
             n = min(r.num_tokens - r.num_computed - hit, budget)
-            need = blocks_needed(r.num_computed + hit + n, bs, len(r.blocks))
+            start = r.num_computed + hit
+            need = self._blocks_to_grow(r, start + n, start)
             if need > len(self.free_blocks):
                 self.waiting.insert(0, r)
                 break
-            r.blocks.extend(self._allocate(need))
-            self.scheduler.update_state_after_alloc(r.request, list(r.blocks), hit)
+            self._grow(r, start + n, start)
+            self.scheduler.update_state_after_alloc(r.request, r.block_table(), hit)
             if hit:
                 self._note_load(r, hit)
                 r.request.num_computed_tokens = hit
                 r.loaded_blocks = hit // bs
             r.request.status = RequestStatus.RUNNING
             self.running.append(r)
-            self.ledger.admit(r.id, r.blocks, n)
+            self.ledger.admit(r.id, r.block_table(), n)
             budget -= n
         self.waiting[:0] = skipped
         return budget
@@ -382,7 +487,8 @@ class Engine:
         bs = self.config.block_size
         r.load_job = loads[0]
         r.load_failed = False
-        r.load_blocks = tuple(r.blocks[r.num_computed // bs:(r.num_computed + hit) // bs])
+        first, end = r.num_computed // bs, cdiv(r.num_computed + hit, bs)
+        r.load_blocks = tuple(b for t in r.tables for b in t[first:end] if b != NULL_BLOCK)
         r.load_end = r.num_computed + hit
         self.stats["loads_scheduled"] += 1
 
@@ -401,28 +507,36 @@ class Engine:
 
     # ================================================================ forward pass
     def _forward(self, num_sched: dict[str, int]) -> None:
+        """Write, in every group's layers, the bytes of every block a scheduled request
+        computes tokens of (a partial block: the hash of its tokens so far)."""
         bs = self.config.block_size
-        rows: list[int] = []
+        rows: list[list[int]] = [[] for _ in self.config.groups]
         hashes: list[int] = []
         for rid, n in num_sched.items():
             r = self.requests[rid]
             tokens = r.request.all_token_ids
             start, end = r.num_computed, r.num_computed + n
             for i in range(start // bs, cdiv(end, bs)):
-                rows.append(r.blocks[i])
+                for g, table in enumerate(r.tables):
+                    if table[i] == NULL_BLOCK:
+                        raise EngineError(f"request {rid!r}: block {i} of group {g} computes "
+                                          f"tokens [{start}, {end}) but holds no GPU block")
+                    rows[g].append(table[i])
                 if (i + 1) * bs <= end:
                     hashes.append(r.request.block_hashes[i])
                 else:  # a partial block: the hash of its tokens so far
                     parent = r.request.block_hashes[i - 1] if i else 0
                     hashes.append(prefix_hash(parent, tokens[i * bs:end]))
         self.stats["tokens_computed"] += sum(num_sched.values())
-        if not rows:
+        if not hashes:
             return
         for w in self.workers:
-            index = torch.tensor(rows, dtype=torch.int64, device=w.gpu[0].device)
-            for layer, gpu in enumerate(w.gpu):
-                pages = pattern_for(hashes, layer, w.rank, gpu.shape[1]).to(gpu.device)
-                gpu.index_copy_(0, index, pages)
+            for g, group_rows in enumerate(rows):
+                index = torch.tensor(group_rows, dtype=torch.int64, device=w.gpu[0].device)
+                for t in self.config.tensors_of(g):
+                    gpu = w.gpu[t]
+                    pages = pattern_for(hashes, t, w.rank, gpu.shape[1]).to(gpu.device)
+                    gpu.index_copy_(0, index, pages)
 
     # ================================================================ the oracle
     def _check_copies(self, w: Worker) -> None:
@@ -450,78 +564,129 @@ class Engine:
                 self.stats["void_stores_discarded"] += 1
         self._unpublished = still
 
-    def _chunk_key(self, r: EngineRequest, index: int) -> int | None:
+    def _chunk_key(self, r: EngineRequest, index: int, group: int) -> int | None:
+        """The offload key of the chunk holding block `index` of `group` (vLLM's
+        make_offload_key of the hash at the chunk's last block)."""
         bpc = self.config.blocks_per_chunk
         pos = (index // bpc + 1) * bpc - 1
         hashes = r.request.block_hashes
-        return hashes[pos] if pos < len(hashes) else None
+        return (offload_key(hashes[pos], group, self.config.num_groups)
+                if pos < len(hashes) else None)
+
+    def _note_stores(self, meta: OffloadingConnectorMetadata) -> None:
+        """Where each new store's blocks sit in their request, by its chunk keys: key
+        (hash, group) names the chunk that ends at the block of that hash, in that group.
+        A key whose group is not the group its blocks come from is an error."""
+        bpc, groups = self.config.blocks_per_chunk, self.config.num_groups
+        for job_id, job in sorted(meta.store_jobs.items()):
+            status = self.scheduler.job_status(job_id)
+            r = self.requests.get(job.req_id) or self.done.get(job.req_id)
+            if status is None or r is None:
+                raise EngineError(f"store job {job_id} of {job.req_id!r} shipped, but the "
+                                  "connector or the engine does not know it")
+            where = {h: i for i, h in enumerate(r.request.block_hashes)}
+            spec = job.src
+            assert isinstance(spec, GPULoadStoreSpec)
+            block_groups = [g for g, n in enumerate(spec.group_sizes or (len(spec.block_ids),))
+                            for _ in range(n)]
+            positions: list[int] = []
+            for i, key in enumerate(status.keys):
+                last = where.get(key // groups)
+                group = key % groups
+                if last is None or (last + 1) % bpc:
+                    raise EngineError(f"store job {job_id}: key {key:#x} names no chunk of "
+                                      f"request {r.id!r}")
+                if block_groups[i * bpc] != group:
+                    raise EngineError(f"store job {job_id}: blocks of group "
+                                      f"{block_groups[i * bpc]} are stored under key "
+                                      f"{key:#x} of group {group}")
+                positions += range(last + 1 - bpc, last + 1)
+            self._store_positions[job_id] = tuple(positions)
+        for job_id in [j for j in self._store_positions if self.scheduler.job_status(j) is None
+                       and not any(j in w.jobs for w in self.workers)]:
+            del self._store_positions[job_id]
 
     def _check_load(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
         spec = job.transfer
         bpc = self.config.blocks_per_chunk
-        hashes = [r.request.block_hashes[i] for i in job.logical_blocks]
-        for layer, gpu in enumerate(w.gpu):
-            m = first_mismatch(gpu, spec.gpu_blocks, hashes, layer, w.rank)
-            if m is None:
-                continue
-            index = spec.first_block_index + m.position
-            chunk = spec.cpu_chunks[(spec.skip(bpc) + m.position) // bpc]
-            self.stats["corrupted_blocks"] += m.bad_blocks
-            raise CorruptedBytes(
-                req_id=r.id, what="loaded block", rank=w.rank, layer=layer, block_index=index,
-                gpu_block=spec.gpu_blocks[m.position], offset=m.offset, expected=m.expected,
-                actual=m.actual, job_id=job.job_id, chunk=chunk,
-                chunk_key=self._chunk_key(r, index), writer=w.chunk_writer.get(chunk),
-                bad_blocks=m.bad_blocks)
+        for seg in spec.segments:
+            blocks = spec.gpu_blocks[seg.start:seg.start + seg.size]
+            first = seg.first_block_index
+            hashes = r.request.block_hashes[first:first + seg.size]
+            for t in self.config.tensors_of(seg.group):
+                m = first_mismatch(w.gpu[t], blocks, hashes, t, w.rank)
+                if m is None:
+                    continue
+                index = seg.first_block_index + m.position
+                chunk = spec.cpu_chunks[spec.chunk_position(seg.start + m.position, bpc)]
+                self.stats["corrupted_blocks"] += m.bad_blocks
+                raise CorruptedBytes(
+                    req_id=r.id, what="loaded block", rank=w.rank, layer=t,
+                    block_index=index, gpu_block=blocks[m.position], offset=m.offset,
+                    expected=m.expected, actual=m.actual, job_id=job.job_id, chunk=chunk,
+                    chunk_key=self._chunk_key(r, index, seg.group),
+                    writer=w.chunk_writer.get(chunk), bad_blocks=m.bad_blocks)
+            self.group_stats[seg.group]["loaded_blocks_verified"] += seg.size
         self.stats["loaded_blocks_verified"] += spec.num_blocks
 
     def _check_store(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
         spec = job.transfer
         bpc = self.config.blocks_per_chunk
-        hashes = [r.request.block_hashes[i] for i in job.logical_blocks]
-        for layer in range(len(w.cpu)):
-            m = first_mismatch_rows(w.cpu_rows(layer, job), hashes, layer, w.rank)
-            if m is None:
-                continue
-            index = spec.first_block_index + m.position
-            status = self.scheduler.job_status(job.job_id)
-            if status is None:
-                raise EngineError(f"store job {job.job_id} copied, but the connector does not "
-                                  "know it")
-            self._unpublished.append((status, CorruptedBytes(
-                req_id=r.id, what="stored block", rank=w.rank, layer=layer, block_index=index,
-                gpu_block=spec.gpu_blocks[m.position], offset=m.offset, expected=m.expected,
-                actual=m.actual, job_id=job.job_id,
-                chunk=spec.cpu_chunks[(spec.skip(bpc) + m.position) // bpc],
-                chunk_key=self._chunk_key(r, index), bad_blocks=m.bad_blocks)))
-            self._judge_unpublished()  # already completed: raise now
-            return
+        where = self._store_positions[job.job_id]
+        for seg in spec.segments:
+            positions = where[seg.start:seg.start + seg.size]
+            hashes = [r.request.block_hashes[p] for p in positions]
+            for t in self.config.tensors_of(seg.group):
+                m = first_mismatch_rows(w.cpu_rows(t, job, seg), hashes, t, w.rank)
+                if m is None:
+                    continue
+                index = positions[m.position]
+                status = self.scheduler.job_status(job.job_id)
+                if status is None:
+                    raise EngineError(f"store job {job.job_id} copied, but the connector does "
+                                      "not know it")
+                self._unpublished.append((status, CorruptedBytes(
+                    req_id=r.id, what="stored block", rank=w.rank, layer=t, block_index=index,
+                    gpu_block=spec.gpu_blocks[seg.start + m.position], offset=m.offset,
+                    expected=m.expected, actual=m.actual, job_id=job.job_id,
+                    chunk=spec.cpu_chunks[spec.chunk_position(seg.start + m.position, bpc)],
+                    chunk_key=self._chunk_key(r, index, seg.group), bad_blocks=m.bad_blocks)))
+                self._judge_unpublished()  # already completed: raise now
+                return
+        for seg in spec.segments:
+            self.group_stats[seg.group]["stored_blocks_verified"] += seg.size
         self.stats["stored_blocks_verified"] += spec.num_blocks
 
     def verify_request(self, req_id: str, include_loaded: bool = True) -> int:
-        """Check every fully computed block of an unfinished request on every rank; returns
-        the number of blocks checked. Raises CorruptedBytes on the first wrong one."""
+        """Check every fully computed block of an unfinished request that the core still
+        holds, in every group, on every rank; returns the number of blocks checked. Raises
+        CorruptedBytes on the first wrong one."""
         r = self.requests.get(req_id)
         if r is None:
             raise EngineError(f"verify_request: {req_id!r} is not an unfinished request")
         return self._verify(r, 0 if include_loaded else r.loaded_blocks)
 
     def _verify(self, r: EngineRequest, start: int) -> int:
-        full = min(r.num_computed // self.config.block_size, len(r.blocks))
-        blocks = r.blocks[start:full]
-        hashes = r.request.block_hashes[start:full]
-        for w in self.workers:
-            for layer, gpu in enumerate(w.gpu):
-                m = first_mismatch(gpu, blocks, hashes, layer, w.rank)
-                if m is not None:
-                    self.stats["corrupted_blocks"] += m.bad_blocks
-                    raise CorruptedBytes(
-                        req_id=r.id, what="computed block", rank=w.rank, layer=layer,
-                        block_index=start + m.position, gpu_block=blocks[m.position],
-                        offset=m.offset, expected=m.expected, actual=m.actual,
-                        bad_blocks=m.bad_blocks)
-        self.stats["computed_blocks_verified"] += len(blocks)
-        return len(blocks)
+        full = min(r.num_computed // self.config.block_size, r.table_length)
+        checked = 0
+        for g, table in enumerate(r.tables):
+            positions = [p for p in range(start, full) if table[p] != NULL_BLOCK]
+            blocks = [table[p] for p in positions]
+            hashes = [r.request.block_hashes[p] for p in positions]
+            for w in self.workers:
+                for t in self.config.tensors_of(g):
+                    m = first_mismatch(w.gpu[t], blocks, hashes, t, w.rank)
+                    if m is not None:
+                        self.stats["corrupted_blocks"] += m.bad_blocks
+                        raise CorruptedBytes(
+                            req_id=r.id, what="computed block", rank=w.rank, layer=t,
+                            block_index=positions[m.position], gpu_block=blocks[m.position],
+                            offset=m.offset, expected=m.expected, actual=m.actual,
+                            bad_blocks=m.bad_blocks)
+            self.group_stats[g]["computed_blocks_verified"] += len(blocks)
+            checked += len(blocks)
+        self.stats["computed_blocks_verified"] += checked
+        return checked
 
     # ================================================================ update from output
     def _update_from_output(self, num_sched: dict[str, int],
@@ -614,7 +779,8 @@ class Engine:
             self.waiting.remove(r)
         keep: tuple[int, ...] = ()
         if r.load_job is not None and r.load_job in self.scheduler.jobs:
-            keep = tuple(b for b in r.load_blocks if b not in r.handed_over)
+            holds = set(r.blocks)  # a sliding window may have freed some destinations
+            keep = tuple(b for b in r.load_blocks if b in holds and b not in r.handed_over)
             self.held_loads[r.load_job] = (r.id, keep)
         self._release_request_blocks(r, keep)
         self.scheduler.request_finished(r.request)
@@ -631,12 +797,17 @@ class Engine:
         self._reconcile()
 
     def _take_released(self) -> list[int]:
-        released = self.scheduler.take_released_gpu_blocks()
-        for b in released:
+        released: list[int] = []
+        for b in self.scheduler.take_released_gpu_blocks():
+            if self._freed_before_quarantine[b] > 0:
+                self._freed_before_quarantine[b] -= 1
+                continue  # the core freed it before the quarantine named it
             if b not in self.connector_held:
                 raise EngineError(f"the connector released GPU block {b}, which it never "
                                   "quarantined")
             self.connector_held.remove(b)
+            released.append(b)
+        self._freed_before_quarantine += Counter()  # drop the zero counts
         self._quarantine_seen &= set(self.scheduler.quarantined_gpu_blocks)
         return released
 
@@ -649,16 +820,25 @@ class Engine:
             self._quarantine_seen.add(job_id)
             held = self.held_loads.pop(job_id, None)
             owner = next((r for r in self.requests.values() if r.load_job == job_id), None)
-            if held is not None:
-                if set(blocks) - set(held[1]):
-                    raise EngineError(f"load job {job_id}: quarantined blocks {blocks} are not "
-                                      f"the ones held for {held[0]!r}")
-            elif owner is not None and set(blocks) <= set(owner.blocks):
-                owner.handed_over.update(blocks)
-            else:
+            ours = set(held[1]) if held is not None else (
+                set(owner.blocks) if owner is not None else None)
+            if ours is None:
                 raise EngineError(f"the connector quarantined blocks {blocks} of load job "
                                   f"{job_id}, which no request of the engine holds")
-            self.connector_held.update(blocks)
+            gone = set(blocks) - ours
+            if gone:
+                # only a sync load's: its copy ended with its step, before the core freed
+                # the blocks its window left behind (an async load's request does not run)
+                job = self.scheduler.jobs.quarantine.get(job_id)
+                if job is None or not job.sync:
+                    raise EngineError(f"load job {job_id}: quarantined blocks {sorted(gone)} "
+                                      "are no longer held by its request, and the load is "
+                                      "not a sync load whose copy is over")
+                self._freed_before_quarantine.update(gone)
+            taken = set(blocks) & ours
+            if held is None and owner is not None:
+                owner.handed_over.update(taken)
+            self.connector_held.update(taken)
             self.stats["quarantined_loads"] += 1
 
     def _reconcile(self) -> None:

@@ -218,6 +218,12 @@ def _ignore_first_chunk_skip(orig: Any) -> Any:
     return skip
 
 
+def _copy_into_first_group(orig: Any) -> Any:
+    def _run_group(self: Any, direction: Any, group: int, mapping: Any) -> None:
+        orig(self, direction, 0, mapping)
+    return _run_group
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("reset-keeps-transfer-jobs", "reset", "vLLM PR #48102 (INV-1)",
            "reset_cache clears the job table but leaves the ids in transfer_jobs",
@@ -296,7 +302,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",
-           _patch_in("kernels.layout", "TransferSpec", "skip", _ignore_first_chunk_skip)),
+           _patch_in("kernels.layout", "Segment", "skip", _ignore_first_chunk_skip)),
+    Mutant("kernel-copies-into-first-group", "kernels", "GW:597-669 (per-group refs)",
+           "the copy kernels copy every KV cache group's blocks in the first group's tensors: "
+           "a sliding-window group's pages land in (and are read from) the full-attention "
+           "layers",
+           _patch_in("kernels.engine", "_Copier", "_run_group", _copy_into_first_group)),
 )
 
 

@@ -22,15 +22,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from statemachine.config import KVCacheGroup
 from statemachine.engine import Engine, EngineConfig
 from statemachine.errors import KVSpecError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
 from statemachine.oracle import CorruptedBytes
 
+MODELS: dict[str, tuple[tuple[KVCacheGroup, ...], tuple[int, ...]]] = {
+    "full": ((KVCacheGroup(),), ()),
+    "hybrid": ((KVCacheGroup(), KVCacheGroup("sliding", sliding_window=40)), (4, 2)),
+}
+"""The model of a run: its KV cache groups and each group's KV bytes per token and layer.
+`hybrid` is full attention beside a 40-token sliding window (2.5 blocks: its loads start
+inside a chunk) with pages of half the size, in the order vLLM lists such groups."""
+
 
 @dataclass(frozen=True)
 class SimConfig:
     seed: int = 1
+    model: str = "full"
+    """A key of `MODELS`."""
     steps: int = 240
     """Steps during which requests arrive and faults are injected; the drain follows."""
     workers: int = 2
@@ -44,7 +55,9 @@ class SimConfig:
     a run a function of its seed; on "cuda" copies complete when the GPU is done."""
 
     def engine_config(self) -> EngineConfig:
+        groups, per_token = MODELS[self.model]
         return EngineConfig(
+            groups=groups, group_bytes_per_token=per_token,
             block_size=16, blocks_per_chunk=2, num_gpu_blocks=64, num_cpu_chunks=64,
             num_workers=self.workers, num_layers=2, bytes_per_token=4,
             max_num_batched_tokens=160, max_num_running=12,

@@ -41,6 +41,7 @@ from kernels import (  # isort: skip
     CopyEngine,
     CopyResult,
     KVLayout,
+    Segment,
     TransferSpec,
     allocate_cpu_kv,
     allocate_gpu_kv,
@@ -70,11 +71,9 @@ class WorkerJob:
     """Its copy is known complete (waited for, or polled) and was handed to the oracle."""
 
     @property
-    def logical_blocks(self) -> range:
-        """The request's block indices the job moves, in transfer order."""
-        first = self.transfer.first_block_index
-        return range(first, first + self.transfer.num_blocks)
-
+    def segments(self) -> tuple[Segment, ...]:
+        """The job's blocks per KV cache group (one segment for a one-group job)."""
+        return self.transfer.segments
 
     @property
     def key(self) -> int:
@@ -117,6 +116,9 @@ def transfer_spec(job: TransferJob) -> TransferSpec:
     if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(cpu, CPULoadStoreSpec):
         raise WorkerError(f"job of request {job.req_id!r}: a transfer goes between GPU blocks "
                           "and CPU chunks")
+    if gpu.group_sizes:
+        return TransferSpec(gpu.block_ids, cpu.chunk_ids, group_sizes=gpu.group_sizes,
+                            block_indices=gpu.block_indices)
     return TransferSpec(gpu.block_ids, cpu.chunk_ids, gpu.first_block_index)
 
 
@@ -127,7 +129,8 @@ class Worker:
         self.layout = layout
         self.gpu = allocate_gpu_kv(layout, num_gpu_blocks, device)
         self.cpu = allocate_cpu_kv(layout, num_cpu_chunks)
-        self.engine = CopyEngine(self.gpu, self.cpu, layout.blocks_per_chunk)
+        self.engine = CopyEngine(self.gpu, self.cpu, layout.blocks_per_chunk,
+                                 groups=layout.groups)
         self.jobs: dict[int, WorkerJob] = {}
         self.chunk_writer: dict[int, tuple[int, str]] = {}
         """CPU chunk slot -> (store job id, request id) of the last store submitted into it."""
@@ -351,15 +354,17 @@ class Worker:
         out, self._copied = self._copied, []
         return out
 
-    def cpu_rows(self, layer: int, job: WorkerJob) -> torch.Tensor:
-        """The CPU sub-rows (one page per block) a job reads or writes, in transfer order."""
+    def cpu_rows(self, tensor: int, job: WorkerJob, segment: Segment) -> torch.Tensor:
+        """The CPU sub-rows (one page per block) of KV tensor `tensor` that one group's part
+        of a job reads or writes, in transfer order."""
         t = job.transfer
         bpc = self.layout.blocks_per_chunk
-        skip = t.skip(bpc)
-        rows = [t.cpu_chunks[(skip + i) // bpc] * bpc + (skip + i) % bpc
-                for i in range(t.num_blocks)]
-        page = self.layout.page_bytes[layer]
-        return self.cpu[layer].view(-1, page).index_select(
+        skip = segment.skip(bpc)
+        first = t.chunk_position(segment.start, bpc)
+        rows = [t.cpu_chunks[first + (skip + i) // bpc] * bpc + (skip + i) % bpc
+                for i in range(segment.size)]
+        page = self.layout.page_bytes[tensor]
+        return self.cpu[tensor].view(-1, page).index_select(
             0, torch.tensor(rows, dtype=torch.int64))
 
     # ================================================================ queries

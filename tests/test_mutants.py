@@ -62,21 +62,28 @@ def test_model_based_search_kills_implementation_mutant(mutant: Mutant) -> None:
 
 
 def _round_trip_offsets() -> bool:
-    """Store two blocks that start mid-chunk and check where their bytes land."""
+    """Store blocks of two KV cache groups, each starting mid-chunk, and check where their
+    bytes land: in the group's own tensor, at the group's own sub-blocks."""
     import torch
 
     from kernels import CopyEngine, KVLayout, TransferSpec, allocate_cpu_kv, allocate_gpu_kv
 
-    layout = KVLayout((64,), blocks_per_chunk=4)
+    layout = KVLayout((64, 32), blocks_per_chunk=4, groups=((0,), (1,)))
     gpu = allocate_gpu_kv(layout, 8, torch.device("cpu"))
-    cpu = allocate_cpu_kv(layout, 2, pin=False)
-    gpu[0].copy_(torch.arange(8 * 64, dtype=torch.int64).remainder(251).to(torch.int8)
-                 .view(8, 64))
-    engine = CopyEngine(gpu, cpu, 4, torch.device("cpu"))
-    engine.submit_store(1, TransferSpec([2, 3], [1], first_block_index=5))  # skip 1
+    cpu = allocate_cpu_kv(layout, 3, pin=False)
+    for t, page in enumerate(layout.page_bytes):
+        gpu[t].copy_(torch.arange(8 * page, dtype=torch.int64).add(t * 7).remainder(251)
+                     .to(torch.int8).view(8, page))
+    engine = CopyEngine(gpu, cpu, 4, torch.device("cpu"), groups=layout.groups)
+    # group 0: blocks 5, 6 of the request (skip 1) in chunk 1; group 1: block 6 (skip 2),
+    # chunk 2
+    engine.submit_store(1, TransferSpec([2, 3, 4], [1, 2], group_sizes=(2, 1),
+                                        block_indices=(5, 6)))
     engine.wait([1])
-    row = cpu[0][1].view(4, 64)
-    return bool(torch.equal(row[1], gpu[0][2]) and torch.equal(row[2], gpu[0][3]))
+    full, window = cpu[0][1].view(4, 64), cpu[1][2].view(4, 32)
+    return bool(torch.equal(full[1], gpu[0][2]) and torch.equal(full[2], gpu[0][3])
+                and torch.equal(window[2], gpu[1][4])
+                and not cpu[1][1].any() and not cpu[0][2].any())
 
 
 @pytest.mark.parametrize("mutant", [m for m in MUTANTS if m.area == "kernels"],

@@ -190,8 +190,9 @@ def test_copies_are_handed_to_the_oracle_once_when_known_complete() -> None:
     assert [j.job_id for j in w.take_copied_jobs()] == [2]  # polled
     run_step(w, meta())
     (stored,) = w.take_copied_jobs()
-    assert stored.job_id == 3 and list(stored.logical_blocks) == [0, 1]
-    assert torch.equal(w.cpu_rows(1, stored), w.gpu[1][2:4])  # the rows it wrote
+    (seg,) = stored.segments
+    assert stored.job_id == 3 and (seg.first_block_index, seg.size) == (0, 2)
+    assert torch.equal(w.cpu_rows(1, stored, seg), w.gpu[1][2:4])  # the rows it wrote
     assert w.take_copied_jobs() == []
 
 
