@@ -22,7 +22,7 @@ the KV tensors of each group (:attr:`KVLayout.groups`); a job of several groups 
 blocks group by group, with vLLM's ``group_sizes`` (blocks of each group) and
 ``block_indices`` (each group's first logical block index), and its CPU chunks in the same
 order, each group taking ``cdiv(size + skip, bpc)`` chunks with its own first-chunk skip
-``block_indices[g] % bpc`` (vLLM 0.33.0: ``vllm/v1/kv_offload/worker/cpu_gpu.py:629-669``).
+``block_indices[g] % bpc`` (vLLM 0.33.0: ``vllm/v1/kv_offload/cpu/gpu_worker.py:597-669``).
 A group's blocks are copied in that group's tensors only: a block id names a row of every
 tensor, but the core hands it to one group at a time.
 """

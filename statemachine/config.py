@@ -18,6 +18,25 @@ class KVCacheGroup:
 
 
 @dataclass(frozen=True)
+class KVCacheModel:
+    """A model's KV cache as the data plane sees it: its groups, and each group's KV bytes
+    per token and layer (so each group has pages of its own size)."""
+
+    groups: tuple[KVCacheGroup, ...]
+    bytes_per_token: tuple[int, ...]
+
+
+KV_CACHE_MODELS: dict[str, KVCacheModel] = {
+    "full": KVCacheModel((KVCacheGroup(),), (4,)),
+    "hybrid": KVCacheModel((KVCacheGroup(), KVCacheGroup("sliding", sliding_window=40)),
+                           (4, 2)),
+}
+"""The models `kvspec simulate --model` runs. `hybrid`: full attention beside a 40-token
+sliding window (2.5 blocks of 16 tokens, so its loads start inside a chunk) with pages half
+the size, in the order vLLM lists such groups."""
+
+
+@dataclass(frozen=True)
 class OffloadingConfig:
     block_size: int = 16
     """Tokens per GPU block."""

@@ -234,8 +234,11 @@ class Engine:
         self.free_blocks = BlockPool(cfg.num_gpu_blocks)
         self._offloading = cfg.offloading_config()
         self.group_stats: list[Counter[str]] = [Counter() for _ in cfg.groups]
-        """Per KV cache group: blocks loaded, stored and computed that the oracle checked,
-        blocks freed before a sliding window, jobs with blocks of the group."""
+        """Per KV cache group: jobs with blocks of the group (shipped, failed on a rank, made
+        stale by a reset), blocks the oracle checked (loaded, stored, computed), blocks freed
+        by a preemption and before a sliding window."""
+        self._job_groups: dict[int, tuple[int, ...]] = {}
+        """Shipped job -> the groups it has blocks of (kept while the connector knows it)."""
         self.ledger = StepLedger()
         """Scheduled-before, finished and preempted requests between two steps."""
         self.requests: dict[str, EngineRequest] = {}
@@ -276,10 +279,12 @@ class Engine:
             raise EngineError(f"request {req_id!r} added twice")
         if max_tokens < 1 or not prompt_token_ids:
             raise EngineError(f"request {req_id!r}: needs a prompt and max_tokens >= 1")
-        longest = cdiv(len(prompt_token_ids) + max_tokens, self.config.block_size)
+        longest = cdiv(len(prompt_token_ids) + max_tokens, self.config.block_size) \
+            * self.config.num_groups
         if longest > self.config.num_gpu_blocks:
-            raise EngineError(f"request {req_id!r} needs up to {longest} GPU blocks; the pool "
-                              f"has {self.config.num_gpu_blocks}")
+            raise EngineError(f"request {req_id!r} needs up to {longest} GPU blocks over its "
+                              f"{self.config.num_groups} KV cache groups; the pool has "
+                              f"{self.config.num_gpu_blocks}")
         tokens = list(prompt_token_ids)
         request = Request(req_id, tokens, block_hashes=block_hashes(tokens, self.config.block_size),
                           kv_transfer_params=kv_transfer_params)
@@ -310,6 +315,9 @@ class Engine:
                 self.stats["preemptions_by_reset"] += 1
         ok = True
         if reset_connector:
+            for job in self.scheduler.jobs:
+                for g in self._job_groups.get(job.job_id, ()):
+                    self.group_stats[g]["jobs_made_stale_by_reset"] += 1
             ok = self.scheduler.reset_cache()
             self.stats["resets"] += 1
         self._after_connector()
@@ -379,7 +387,7 @@ class Engine:
     def step(self) -> StepResult:
         out = self._schedule()
         meta = self.scheduler.build_connector_meta(out)
-        self._note_stores(meta)
+        self._note_jobs(meta)
         self._sync_quarantine()
         for hook in self.fault_hooks:
             hook(self, meta)
@@ -495,6 +503,9 @@ class Engine:
     def _preempt(self, r: EngineRequest) -> None:
         """The core's preemption (CS:1799-1843): blocks freed, recomputed from token 0."""
         self.running.remove(r)
+        for g, table in enumerate(r.tables):
+            self.group_stats[g]["blocks_freed_by_preemption"] += sum(
+                1 for b in table if b != NULL_BLOCK)
         self._release_request_blocks(r)
         r.request.num_computed_tokens = 0
         r.request.status = RequestStatus.PREEMPTED
@@ -573,11 +584,19 @@ class Engine:
         return (offload_key(hashes[pos], group, self.config.num_groups)
                 if pos < len(hashes) else None)
 
-    def _note_stores(self, meta: OffloadingConnectorMetadata) -> None:
-        """Where each new store's blocks sit in their request, by its chunk keys: key
+    def _note_jobs(self, meta: OffloadingConnectorMetadata) -> None:
+        """The groups each new job has blocks of; and where each new store's blocks sit in
+        their request, by its chunk keys: key
         (hash, group) names the chunk that ends at the block of that hash, in that group.
         A key whose group is not the group its blocks come from is an error."""
         bpc, groups = self.config.blocks_per_chunk, self.config.num_groups
+        for job_id, job in (*meta.load_jobs.items(), *meta.store_jobs.items()):
+            gpu = job.src if job.is_store else job.dst
+            assert isinstance(gpu, GPULoadStoreSpec)
+            self._job_groups[job_id] = tuple(
+                g for g, n in enumerate(gpu.group_sizes or (len(gpu.block_ids),)) if n)
+            for g in self._job_groups[job_id]:
+                self.group_stats[g]["stores" if job.is_store else "loads"] += 1
         for job_id, job in sorted(meta.store_jobs.items()):
             status = self.scheduler.job_status(job_id)
             r = self.requests.get(job.req_id) or self.done.get(job.req_id)
@@ -602,9 +621,13 @@ class Engine:
                                       f"{key:#x} of group {group}")
                 positions += range(last + 1 - bpc, last + 1)
             self._store_positions[job_id] = tuple(positions)
-        for job_id in [j for j in self._store_positions if self.scheduler.job_status(j) is None
+            if any(block_groups[i] == block_groups[i - 1] and positions[i] != positions[i - 1] + 1
+                   for i in range(1, len(positions))):
+                self.stats["stores_with_gaps"] += 1  # a group's chunks not consecutive
+        for job_id in [j for j in self._job_groups if self.scheduler.job_status(j) is None
                        and not any(j in w.jobs for w in self.workers)]:
-            del self._store_positions[job_id]
+            del self._job_groups[job_id]
+            self._store_positions.pop(job_id, None)
 
     def _check_load(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
         spec = job.transfer
@@ -711,6 +734,9 @@ class Engine:
                 finished.append(rid)
         failed = {job_id for rep in reports if rep.meta is not None
                   for job_id in rep.meta.failed_jobs}
+        for job_id in failed:
+            for g in self._job_groups.get(job_id, ()):
+                self.group_stats[g]["jobs_failed"] += 1
         for r in self.requests.values():
             if r.load_job is not None and r.load_job in failed:
                 r.load_failed = True
@@ -835,6 +861,7 @@ class Engine:
                                       "are no longer held by its request, and the load is "
                                       "not a sync load whose copy is over")
                 self._freed_before_quarantine.update(gone)
+                self.stats["quarantined_blocks_already_freed"] += len(gone)
             taken = set(blocks) & ours
             if held is None and owner is not None:
                 owner.handed_over.update(taken)

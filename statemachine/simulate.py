@@ -22,26 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from statemachine.config import KVCacheGroup
+from statemachine.config import KV_CACHE_MODELS
 from statemachine.engine import Engine, EngineConfig
 from statemachine.errors import KVSpecError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
 from statemachine.oracle import CorruptedBytes
-
-MODELS: dict[str, tuple[tuple[KVCacheGroup, ...], tuple[int, ...]]] = {
-    "full": ((KVCacheGroup(),), ()),
-    "hybrid": ((KVCacheGroup(), KVCacheGroup("sliding", sliding_window=40)), (4, 2)),
-}
-"""The model of a run: its KV cache groups and each group's KV bytes per token and layer.
-`hybrid` is full attention beside a 40-token sliding window (2.5 blocks: its loads start
-inside a chunk) with pages of half the size, in the order vLLM lists such groups."""
 
 
 @dataclass(frozen=True)
 class SimConfig:
     seed: int = 1
     model: str = "full"
-    """A key of `MODELS`."""
+    """A key of `statemachine.config.KV_CACHE_MODELS`."""
     steps: int = 240
     """Steps during which requests arrive and faults are injected; the drain follows."""
     workers: int = 2
@@ -55,9 +47,9 @@ class SimConfig:
     a run a function of its seed; on "cuda" copies complete when the GPU is done."""
 
     def engine_config(self) -> EngineConfig:
-        groups, per_token = MODELS[self.model]
+        model = KV_CACHE_MODELS[self.model]
         return EngineConfig(
-            groups=groups, group_bytes_per_token=per_token,
+            groups=model.groups, group_bytes_per_token=model.bytes_per_token,
             block_size=16, blocks_per_chunk=2, num_gpu_blocks=64, num_cpu_chunks=64,
             num_workers=self.workers, num_layers=2, bytes_per_token=4,
             max_num_batched_tokens=160, max_num_running=12,
@@ -317,6 +309,8 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         "failed_jobs": sc["failed_jobs"],
         "orphaned_loads_failed": sc["orphaned_loads_failed"],
         "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
+        "stores_with_gaps": st["stores_with_gaps"],
+        "quarantined_blocks_already_freed": st["quarantined_blocks_already_freed"],
         "hung_jobs": len(faults.hung_jobs),
         "timeouts": sc["timed_out_jobs"],
         "loaded_blocks_verified": st["loaded_blocks_verified"],
@@ -324,7 +318,43 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         "computed_blocks_verified": st["computed_blocks_verified"],
         "tokens_computed": st["tokens_computed"],
         "steps_per_second": round((st["steps"]) / seconds, 1) if seconds > 0 else 0.0,
+        "groups": [_group_metrics(engine, g) for g in range(engine.config.num_groups)],
     }
+
+
+GROUP_METRICS = ("loads", "stores", "jobs_failed", "jobs_made_stale_by_reset",
+                 "blocks_freed_by_preemption", "blocks_freed_before_window",
+                 "loaded_blocks_verified", "stored_blocks_verified", "computed_blocks_verified")
+"""What a run did in each KV cache group: jobs with blocks of the group (shipped loads and
+stores, failed on a rank, made stale by a reset), blocks freed (by a preemption, by the
+sliding window) and blocks the byte oracle checked."""
+
+
+def _group_metrics(engine: Engine, group: int) -> dict[str, Any]:
+    g = engine.config.groups[group]
+    stats = engine.group_stats[group]
+    return {"group": group, "kind": g.kind, "sliding_window": g.sliding_window,
+            "page_bytes": engine.config.block_size * engine.config.bytes_per_token_of(group),
+            **{name: stats[name] for name in GROUP_METRICS}}
+
+
+def exercised_everywhere(result: SimResult) -> list[str]:
+    """What the run did not exercise in some group (empty: loads, stores, failures, resets
+    and preemptions all touched every group)."""
+    missing = []
+    for g in result.metrics.get("groups", []):
+        for name in ("loads", "stores", "jobs_failed", "jobs_made_stale_by_reset",
+                     "blocks_freed_by_preemption", "loaded_blocks_verified",
+                     "stored_blocks_verified"):
+            if not g[name]:
+                missing.append(f"group {g['group']}: no {name.replace('_', ' ')}")
+    return missing
+
+
+def _kind(g: dict[str, Any]) -> str:
+    if g["kind"] == "sliding":
+        return f"sliding window {g['sliding_window']}, page {g['page_bytes']} B"
+    return f"full attention, page {g['page_bytes']} B"
 
 
 def _mb(n: int) -> str:
@@ -351,6 +381,13 @@ def render(result: SimResult) -> str:
         ("bytes checked", f"{m['loaded_blocks_verified']} loaded, "
                           f"{m['stored_blocks_verified']} stored, "
                           f"{m['computed_blocks_verified']} computed blocks"),
+        *((f"group {g['group']} ({_kind(g)})",
+           f"{g['loads']} loads, {g['stores']} stores, {g['jobs_failed']} failed, "
+           f"{g['jobs_made_stale_by_reset']} made stale; blocks freed "
+           f"{g['blocks_freed_by_preemption']} by preemption, "
+           f"{g['blocks_freed_before_window']} before the window; checked "
+           f"{g['loaded_blocks_verified']}/{g['stored_blocks_verified']}/"
+           f"{g['computed_blocks_verified']}") for g in m["groups"] if len(m["groups"]) > 1),
         ("stuck requests", str(len(result.stuck))),
         ("leaked", str(result.leaked) + ("" if not result.leaked else " (" + ", ".join(
             f"{k} {v}" for k, v in result.leaks.items() if v) + ")")),
@@ -361,7 +398,8 @@ def render(result: SimResult) -> str:
                               f"{result.steps + result.drain_steps}")
                        for name in ("stuck requests", "leaked")]
     width = max(len(k) for k, _ in rows)
-    head = (f"kvspec simulate --seed {cfg.seed}: {cfg.workers} workers, {result.steps} steps "
+    head = (f"kvspec simulate --seed {cfg.seed} --model {cfg.model}: {cfg.workers} workers, "
+            f"{result.steps} steps "
             f"+ {result.drain_steps} to drain, {result.seconds:.1f} s")
     lines = [head, "", f"{'metric'.ljust(width)}  value", f"{'-' * width}  {'-' * 5}"]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spec import model as M
-from statemachine.testing import DataPlaneStateMachine, OffloadingStateMachine
+from statemachine.testing import (
+    DataPlaneStateMachine,
+    HybridDataPlaneStateMachine,
+    OffloadingStateMachine,
+)
 
 MACHINES = ("model", "data-plane")
 
@@ -227,11 +231,17 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
     return rule, {}
 
 
+DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
+    DataPlaneStateMachine, HybridDataPlaneStateMachine)
+"""The data-plane soak alternates its programs over these (one KV cache group, hybrid)."""
+
+
 def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,
-                 length: int = 0) -> tuple[list[Action], BaseException | None]:
+                 length: int = 0, machine: type[DataPlaneStateMachine] = DataPlaneStateMachine
+                 ) -> tuple[list[Action], BaseException | None]:
     """Run `actions` (or, with `rng`, `length` random ones) on a fresh data-plane machine,
     then its teardown; the actions taken and the first failure."""
-    m = DataPlaneStateMachine()
+    m = machine()
     taken: list[Action] = []
     try:
         todo: Iterator[Action] = iter(actions) if rng is None else (
@@ -248,6 +258,11 @@ def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,
     except BaseException as exc:
         return taken, exc
     return taken, None
+
+
+def _failure_of(actions: Sequence[Action], machine: type[DataPlaneStateMachine]
+                ) -> BaseException | None:
+    return _run_actions(actions, machine=machine)[1]
 
 
 def _action_text(a: Action) -> str:
@@ -267,18 +282,19 @@ def _soak_data_plane(seed: int, steps: int, program_length: int, shrink_seconds:
     out = SoakResult("data-plane", seed)
     t0 = time.perf_counter()
     while out.steps < steps:
-        taken, exc = _run_actions((), rng, program_length)
+        machine = DATA_PLANE_MACHINES[out.programs % len(DATA_PLANE_MACHINES)]
+        taken, exc = _run_actions((), rng, program_length, machine)
         out.steps += len(taken)
         out.programs += 1
         if exc is None:
             continue
         t1 = time.perf_counter()
-        small = shrink(taken, lambda acts: _run_actions(acts)[1], signature(exc),
-                       shrink_seconds)
-        final = _run_actions(small)[1] or exc
+        small = shrink(taken, functools.partial(_failure_of, machine=machine),
+                       signature(exc), shrink_seconds)
+        final = _run_actions(small, machine=machine)[1] or exc
         out.failures.append(Failure(
             "data-plane", seed, out.programs - 1, describe(final),
-            " ; ".join(map(_action_text, small)), "DataPlaneStateMachine's engine",
+            " ; ".join(map(_action_text, small)), f"{machine.__name__}'s engine",
             len(taken), len(small), time.perf_counter() - t1, mutant))
         break
     out.seconds = time.perf_counter() - t0

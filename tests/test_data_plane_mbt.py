@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from statemachine.testing import DataPlaneStateMachine
+from statemachine.testing import DataPlaneStateMachine, HybridDataPlaneStateMachine
 
 DataPlaneStateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                                    deadline=None)
 TestDataPlane = DataPlaneStateMachine.TestCase
+
+HybridDataPlaneStateMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None)
+TestHybridDataPlane = HybridDataPlaneStateMachine.TestCase

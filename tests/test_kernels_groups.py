@@ -1,7 +1,7 @@
 """The kernels with several KV cache groups: each group's blocks land in its own tensors (its
 own page size), each group takes its own CPU chunks with its own first-chunk skip, and the
-other groups' tensors are untouched (vLLM 0.33.0: `vllm/v1/kv_offload/worker/cpu_gpu.py`
-lines 597-669)."""
+other groups' tensors are untouched (vLLM 0.33.0:
+`vllm/v1/kv_offload/cpu/gpu_worker.py:597-669`)."""
 
 from __future__ import annotations
 

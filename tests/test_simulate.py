@@ -24,6 +24,37 @@ def test_seed_1_drains_clean_with_every_kind_of_trouble() -> None:
     assert "PASS" in simulate.render(result)
 
 
+def test_a_hybrid_model_drains_clean_with_trouble_in_every_group() -> None:
+    """Full attention beside a sliding window, pages of two sizes: loads, stores, failures,
+    resets and preemptions touch both groups; nothing is stuck, leaked or corrupted."""
+    result = simulate.run(SimConfig(seed=1, model="hybrid"))
+    assert result.ok, (result.error, result.stuck, result.leaks)
+    assert simulate.exercised_everywhere(result) == []
+    full, window = result.metrics["groups"]
+    assert (full["kind"], window["kind"], window["sliding_window"]) == ("full", "sliding", 40)
+    assert (full["page_bytes"], window["page_bytes"]) == (64, 32)
+    assert window["blocks_freed_before_window"] > 0 == full["blocks_freed_before_window"]
+    # a group's chunks of one store need not be consecutive, and a timed-out sync load may
+    # name blocks the window had freed: both happened, and the oracle followed
+    assert result.metrics["stores_with_gaps"] > 0
+    assert result.metrics["quarantined_blocks_already_freed"] > 0
+    text = simulate.render(result)
+    assert "group 1 (sliding window 40, page 32 B)" in text and "PASS" in text
+
+
+@pytest.mark.parametrize("name", ["sliding-window-skips-fence", "reset-keeps-stale-window-blocks",
+                                  "kernel-ignores-first-chunk-skip",
+                                  "kernel-copies-into-first-group"])
+def test_the_byte_oracle_catches_the_group_mutants_on_a_hybrid_run(name: str) -> None:
+    """With the connector's invariant checks off, the bytes alone catch each fault."""
+    from statemachine.mutants import by_name
+
+    with by_name(name).patch():
+        result = simulate.run(SimConfig(seed=1, model="hybrid", check_invariants=False))
+    assert result.corrupted and result.error is not None and not result.ok
+    assert "layer 2" in result.error  # the sliding-window group's tensor
+
+
 def test_the_run_is_a_function_of_the_seed() -> None:
     def numbers(seed: int) -> dict[str, object]:
         out = simulate.run(SimConfig(seed=seed, steps=40)).as_dict()
@@ -43,6 +74,10 @@ def test_cli_json_and_exit_status_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["ok"] and data["workers"] == 3
     assert (data["stuck_requests"], data["leaked"], data["corrupted_bytes"]) == (0, 0, 0)
     assert captured.err.startswith("\r[") and "finished 30/30" in captured.err  # progress
+    assert cli.main(["simulate", "--model", "hybrid", "--steps", "60", "--json",
+                     "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and [g["kind"] for g in data["groups"]] == ["full", "sliding"]
 
 
 def test_cli_exits_1_when_a_worker_skips_flushes(monkeypatch: pytest.MonkeyPatch,

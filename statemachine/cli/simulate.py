@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, note, usage_error
+from statemachine.config import KV_CACHE_MODELS
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -21,7 +22,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             return usage_error("simulate", "--device cuda, but CUDA is not available here")
-    cfg = simulate.SimConfig(seed=args.seed, steps=args.steps, workers=args.workers,
+    cfg = simulate.SimConfig(seed=args.seed, model=args.model, steps=args.steps,
+                             workers=args.workers,
                              requests=args.requests, device=args.device,
                              check_invariants=not args.no_invariants)
     show = None if args.no_progress else simulate.progress_bar(sys.stderr)
@@ -46,6 +48,10 @@ def register(sub: Any) -> None:
                          "workers and copy kernels; exit 1 if a request is stuck, a resource "
                          "leaked or a byte corrupted")
     sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--model", choices=tuple(KV_CACHE_MODELS), default="full",
+                     help="the KV cache groups: full (one full-attention group) or hybrid "
+                     "(full attention beside a 40-token sliding window, pages of their own "
+                     "size)")
     sim.add_argument("--steps", type=int, default=240,
                      help="steps during which requests arrive and faults strike (then drain)")
     sim.add_argument("--workers", type=int, default=2, help="worker ranks (default 2)")

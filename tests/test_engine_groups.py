@@ -1,0 +1,111 @@
+"""The engine with several KV cache groups: per-group block tables from one pool, the core
+freeing sliding-window blocks as the window moves, the fence that protects a store reading
+them, a load that starts inside a chunk, and the bytes of every group checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec.groups import NULL_BLOCK, skipped_blocks
+from statemachine.config import KVCacheGroup
+from statemachine.engine import Engine, EngineConfig, EngineError
+from statemachine.errors import ConfigError
+from statemachine.mutants import by_name
+from statemachine.oracle import CorruptedBytes
+
+WINDOW = 10  # tokens: 2.5 blocks of 4
+
+
+def hybrid_engine(num_gpu_blocks: int = 14, check_invariants: bool = True) -> Engine:
+    return Engine(EngineConfig(
+        block_size=4, blocks_per_chunk=2, num_gpu_blocks=num_gpu_blocks, num_cpu_chunks=32,
+        num_workers=1, num_layers=1, bytes_per_token=2, max_num_batched_tokens=64,
+        groups=(KVCacheGroup(), KVCacheGroup("sliding", sliding_window=WINDOW)),
+        group_bytes_per_token=(2, 3), check_invariants=check_invariants, device="cpu"))
+
+
+PROMPT = list(range(100, 124))  # 24 tokens: 6 blocks, 3 chunks
+
+
+def test_a_window_leaves_blocks_behind_and_the_store_reading_them_is_flushed() -> None:
+    e = hybrid_engine()
+    assert [len(t) for t in (e.workers[0].gpu)] == [14, 14]
+    assert [t.shape[1] for t in e.workers[0].gpu] == [8, 12]  # a page size per group
+    e.add_request("a", PROMPT, 2)
+    first = e.step()
+    a = e.requests["a"]
+    (store,) = first.meta.store_jobs.values()
+    assert store.src.group_sizes == (6, 6) and store.src.block_indices == (0, 0)
+    # only the window's sources are fenced at the store's creation (S:2068-2069)
+    assert set(e.scheduler.block_fence) == set(store.src.block_ids[6:])
+    # the core freed the window group's blocks before the window of token 24
+    gone = skipped_blocks(WINDOW, 4, 24)
+    assert gone == 3 and a.tables[1][:3] == [NULL_BLOCK] * 3
+    assert NULL_BLOCK not in a.tables[0] and len(e.free_blocks) == 14 - 12 + 3
+    assert e.group_stats[1]["blocks_freed_before_window"] == 3
+    assert e.group_stats[0]["blocks_freed_before_window"] == 0
+    freed = list(store.src.block_ids[6:9])
+    # a's next block takes 12 and 13; b gets two of the freed ones: the connector flushes
+    # a's store before the forward pass writes b's bytes there
+    assert list(e.free_blocks) == [12, 13, *freed]
+    e.add_request("b", [7, 8, 9, 10], 1)
+    second = e.step()
+    assert 0 in second.meta.jobs_to_flush
+    e.run_until_idle()
+    assert e.group_stats[1]["stored_blocks_verified"] == 6  # a's store, every window block
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def test_without_the_window_fence_the_bytes_are_caught() -> None:
+    with by_name("sliding-window-skips-fence").patch():
+        e = hybrid_engine(check_invariants=False)
+        e.add_request("a", PROMPT, 2)
+        e.step()
+        e.add_request("b", [7, 8, 9, 10], 1)
+        with pytest.raises(CorruptedBytes, match="stored block of request 'a'") as caught:
+            e.run_until_idle()
+        e.shutdown()
+    assert caught.value.layer == 1  # the window group's tensor
+
+
+def test_a_hit_loads_the_window_from_inside_a_chunk() -> None:
+    e = hybrid_engine(num_gpu_blocks=40)
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    e.add_request("c", [*PROMPT, 1, 2, 3, 4], 1)
+    step = e.step()
+    (load,) = step.meta.load_jobs.values()
+    # full attention loads every block of the 24-token hit; the window group only those
+    # from its window on: block 3, the second of chunk 1 (a first-chunk skip of one)
+    assert load.dst.group_sizes == (6, 3) and load.dst.block_indices == (0, 3)
+    assert len(load.src.chunk_ids) == 3 + 2
+    c = e.requests["c"]
+    assert c.tables[1][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in c.tables[1][3:]
+    e.run_until_idle()
+    assert e.group_stats[1]["loaded_blocks_verified"] == 3
+    assert e.group_stats[0]["loaded_blocks_verified"] == 6
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def test_a_load_into_the_wrong_sub_block_is_caught_in_the_window_group() -> None:
+    e = hybrid_engine(num_gpu_blocks=40)
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    with by_name("kernel-ignores-first-chunk-skip").patch():
+        e.add_request("c", [*PROMPT, 1, 2, 3, 4], 1)
+        with pytest.raises(CorruptedBytes, match="loaded block of request 'c'") as caught:
+            e.run_until_idle()
+    e.shutdown()
+    assert caught.value.layer == 1 and caught.value.block_index == 3
+
+
+def test_engine_config_errors() -> None:
+    with pytest.raises(ConfigError, match="group_bytes_per_token must be empty or one int"):
+        EngineConfig(groups=(KVCacheGroup(), KVCacheGroup("sliding", 8)),
+                     group_bytes_per_token=(2,))
+    with pytest.raises(ConfigError, match="a sliding-window group needs sliding_window"):
+        EngineConfig(groups=(KVCacheGroup("sliding"),))
+    e = hybrid_engine()
+    with pytest.raises(EngineError, match="needs up to 16 GPU blocks over its 2 KV cache groups"):
+        e.add_request("long", list(range(30)), 2)
+    e.shutdown()
