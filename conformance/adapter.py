@@ -43,7 +43,14 @@ from spec import model as M
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
 from spec.state import AbstractState
 from statemachine.core import StepLedger
-from statemachine.testing import HYBRID_BOUNDS, OffloadingStateMachine, model_hit, normalize
+from statemachine.testing import (
+    HYBRID_BOUNDS,
+    SETTINGS_BOUNDS,
+    OffloadingStateMachine,
+    model_hit,
+    normalize,
+    transfer_params,
+)
 
 BLOCK_SIZE = 16
 """vLLM tokens per model token (one full vLLM block, one block hash, one chunk)."""
@@ -73,6 +80,8 @@ class VLLMAdapter:
         extra: dict[str, Any] = {}
         if bounds.sync_loads:
             extra["sync_load_budget_bytes"] = self.sync_load_budget_bytes
+        if bounds.store_threshold > 1:
+            extra["store_threshold"] = bounds.store_threshold
         self.groups = len(bounds.groups)
         self.setup = E.make_setup(num_gpu_blocks=bounds.gpu_blocks + 1, block_size=BLOCK_SIZE,
                                   blocks_per_chunk=bounds.blocks_per_chunk,
@@ -146,7 +155,10 @@ class VLLMAdapter:
             return req
         t = next(t for t in self.bounds.templates() if t.req_id == req_id)
         prompt = [tok for c in range(t.tokens) for tok in block_tokens(t.family, c)]
-        req = E.make_request(self.setup, req_id, prompt)
+        req = E.make_request(
+            self.setup, req_id, prompt,
+            kv_transfer_params=transfer_params(t.settings, BLOCK_SIZE) or None,
+            skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         hashes = list(req.block_hashes)
         if len(hashes) != t.tokens:
             raise AssertionError(f"{req_id}: {len(hashes)} block hashes for {t.tokens} blocks")
@@ -393,12 +405,15 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
     if sync_loads:
         out.append(M.Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6,
                             resets=2, failures=0, preemptions=1, sync_loads=True))
+        # requests with their own settings (kv_transfer_params, skip_reading_prefix_cache)
+        out += [replace(b, failures=0) for b in SETTINGS_BOUNDS if not b.hybrid]
     return tuple(out)
 
 
 HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.blocks_per_chunk + 1)
-              if "sliding" in b.groups else b.sliding_window) for b in HYBRID_BOUNDS),
+              if "sliding" in b.groups else b.sliding_window)
+      for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))),
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),

@@ -336,11 +336,16 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
 
 # ----------------------------------------------------------------------------- messages
 def make_request(setup: VLLMSetup, req_id: str, prompt_token_ids: list[int],
-                 max_tokens: int = 100) -> Any:
+                 max_tokens: int = 100, kv_transfer_params: dict[str, Any] | None = None,
+                 skip_reading_prefix_cache: bool = False) -> Any:
     """A real vLLM `Request` with the block hasher (its `block_hashes` cover every full
-    block of the prompt). The caller calls `connector.on_new_request` itself."""
+    block of the prompt), and the request's own offloading settings: `kv_transfer_params`
+    (through the sampling params' `extra_args`, vllm/v1/request.py:119-122) and
+    `skip_reading_prefix_cache`. The caller calls `connector.on_new_request` itself."""
     v = _v()
-    params = v.SamplingParams(max_tokens=max_tokens)
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    params = v.SamplingParams(max_tokens=max_tokens, extra_args=extra,
+                              skip_reading_prefix_cache=skip_reading_prefix_cache or None)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return v.Request(request_id=req_id, prompt_token_ids=list(prompt_token_ids),
                      sampling_params=params, pooling_params=None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from spec.model import Bounds, Fault
+from spec.model import Bounds, Fault, RequestSettings
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,23 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=1, preemptions=1, blocks_per_chunk=2),
              Expect("pass", 35_945, 18)),
+    Scenario("request-settings",
+             "requests with their own settings (vLLM's kv_transfer_params and "
+             "skip_reading_prefix_cache): a request whose stores stop at a cap and whose "
+             "loads are capped, beside one that never reads the cache; a reset and a "
+             "preemption",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1,
+                    failures=0, preemptions=1, request_settings=(
+                        RequestSettings(max_load_tokens=1, max_offload_tokens=2),
+                        RequestSettings(skip_reading_prefix_cache=True))),
+             Expect("pass", 128_461, 22)),
+    Scenario("store-admission",
+             "store admission (vLLM's store_threshold 2): a chunk is stored only at its "
+             "second offer, by the same request after a preemption or by another one "
+             "sharing the prefix; the offer counts outlive a reset",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=0, preemptions=1, store_threshold=2),
+             Expect("pass", 24_985, 15)),
 )
 
 
@@ -183,6 +200,26 @@ def hunt_bounds(fault: Fault) -> Bounds:
     return _HUNT_OVERRIDE.get(fault, HUNT_BOUNDS)
 
 
+def _settings(item: str, part: str) -> RequestSettings:
+    """One request's settings, `skip:load1:offload2` or `-` (`RequestSettings.text`)."""
+    fields: dict[str, Any] = {}
+    for word in filter(None, item.split(":")):
+        if word == "-":
+            continue
+        if word == "skip":
+            fields["skip_reading_prefix_cache"] = True
+            continue
+        for prefix, name in (("offload", "max_offload_tokens"), ("load", "max_load_tokens")):
+            if word.startswith(prefix) and word[len(prefix):].isdigit():
+                fields[name] = int(word[len(prefix):])
+                break
+        else:
+            raise ValueError(f"bad bound {part!r}: request settings are skip, loadN and "
+                             "offloadN joined by ':', '-' for none, one per request joined "
+                             "by '+' (request_settings=skip+load1:offload2)")
+    return RequestSettings(**fields)
+
+
 def parse_bounds(text: str, base: Bounds) -> Bounds:
     """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad."""
     changes: dict[str, Any] = {}
@@ -191,7 +228,9 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
         name, _, value = part.partition("=")
         if name not in fields or not value:
             raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
-        if name == "groups":
+        if name == "request_settings":
+            changes[name] = tuple(_settings(item, part) for item in value.split("+"))
+        elif name == "groups":
             kinds = tuple(value.split("+"))
             if any(k not in ("full", "sliding") for k in kinds):
                 raise ValueError(f"bad bound {part!r}: groups are full or sliding, "

@@ -53,6 +53,9 @@ class OffloadingConfig:
     """Beyond vLLM: a job not reported by every worker this many steps after it was shipped
     times out. None: no timeout (vLLM 0.33.0)."""
     offload_prompt_only: bool = False
+    store_threshold: int = 1
+    """Store admission (vLLM's `store_threshold` extra config): a chunk is stored only once
+    it was offered this many times; 1 (or 0 in vLLM's config) stores every chunk."""
     groups: tuple[KVCacheGroup, ...] = field(default=(KVCacheGroup(),))
     """The KV cache groups, in vLLM's group order (all of `block_size` tokens per block)."""
     check_invariants: bool = True
@@ -63,7 +66,8 @@ class OffloadingConfig:
             if not ok:
                 raise ConfigError(f"OffloadingConfig: {what}")
 
-        for name in ("block_size", "blocks_per_chunk", "num_workers", "num_cpu_chunks"):
+        for name in ("block_size", "blocks_per_chunk", "num_workers", "num_cpu_chunks",
+                     "store_threshold"):
             value = getattr(self, name)
             need(type(value) is int and value >= 1,
                  f"{name} must be an int >= 1, got {value!r}")

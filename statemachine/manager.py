@@ -15,14 +15,20 @@ indexed nor reused until `release_slots`). `check_consistency` verifies this.
 
 Deviations from vLLM's CPU manager, all deliberate:
 
-* the store-admission threshold (``store_threshold``) is not modelled: every absent key is
-  a candidate;
+* the store-admission tracker counts an offer of a key once, however often the offer lists
+  it (offers are deduplicated, below);
 * `complete_store(success=False)` and the timeout quarantine (`quarantine_store`,
   `release_slots`) exist, although the 0.33.0 connector never fails a store;
 * contract violations raise `ManagerError` (leaving the manager unchanged) where vLLM
   asserts; a `prepare_store` after `on_request_finished` is always refused (vLLM asserts
   only on a key new to the request) and a later load records no access;
 * an offer is deduplicated (vLLM gives an absent key listed twice two slots).
+
+Store admission, as vLLM's (M:129-148, M:266-291): with ``store_threshold >= 2`` every
+`prepare_store` counts each offered key (absent, pending or ready) in a tracker of at most
+``max_tracker_size`` keys (least recently offered dropped first, never one of the current
+offer); an absent key becomes a store candidate only once offered ``store_threshold`` times.
+A key held back is neither a store miss nor an access. A reset keeps the counts.
 
 Eviction choices, slot choices and recency are vLLM's, call for call
 (tests/conformance/test_manager_vs_vllm.py checks it against vLLM 0.33.0).
@@ -45,7 +51,7 @@ token of the chunk) when every seen key has one, else first-seen order.
 from __future__ import annotations
 
 import enum
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -143,16 +149,26 @@ class _Access:
 
 _STAT_NAMES = ("lookups", "hits", "hits_pending", "misses", "store_calls", "stores",
                "store_reuses", "stores_completed", "stores_failed", "loads", "loads_completed",
-               "evictions", "allocation_failures", "quarantined", "released", "resets")
+               "evictions", "allocation_failures", "quarantined", "released", "resets",
+               "stores_skipped")
 
 
 class CPUOffloadingManager:
     """Reference model of vLLM's ``CPUOffloadingManager`` (single-threaded, no lock)."""
 
-    def __init__(self, num_chunks: int, eviction_policy: PolicyName = "lru") -> None:
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ConfigError(f"num_chunks must be an integer >= 1, got {num_chunks!r}")
+    def __init__(self, num_chunks: int, eviction_policy: PolicyName = "lru",
+                 store_threshold: int = 1, max_tracker_size: int = 64_000) -> None:
+        for name, value in (("num_chunks", num_chunks), ("store_threshold", store_threshold),
+                            ("max_tracker_size", max_tracker_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         self.num_chunks = num_chunks
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.offers: OrderedDict[OffloadKey, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None)
+        """Store admission: how often each key was offered, least recently offered first
+        (only with `store_threshold >= 2`)."""
         self.eviction_policy = eviction_policy
         self._policy: EvictionPolicy = make_policy(eviction_policy, num_chunks)
         self._index: dict[OffloadKey, _Chunk] = {}
@@ -340,6 +356,8 @@ class CPUOffloadingManager:
                                states={k: self.describe(k) for k in keys})
         self.stats["store_calls"] += 1
         offered = list(dict.fromkeys(keys))
+        if self.offers is not None:
+            self._count_offers(offered)
         candidates: list[OffloadKey] = []
         reuses: list[OffloadKey] = []
         for key in offered:
@@ -348,6 +366,10 @@ class CPUOffloadingManager:
                 candidates.append(key)
             elif chunk.ref_cnt >= 0:
                 reuses.append(key)
+        if self.offers is not None:
+            admitted = [k for k in candidates if self.offers.get(k, 0) >= self.store_threshold]
+            self.stats["stores_skipped"] += len(candidates) - len(admitted)
+            candidates = admitted
         if misses := [k for k in candidates if k not in rec.store_missed]:
             rec.store_missed.update(misses)
             self._policy.on_store_miss(misses)
@@ -386,6 +408,28 @@ class CPUOffloadingManager:
         self._num_write_pending += len(candidates)
         self.stats["stores"] += len(candidates)
         return PrepareStoreOutput(tuple(candidates), tuple(chunk_ids), tuple(evicted))
+
+    def _count_offers(self, offered: Sequence[OffloadKey]) -> None:
+        """Count one offer of each key; a new key takes the place of the least recently
+        offered key not in this offer when the tracker is full (and waits when all are)."""
+        assert self.offers is not None
+        counts = self.offers
+        protected = 0
+        for key in offered:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                protected += 1
+        unprotected = len(counts) - protected
+        for key in offered:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[key] = 1
 
     def _check_victims(self, victims: Sequence[tuple[OffloadKey, int]], need: int,
                        protected: set[OffloadKey]) -> None:

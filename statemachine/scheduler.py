@@ -60,8 +60,9 @@ class OffloadingScheduler:
     def __init__(self, config: OffloadingConfig,
                  manager: CPUOffloadingManager | None = None) -> None:
         self.config = config
-        self.manager = manager or CPUOffloadingManager(config.num_cpu_chunks,
-                                                       config.eviction_policy)  # type: ignore[arg-type]
+        self.manager = manager or CPUOffloadingManager(
+            config.num_cpu_chunks, config.eviction_policy,  # type: ignore[arg-type]
+            store_threshold=config.store_threshold)
         self.jobs = JobTable()
         self.fence = ResetFence()
         self._req_status: dict[str, RequestState] = {}

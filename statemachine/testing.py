@@ -76,6 +76,17 @@ BLOCK = 4
 is one block): above one, so that a hit one token short of a block is a real case."""
 
 
+def transfer_params(settings: M.RequestSettings, block: int = BLOCK) -> dict[str, int]:
+    """A request's `kv_transfer_params` for the model's settings (one model token is one
+    block of `block` tokens)."""
+    out: dict[str, int] = {}
+    if settings.max_load_tokens is not None:
+        out["max_load_tokens"] = settings.max_load_tokens * block
+    if settings.max_offload_tokens is not None:
+        out["max_offload_tokens"] = settings.max_offload_tokens * block
+    return out
+
+
 def model_hit(tokens: int, sliding: bool, block: int = BLOCK) -> int:
     """A lookup's hit in tokens as the model's, in blocks. With a sliding-window group a
     hit may stop one token before a block's end (the last prompt token is recomputed,
@@ -97,6 +108,7 @@ class ReferenceAdapter:
             block_size=BLOCK, blocks_per_chunk=bounds.blocks_per_chunk, num_workers=bounds.workers,
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
+            store_threshold=bounds.store_threshold,
             groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
                                       if kind == "sliding" else None)
                          for kind in bounds.groups))
@@ -119,7 +131,10 @@ class ReferenceAdapter:
             t = next(t for t in self.bounds.templates() if t.req_id == req_id)
             hashes = [M.key(t.family, c) for c in range(t.tokens)]
             tokens = [h * BLOCK + i for h in hashes for i in range(BLOCK)]
-            self.requests[req_id] = Request(req_id, tokens, block_hashes=hashes)
+            self.requests[req_id] = Request(
+                req_id, tokens, block_hashes=hashes,
+                kv_transfer_params=transfer_params(t.settings) or None,
+                skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         return self.requests[req_id]
 
     def call(self, call: M.Call) -> Any:
@@ -247,11 +262,32 @@ of several blocks, both (a hit that ends inside a chunk; a window of 3 tokens ov
 2 blocks)."""
 
 
+SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (
+    M.Bounds(requests=3, tokens=4, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1,
+             failures=1, preemptions=1, request_settings=(
+                 M.RequestSettings(skip_reading_prefix_cache=True),
+                 M.RequestSettings(max_load_tokens=1),
+                 M.RequestSettings(max_offload_tokens=2))),
+    M.Bounds(requests=3, tokens=5, workers=2, cpu_chunks=6, gpu_blocks=14, resets=1,
+             failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=2,
+             blocks_per_chunk=2, request_settings=(
+                 M.RequestSettings(max_load_tokens=3),
+                 M.RequestSettings(max_offload_tokens=3),
+                 M.RequestSettings(max_load_tokens=2, max_offload_tokens=4))),
+    M.Bounds(requests=3, tokens=3, families=1, workers=1, cpu_chunks=3, gpu_blocks=8,
+             resets=1, failures=1, preemptions=1, store_threshold=2),
+)
+"""Requests with their own settings: a request that skips reading the cache, caps on the
+tokens loaded and stored (a cap inside a chunk; with a hybrid model and 2-block chunks);
+and store admission: a chunk stored only at its second offer."""
+
+
 class OffloadingStateMachine(RuleBasedStateMachine):
     """The model-based test. Subclass to change the adapter or the bounds."""
 
     adapter_factory: ClassVar[type] = ReferenceAdapter
-    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = ONE_GROUP_BOUNDS + HYBRID_BOUNDS
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = \
+        ONE_GROUP_BOUNDS + HYBRID_BOUNDS + SETTINGS_BOUNDS
     """Each example draws one. An adapter for an implementation of one full-attention group
     and one block per chunk sets `ONE_GROUP_BOUNDS`."""
     faults: ClassVar[M.Faults] = M.NO_FAULTS
@@ -551,15 +587,24 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     (the job times out; the late report arrives later).
     """
 
+    kv_model: str = "full"
+    """The KV cache groups: "full" (one full-attention group) or "hybrid" (full attention
+    beside a 6-token sliding window, 1.5 blocks, with pages of another size)."""
+
     def __init__(self) -> None:
         super().__init__()
+        from statemachine.config import KVCacheGroup
         from statemachine.engine import Engine, EngineConfig
 
+        hybrid = self.kv_model == "hybrid"
+        groups = (KVCacheGroup(), KVCacheGroup("sliding", sliding_window=6)) if hybrid \
+            else (KVCacheGroup(),)
         self.engine = Engine(EngineConfig(
-            block_size=4, blocks_per_chunk=2, num_gpu_blocks=24, num_cpu_chunks=6,
-            num_workers=2, num_layers=1, bytes_per_token=2, max_num_batched_tokens=32,
-            max_num_running=4, sync_load_budget_bytes=64, job_timeout_steps=3,
-            device="cpu"))
+            block_size=4, blocks_per_chunk=2, num_gpu_blocks=40 if hybrid else 24,
+            num_cpu_chunks=12 if hybrid else 6, num_workers=2, num_layers=1,
+            bytes_per_token=2, max_num_batched_tokens=32, max_num_running=4,
+            sync_load_budget_bytes=96 if hybrid else 64, job_timeout_steps=3, device="cpu",
+            groups=groups, group_bytes_per_token=(2, 3) if hybrid else ()))
         self.n = 0
         self.armed: list[tuple[str, int]] = []
         self.engine.fault_hooks.append(self._inject)
@@ -616,3 +661,10 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
             assert all(v == 0 for v in self.engine.leaks().values()), self.engine.leaks()
         finally:
             self.engine.shutdown()
+
+
+class HybridDataPlaneStateMachine(DataPlaneStateMachine):
+    """`DataPlaneStateMachine` over a hybrid model: full attention beside a sliding window
+    whose loads start inside a chunk and whose blocks the core frees as the window moves."""
+
+    kv_model = "hybrid"

@@ -33,8 +33,8 @@ def test_each_scenario_concludes_what_it_records(suite: dict[str, CheckResult],
     r = suite[scenario.name]
     from statemachine.checker import compiled
 
-    # the compiled twin takes every scenario of one full-attention group; the others run on
-    # the Python model (and say why)
+    # the compiled twin takes every scenario of one full-attention group without a store
+    # threshold; the others run on the Python model (and say why)
     assert r.complete and r.engine == ("compiled" if compiled.fits(scenario.bounds) is None
                                        else f"python ({compiled.fits(scenario.bounds)})")
     assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (

@@ -39,6 +39,7 @@ from spec.model.state import (
     ModelState,
     MReq,
     NotEnabled,
+    RequestSettings,
     Template,
     World,
     key,
@@ -57,6 +58,6 @@ def coverage_universe() -> set[tuple[str, int]]:
 
 __all__ = ["MACHINES", "NO_FAULTS", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
            "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
-           "NotEnabled", "Tables", "Template", "World", "abstract", "apply", "canonical",
-           "coverage_universe", "events", "fair_class", "fire", "initial", "key",
+           "NotEnabled", "RequestSettings", "Tables", "Template", "World", "abstract", "apply",
+           "canonical", "coverage_universe", "events", "fair_class", "fire", "initial", "key",
            "parse_events", "renumbering", "successors"]

@@ -80,8 +80,14 @@ def _hit(w: World, r: str, local: int) -> int | None:
     prompt token (LAST-TOKEN-BOUND)."""
     b = w.bounds
     tpc = b.tokens_per_chunk
+    settings = w.template(r).settings
+    if settings.skip_reading_prefix_cache:
+        return 0  # S:1258-1259
     order = tuple(g for g, kind in enumerate(b.groups) if kind == "full") + b.sliding_groups()
     max_hit = w.template(r).tokens - 1
+    cap = settings.max_load_tokens
+    if cap is not None:
+        max_hit = min(max_hit, local + cap)  # S:867-871
     # With a sliding-window group vLLM stops the hit one token before the bound (the last
     # prompt token is recomputed for its logprobs, S:872-876): below a block, so here the
     # hit keeps the block but is "short" until a group's answer cuts it to a chunk edge.
@@ -95,6 +101,8 @@ def _hit(w: World, r: str, local: int) -> int | None:
             keys = w.keys_of(r, g)
             if len(keys) * tpc < max_hit:
                 max_hit, short = len(keys) * tpc, False
+            if cap is not None:  # whole chunks under a cap (S:917-920)
+                max_hit, short = (max_hit - short) // tpc * tpc, False
             if max_hit - local < tpc + short:
                 return 0
             n_chunks = min(cdiv(max_hit, tpc), len(keys))
@@ -234,6 +242,8 @@ def _store(w: World, r: str, scheduled: int) -> None:
         tokens = core.computed if core.aborted else max(t.tokens, t.tokens - 1)
     else:
         tokens = core.computed + scheduled
+    if t.settings.max_offload_tokens is not None:
+        tokens = min(tokens, t.settings.max_offload_tokens)  # S:762-771
     b = w.bounds
     bpc = b.blocks_per_chunk
     start = req.cursor
@@ -253,6 +263,10 @@ def _store(w: World, r: str, scheduled: int) -> None:
     if start >= n:
         return
     candidates = [c for c in offered if c not in w.chunks]
+    if b.store_threshold > 1 and offered:  # store admission (M:129-148, M:282-291)
+        for k in offered:
+            w.offers[k] = min(w.offers.get(k, 0) + 1, b.store_threshold)
+        candidates = [c for c in candidates if w.offers[c] >= b.store_threshold]
     if not candidates:
         put_req(w, req._replace(cursor=n))
         return

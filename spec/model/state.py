@@ -42,13 +42,40 @@ def _spec_tables() -> Tables:
 CoreStatus = Literal["waiting", "remote", "running", "finished"]
 
 
+class RequestSettings(NamedTuple):
+    """A request's own offloading settings (vLLM 0.33.0: `kv_transfer_params`'
+    `max_load_tokens` and `max_offload_tokens`, parsed at S:378-410, and the request's
+    `skip_reading_prefix_cache`, S:1258-1259), in the model's tokens (one per block)."""
+
+    max_load_tokens: int | None = None
+    """The hit never loads more than this many tokens beyond the local hit (S:867-871,
+    rounded down to whole chunks, S:917-920)."""
+    max_offload_tokens: int | None = None
+    """No store reaches past this token (S:762-771)."""
+    skip_reading_prefix_cache: bool = False
+    """Its lookups find nothing (it still stores)."""
+
+    def text(self) -> str:
+        """`skip:load1:offload2` (`-` for none): the form `parse_bounds` reads."""
+        parts = (["skip"] if self.skip_reading_prefix_cache else []) + \
+            ([f"load{self.max_load_tokens}"] if self.max_load_tokens is not None else []) + \
+            ([f"offload{self.max_offload_tokens}"] if self.max_offload_tokens is not None
+             else [])
+        return ":".join(parts) or "-"
+
+
+NO_SETTINGS = RequestSettings()
+
+
 @dataclass(frozen=True)
 class Template:
-    """A request the environment may send: its id, its prefix family and prompt length."""
+    """A request the environment may send: its id, its prefix family, prompt length and
+    settings."""
 
     req_id: str
     family: int
     tokens: int
+    settings: RequestSettings = NO_SETTINGS
 
 
 def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
@@ -86,12 +113,19 @@ class Bounds:
     sliding_window: int = 2
     """Tokens a sliding-window group attends to (the window of its last token)."""
     blocks_per_chunk: int = 1
+    request_settings: tuple[RequestSettings, ...] = ()
+    """Request i's settings (`max_load_tokens`, `max_offload_tokens`,
+    `skip_reading_prefix_cache`); requests past the tuple's end have none."""
+    store_threshold: int = 1
+    """Store admission (vLLM's `store_threshold`, M:129-148, M:266-291): a chunk is stored
+    only once offered this many times (1: every chunk)."""
 
     def __post_init__(self) -> None:
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
             raise ValueError(f"groups must be 'full' or 'sliding', got {self.groups!r}")
-        if self.blocks_per_chunk < 1 or self.sliding_window < 1:
-            raise ValueError("blocks_per_chunk and sliding_window must be >= 1")
+        if self.blocks_per_chunk < 1 or self.sliding_window < 1 or self.store_threshold < 1:
+            raise ValueError("blocks_per_chunk, sliding_window and store_threshold must be "
+                             ">= 1")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -120,7 +154,11 @@ class Bounds:
                 return i % self.families
             return 0 if self.shared_prefix else i
 
-        return tuple(Template(f"r{i}", family(i), self.tokens) for i in range(self.requests))
+        def settings(i: int) -> RequestSettings:
+            return self.request_settings[i] if i < len(self.request_settings) else NO_SETTINGS
+
+        return tuple(Template(f"r{i}", family(i), self.tokens, settings(i))
+                     for i in range(self.requests))
 
 
 # ============================================================================ records
@@ -210,6 +248,9 @@ class ModelState:
     stores_after_signal: tuple[str, ...] = ()
     bad_chunks: frozenset[int] = frozenset()
     """The data's truth: chunk keys the manager holds whose content is invalid (INV-20)."""
+    offers: tuple[tuple[int, int], ...] = ()
+    """Store admission: how often each key was offered, counted up to the threshold (only
+    with `store_threshold >= 2`; a reset keeps them)."""
 
 
 # ============================================================================ the world
@@ -256,6 +297,7 @@ class World:
     preempted_early: set[str] = field(default_factory=set)
     stores_after_signal: list[str] = field(default_factory=list)
     bad_chunks: set[int] = field(default_factory=set)
+    offers: dict[int, int] = field(default_factory=dict)
     fired: list[tuple[str, int]] = field(default_factory=list)
     """(machine, transition index) of every row fired: the coverage."""
     moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)
@@ -270,7 +312,7 @@ class World:
                    dict(s.core), set(s.pending_finished), set(s.pending_preempted),
                    set(s.free_blocks), list(s.budget),
                    stores_after_signal=list(s.stores_after_signal),
-                   bad_chunks=set(s.bad_chunks))
+                   bad_chunks=set(s.bad_chunks), offers=dict(s.offers))
 
     def freeze(self) -> ModelState:
         return ModelState(
@@ -285,7 +327,7 @@ class World:
             frozenset(self.pending_finished), frozenset(self.pending_preempted),
             frozenset(self.free_blocks), (self.budget[0], self.budget[1], self.budget[2]),
             tuple(sorted(self.stores_after_signal)),
-            frozenset(self.bad_chunks & self.chunks.keys()))
+            frozenset(self.bad_chunks & self.chunks.keys()), tuple(sorted(self.offers.items())))
 
     # -- subjects by machine ------------------------------------------------------
     def get(self, machine: str, k: Any) -> Any:

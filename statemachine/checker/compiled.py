@@ -52,7 +52,8 @@ class CBounds(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports")] + [
-        ("family", ctypes.c_int32 * MAXR)]
+        ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
+        ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
 
 class CResult(ctypes.Structure):
@@ -76,6 +77,8 @@ def fits(b: M.Bounds) -> str | None:
     if b.hybrid:
         return ("several KV cache groups, a sliding window or chunks of several blocks "
                 "(the compiled model has one full-attention group, one block per chunk)")
+    if b.store_threshold > 1:
+        return "a store threshold (the compiled model stores every chunk offered)"
     return None
 
 
@@ -89,6 +92,11 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.stray_reports = int(b.stray_reports)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
+        cap = t.settings.max_load_tokens
+        cb.max_load[i] = -1 if cap is None else cap
+        cap = t.settings.max_offload_tokens
+        cb.max_offload[i] = -1 if cap is None else cap
+        cb.skip_reading[i] = int(t.settings.skip_reading_prefix_cache)
     return cb
 
 

@@ -26,8 +26,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     def show(b: Any) -> str:
         groups = "+".join(b.groups)
         window = f" window {b.sliding_window}" if "sliding" in b.groups else ""
+        settings = (", request settings " + "+".join(x.text() for x in b.request_settings)
+                    if b.request_settings else "")
         return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, "
-                f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s)")
+                f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s){settings}")
 
     return [f"vllm: {'.'.join(map(str, vllm_env.vllm_version()))} "
             f"from {vllm_env.vllm_file()}",

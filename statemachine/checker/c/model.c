@@ -644,8 +644,10 @@ static int lookup(World *w, int r, int *is_async) {
         fire(w, M_REQUEST, r, RT_lookup_resolved, NULL);
         return 0;
     }
-    int T = w->b->tokens, end = 0, defer = 0;
-    for (int c = 0; c < T - 1; c++) {
+    int T = w->b->tokens, end = 0, defer = 0, bound = T - 1;
+    if (w->b->skip_reading[r]) bound = 0;  /* S:1258-1259 */
+    if (w->b->max_load[r] >= 0 && w->b->max_load[r] < bound) bound = w->b->max_load[r];
+    for (int c = 0; c < bound; c++) {
         int key = kv_key(w->b, r, c);
         int8_t ref = w->s.chunk[key];
         if (ref == CH_ABSENT) break;
@@ -790,6 +792,7 @@ static void store(World *w, int r, int scheduled) {
     int T = w->b->tokens, tokens;
     if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : T;
     else tokens = core->computed + scheduled;
+    if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
     int n = tokens;
     if (n > T) n = T;
     if (n > req->nblocks) n = req->nblocks;

@@ -78,6 +78,8 @@ typedef struct {
     int32_t timeout_steps; /* -1: none */
     int32_t sync_loads, partial_reports, stray_reports;
     int32_t family[MAXR];
+    /* each request's settings (spec.model.RequestSettings): -1 for no cap */
+    int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
 } Bounds;
 
 /* the keyword arguments a trigger carries to its row's effects (spec.model's **kw) */
