@@ -28,6 +28,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         window = f" window {b.sliding_window}" if "sliding" in b.groups else ""
         settings = (", request settings " + "+".join(x.text() for x in b.request_settings)
                     if b.request_settings else "")
+        if b.store_threshold > 1:
+            settings += f", store threshold {b.store_threshold}"
         return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, "
                 f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s){settings}")
 
