@@ -67,6 +67,8 @@ def mutants_table() -> str:
             checker = "not expressible in the abstract model"
             tests = ("byte oracle (kernel round trip; `kvspec simulate --model hybrid`)"
                      if m.area == "kernels" else "model-based random search")
+            if m.area == "groups":
+                tests += "; `kvspec simulate --model hybrid`"
         rows.append(f"| `{m.name}` | {m.area} | {m.stands_for} | {checker} | {tests} |")
     return "\n".join(rows)
 

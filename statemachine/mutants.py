@@ -218,6 +218,26 @@ def _ignore_first_chunk_skip(orig: Any) -> Any:
     return skip
 
 
+def _patch_global(module: str, name: str, make: Callable[[Any], Any]) -> Patch:
+    """`_patch` of a module-level name (a function a module imported by name)."""
+    @contextlib.contextmanager
+    def patch() -> Iterator[None]:
+        mod = importlib.import_module(module)
+        old = getattr(mod, name)
+        setattr(mod, name, make(old))
+        try:
+            yield
+        finally:
+            setattr(mod, name, old)
+    return patch
+
+
+def _key_without_group(orig: Any) -> Any:
+    def offload_key(block_hash: int, group: int, num_groups: int) -> int:
+        return int(orig(block_hash, 0, num_groups))
+    return offload_key
+
+
 def _copy_into_first_group(orig: Any) -> Any:
     def _run_group(self: Any, direction: Any, group: int, mapping: Any) -> None:
         orig(self, direction, 0, mapping)
@@ -299,6 +319,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "the next store reads a block another request holds",
            _patch(SchedulerEffects, "reset_store_cursor", _reset_keeps_window_blocks),
            Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS),
+    Mutant("keys-without-group-index", "groups", "B:27-42 (make_offload_key)",
+           "a chunk key is made from the block hash alone, without its KV cache group: every "
+           "group's chunk of a position has one key, so one group's chunk is stored and the "
+           "others are loaded from its slot",
+           _patch_global("statemachine.scheduler", "offload_key", _key_without_group)),
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",

@@ -44,15 +44,20 @@ def test_a_hybrid_model_drains_clean_with_trouble_in_every_group() -> None:
 
 @pytest.mark.parametrize("name", ["sliding-window-skips-fence", "reset-keeps-stale-window-blocks",
                                   "kernel-ignores-first-chunk-skip",
-                                  "kernel-copies-into-first-group"])
-def test_the_byte_oracle_catches_the_group_mutants_on_a_hybrid_run(name: str) -> None:
-    """With the connector's invariant checks off, the bytes alone catch each fault."""
+                                  "kernel-copies-into-first-group", "keys-without-group-index"])
+def test_the_data_plane_catches_the_group_mutants_on_a_hybrid_run(name: str) -> None:
+    """With the connector's invariant checks off, the data plane alone catches each fault:
+    the bytes (in the sliding-window group's tensor), or a store's keys that name another
+    group than its blocks'."""
     from statemachine.mutants import by_name
 
     with by_name(name).patch():
         result = simulate.run(SimConfig(seed=1, model="hybrid", check_invariants=False))
-    assert result.corrupted and result.error is not None and not result.ok
-    assert "layer 2" in result.error  # the sliding-window group's tensor
+    assert result.error is not None and not result.ok
+    if name == "keys-without-group-index":
+        assert "blocks of group 1 are stored under key" in result.error
+    else:
+        assert result.corrupted and "layer 2" in result.error
 
 
 def test_the_run_is_a_function_of_the_seed() -> None:
