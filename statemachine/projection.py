@@ -19,20 +19,29 @@ if TYPE_CHECKING:
 
 
 
+def _in_window(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
+    """The blocks of the request's tables the core still gives it: a sliding-window group
+    holds only the blocks in the window of its computed tokens (the core freed the others);
+    no null position."""
+    cfg = s.config
+    return tuple(b for g, table in enumerate(req.group_block_ids)
+                 for p, b in enumerate(table)
+                 if b != NULL_BLOCK and p >= cfg.skipped_blocks(g, req.scheduled_end))
+
+
 def _gpu_blocks(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
     if req.state in R.HOLDS_GPU_BLOCKS:
-        # a sliding-window group holds only the blocks in the window of its computed tokens
-        # (the core freed the others); no null position
-        cfg = s.config
-        return tuple(b for g, table in enumerate(req.group_block_ids)
-                     for p, b in enumerate(table)
-                     if b != NULL_BLOCK and p >= cfg.skipped_blocks(g, req.scheduled_end))
-    if req.is_finished:  # aborted while loading: the load's destination stays held
+        return _in_window(s, req)
+    if req.is_finished:
+        # finished while loading: the core keeps the load's destinations until it ends,
+        # but not those a sliding window had left behind while the request ran (a sync
+        # load's copy ended with its step)
+        still = set(_in_window(s, req))
         held: list[int] = []
         for jid in sorted(req.transfer_jobs):
             job = s.jobs.get(jid)
             if job is not None and not job.is_store:
-                held.extend(job.gpu_block_ids)
+                held.extend(b for b in job.gpu_block_ids if b in still)
         return tuple(held)
     return ()
 

@@ -49,7 +49,8 @@ def test_the_data_plane_soak_alternates_to_a_hybrid_model_and_finds_its_faults()
 
 def _bounds(text: str) -> M.Bounds:
     """The bounds a failure prints (their repr), read back."""
-    bounds = eval(text, {"__builtins__": {}}, {"Bounds": M.Bounds})
+    names = {name: getattr(M, name) for name in ("Bounds", "RequestSettings")}
+    bounds = eval(text, {"__builtins__": {}}, names)
     assert isinstance(bounds, M.Bounds)
     return bounds
 

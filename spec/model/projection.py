@@ -29,9 +29,13 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
     for q in s.reqs:
         if q.state in R.HOLDS_GPU_BLOCKS:
             blocks = _held(s, q.blocks, q.window_end)
-        elif q.finished:  # aborted while loading: the load's destination stays held
+        elif q.finished:
+            # finished while loading: the core keeps the load's destinations until it ends,
+            # but not those a sliding window had left behind while the request ran (a sync
+            # load's copy ended with its step)
+            still = set(_held(s, q.blocks, q.window_end))
             blocks = tuple(b for j in s.jobs if j.owner == q.id and j.kind == "load"
-                           for b in j.blocks)
+                           for b in j.blocks if b in still)
         else:
             blocks = ()
         reqs.append(RequestRecord(q.id, q.state, q.jobs, q.finished, q.signaled,
