@@ -493,9 +493,10 @@ class VLLMMachine(OffloadingStateMachine):
         below the store cursor it puts back to 0: vLLM's next store of that request reads
         them (finding F2, RESET-WINDOW in CONFORMANCE.md); the spec zeroes them."""
         m = self.model
-        if m is None or self.allow_known_divergences or not m.bounds.sliding_groups():
+        if m is None or self.allow_known_divergences or not m.bounds.window_groups():
             return False
-        return any(r.blocks and m.bounds.skipped_blocks(r.window_end) > 0 for r in m.reqs)
+        return any(r.blocks and m.bounds.skipped_blocks(g, r.window_end) > 0
+                   for r in m.reqs for g in m.bounds.window_groups())
 
     def reset_would_trip(self) -> bool:
         """A second reset before any step, while the first one's flush is still pending:

@@ -41,7 +41,7 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
-from spec.groups import skipped_blocks, window_positions
+from spec.groups import freed_positions
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 
@@ -86,10 +86,8 @@ class Observations:
         """The model blocks the core still gives `req_id`: no null block, and a window
         group's positions only in the window."""
         table = self.core_blocks.get(req_id, ())
-        if "sliding" not in self.groups:
-            return tuple(model_block(b) for b in table if b != 0)
-        skipped = skipped_blocks(self.sliding_window, 1, self.window_end.get(req_id, 0))
-        freed = set(window_positions(self.groups, len(table), 0, skipped))
+        freed = set(freed_positions(self.groups, self.sliding_window, 1, len(table),
+                                    self.window_end.get(req_id, 0)))
         return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and i not in freed)
 
 

@@ -9,15 +9,39 @@ frees the blocks before the window while the request runs, and a lookup needs th
 chunks before the hit's end). vLLM 0.33.0: `GroupOffloadConfig` (S:240-270),
 `get_sliding_window_size_in_chunks` (connector `config.py`:61-73),
 `SlidingWindowManager.get_num_skipped_tokens` (`vllm/v1/core/single_type_kv_cache_manager.py`).
+
+A Mamba group in vLLM's "align" cache mode (the mode prefix caching turns on) keeps one
+recurrent state per request: the core holds only the block of the state after the last
+computed token (and, for one more step, the one before it, the source of that step's copy),
+all other positions of its table are the null block, and it frees every block before the
+block of token `computed - 1` (`MambaManager.get_num_skipped_tokens`,
+`single_type_kv_cache_manager.py`:1971-1976). The connector treats it as a window group of a
+one-chunk window (`get_sliding_window_size_in_chunks`, connector `config.py`:79-81): a lookup
+needs only the state at the hit's end, rounded down to a chunk (S:872-881), a load fills the
+one state block. Its table is not positional, so the connector never stores it from the
+table (S:1904-1905): the core hands the state blocks it commits to the connector
+(`boundary_state_offloads`), and each hand-off at a chunk boundary becomes a store of that
+one block, fenced from the job's creation (`_build_aligned_boundary_store_jobs`,
+S:1554-1624).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
-GroupKind = Literal["full", "sliding"]
-GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding")
+GroupKind = Literal["full", "sliding", "mamba"]
+GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding", "mamba")
+
+WINDOW_KINDS: frozenset[str] = frozenset({"sliding", "mamba"})
+"""The kinds vLLM's connector treats as window groups (`sliding_window_size_in_chunks` not
+None): looked up by a suffix-window scan after the full-attention groups, their blocks before
+the window freed by the core while the request runs, their store sources fenced from the
+job's creation (S:574-593, S:2002-2051)."""
+
+HANDOFF_KINDS: frozenset[str] = frozenset({"mamba"})
+"""The kinds stored only from the core's boundary-state hand-offs, never from the block
+table (`requires_cow_source`, S:109-111, S:1904-1905)."""
 
 NULL_BLOCK = -1
 """A block-table position with no block: the core allocated none there (a sliding-window
@@ -33,6 +57,37 @@ def offload_key(block_hash: int, group: int, num_groups: int) -> int:
     """The chunk key of a group: vLLM appends the group index to the block hash
     (`make_offload_key`, B:27-42); here an injective int (one group: the hash itself)."""
     return block_hash * num_groups + group
+
+
+def group_window_chunks(kind: str, sliding_window: int | None, tokens_per_chunk: int) -> int:
+    """The run of hit chunks a window group's scan needs: a Mamba group one (its state)."""
+    if kind == "mamba":
+        return 1
+    assert sliding_window is not None, kind
+    return window_chunks(sliding_window, tokens_per_chunk)
+
+
+def group_load_window_chunks(kind: str, sliding_window: int | None, tokens_per_chunk: int,
+                             end_tokens: int) -> int:
+    """The chunks a hit of a window group ending at `end_tokens` needs (S:117-134: only a
+    sliding window pads for an end inside a chunk)."""
+    if kind == "mamba":
+        return 1
+    assert sliding_window is not None, kind
+    return load_window_chunks(sliding_window, tokens_per_chunk, end_tokens)
+
+
+def group_skipped_blocks(kind: str, sliding_window: int | None, tokens_per_block: int,
+                         computed: int) -> int:
+    """Leading blocks of a group the core no longer holds once `computed` tokens are
+    computed: none for full attention, those before the window for a sliding window, those
+    before the block of token `computed - 1` for a Mamba group."""
+    if kind == "full":
+        return 0
+    if kind == "mamba":
+        return max(0, computed - 1) // tokens_per_block
+    assert sliding_window is not None, kind
+    return skipped_blocks(sliding_window, tokens_per_block, computed)
 
 
 def window_chunks(sliding_window: int, tokens_per_chunk: int) -> int:
@@ -70,11 +125,23 @@ def split_groups(flat: Sequence[int], num_groups: int) -> tuple[tuple[int, ...],
 
 
 def window_positions(groups: Sequence[str], length: int, start: int = 0,
-                     stop: int | None = None) -> Iterator[int]:
-    """The indices, in a flat table of `length` blocks over `groups`, of the sliding-window
-    groups' positions `start <= p < stop` (to the group's end when `stop` is None)."""
+                     stop: Callable[[int], int] | None = None) -> Iterator[int]:
+    """The indices, in a flat table of `length` blocks over `groups`, of the window groups'
+    positions `start <= p < stop(g)` (to the group's end when `stop` is None)."""
     n = length // len(groups)
-    end = n if stop is None else min(stop, n)
     for g, kind in enumerate(groups):
-        if kind == "sliding":
+        if kind in WINDOW_KINDS:
+            end = n if stop is None else min(stop(g), n)
             yield from range(g * n + start, g * n + end)
+
+
+def freed_positions(groups: Sequence[str], sliding_window: int | None, tokens_per_block: int,
+                    length: int, computed: int) -> Iterator[int]:
+    """The positions of a flat table of `length` blocks over `groups` that the core frees
+    once `computed` tokens are computed: the window groups' positions before their window
+    (`sliding_window` is the sliding-window groups' window)."""
+    def stop(g: int) -> int:
+        window = sliding_window if groups[g] == "sliding" else None
+        return group_skipped_blocks(groups[g], window, tokens_per_block, computed)
+
+    return window_positions(groups, length, 0, stop)

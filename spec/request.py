@@ -205,10 +205,13 @@ TRANSITIONS = (
                "S:1502-1552", effects=("record_block_ids",),
                note="_update_req_states for a scheduled request (a recomputing one too)"),
     # --- stores ---------------------------------------------------------------------
-    Transition("store", (RUNNING, STORING), STORING, "build_connector_meta", "S:1815-2101",
-               unless=("load_invalid",), effects=("create_store_job",)),
+    Transition("store", (RUNNING, STORING), STORING, "build_connector_meta",
+               "S:1815-2101, S:1554-1624", unless=("load_invalid",),
+               effects=("create_store_job",),
+               note="new full chunks from the block table; or a Mamba state the core handed "
+               "off at a chunk boundary, stored alone and fenced at creation"),
     Transition("store", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, "build_connector_meta",
-               "S:1815-2101, S:2094-2099", unless=("load_invalid",),
+               "S:1815-2101, S:2094-2099, S:1554-1624", unless=("load_invalid",),
                effects=("create_store_job",),
                note="beside a sync load; or the final store of a finished request; never "
                "from KV that a failed load invalidated (the hook offers nothing then)"),

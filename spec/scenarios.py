@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from spec.groups import GROUP_KINDS
 from spec.model import Bounds, Fault, RequestSettings
 
 
@@ -146,6 +147,15 @@ SCENARIOS: tuple[Scenario, ...] = (
                     gpu_blocks=7, resets=1, failures=0, preemptions=0,
                     groups=("full", "sliding"), sliding_window=1),
              Expect("pass", 24_515, 15)),
+    Scenario("hybrid-mamba",
+             "a full-attention and a Mamba group (align mode), two requests of three tokens "
+             "sharing a prefix, sync loads: every state the core hands off at a chunk edge "
+             "is stored alone and fenced at once (beside a running request and beside a sync "
+             "load), the core frees it a step later, a lookup wants the state at the hit's "
+             "end only",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=0,
+                    failures=0, preemptions=0, sync_loads=True, groups=("full", "mamba")),
+             Expect("pass", 5_263, 17)),
     Scenario("multi-block",
              "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
              "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "
@@ -192,6 +202,7 @@ _HUNT_OVERRIDE: dict[Fault, Bounds] = {
                                         gpu_blocks=2, resets=0, failures=0, preemptions=0),
     Fault.SLIDING_WINDOW_SKIPS_FENCE: by_name("hybrid").bounds,
     Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS: by_name("hybrid-reset-window").bounds,
+    Fault.HANDOFF_STORE_SKIPS_FENCE: by_name("hybrid-mamba").bounds,
 }
 
 
@@ -232,8 +243,8 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
             changes[name] = tuple(_settings(item, part) for item in value.split("+"))
         elif name == "groups":
             kinds = tuple(value.split("+"))
-            if any(k not in ("full", "sliding") for k in kinds):
-                raise ValueError(f"bad bound {part!r}: groups are full or sliding, "
+            if any(k not in GROUP_KINDS for k in kinds):
+                raise ValueError(f"bad bound {part!r}: groups are {', '.join(GROUP_KINDS)}, "
                                  "joined by '+' (groups=full+sliding)")
             changes[name] = kinds
         elif value.lower() in ("none", "off"):

@@ -61,13 +61,13 @@ def mutants_table() -> str:
             checker = (f"{r.verdict}, {size}, {r.states} states: "
                        f"{ce.summary.split(' (')[0]}" if ce else "**not caught**")
             tests = "model-based replay of that counterexample"
-            if m.area == "groups":
+            if m.hybrid_data_plane:
                 tests += "; the byte oracle of `kvspec simulate --model hybrid`"
         else:
             checker = "not expressible in the abstract model"
             tests = ("byte oracle (kernel round trip; `kvspec simulate --model hybrid`)"
                      if m.area == "kernels" else "model-based random search")
-            if m.area == "groups":
+            if m.hybrid_data_plane and m.area != "kernels":
                 tests += "; `kvspec simulate --model hybrid`"
         rows.append(f"| `{m.name}` | {m.area} | {m.stands_for} | {checker} | {tests} |")
     return "\n".join(rows)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec.groups import GROUP_KINDS, GroupKind, skipped_blocks
+from spec.groups import GROUP_KINDS, HANDOFF_KINDS, WINDOW_KINDS, GroupKind, group_skipped_blocks
 from statemachine.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """One KV cache group of the model (vLLM: a `KVCacheGroupSpec` the connector offloads)."""
+    """One KV cache group of the model (vLLM: a `KVCacheGroupSpec` the connector offloads):
+    full attention, a sliding window, or Mamba in align mode."""
 
     kind: GroupKind = "full"
     sliding_window: int | None = None
@@ -90,7 +91,7 @@ class OffloadingConfig:
                      f"got {g.sliding_window!r}")
             else:
                 need(g.sliding_window is None,
-                     f"group {i}: a full-attention group has no sliding_window")
+                     f"group {i}: a {g.kind} group has no sliding_window")
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
@@ -104,13 +105,17 @@ class OffloadingConfig:
         return len(self.groups)
 
     @property
-    def sliding_groups(self) -> tuple[int, ...]:
-        return tuple(i for i, g in enumerate(self.groups) if g.kind == "sliding")
+    def window_groups(self) -> tuple[int, ...]:
+        """The groups looked up by a suffix-window scan: sliding windows and Mamba."""
+        return tuple(i for i, g in enumerate(self.groups) if g.kind in WINDOW_KINDS)
+
+    @property
+    def handoff_groups(self) -> tuple[int, ...]:
+        """The groups stored only from the core's boundary-state hand-offs: Mamba."""
+        return tuple(i for i, g in enumerate(self.groups) if g.kind in HANDOFF_KINDS)
 
     def skipped_blocks(self, group: int, computed: int) -> int:
         """Blocks of `group` before the window once `computed` tokens are computed (the core
         frees them); 0 for a full-attention group."""
         g = self.groups[group]
-        if g.sliding_window is None:
-            return 0
-        return skipped_blocks(g.sliding_window, self.block_size, computed)
+        return group_skipped_blocks(g.kind, g.sliding_window, self.block_size, computed)

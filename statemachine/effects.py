@@ -129,7 +129,7 @@ class SchedulerEffects:
         req.lookup_hit_tokens = None
         # beyond vLLM 0.33.0 (F2): the sliding-window positions before the window were freed
         # by the core (and maybe handed out); with the cursor at 0 a store would read them
-        for g in self.s.config.sliding_groups:
+        for g in self.s.config.window_groups:
             table = req.group_block_ids[g]
             for p in range(min(self.s.config.skipped_blocks(g, req.scheduled_end), len(table))):
                 table[p] = NULL_BLOCK

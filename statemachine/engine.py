@@ -49,7 +49,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, offload_key
+from spec.groups import HANDOFF_KINDS, NULL_BLOCK, offload_key
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -117,6 +117,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig: group_bytes_per_token must be empty or one int "
                               f">= 1 per group ({len(self.groups)}), got {per_group!r}")
         self.offloading_config()  # the groups are the connector's: validated there
+        if any(g.kind in HANDOFF_KINDS for g in self.groups):
+            raise ConfigError("EngineConfig: the data plane does not run a Mamba group yet "
+                              "(its core would have to commit states and hand them off; "
+                              "the scheduler side takes one: OffloadingConfig.groups)")
 
     @property
     def num_groups(self) -> int:
@@ -371,7 +375,7 @@ class Engine:
         connector hook but a finish or a reset comes in between, and the abstract model
         frees at this same point, the end of the step)."""
         for r in self.running:
-            for g in self._offloading.sliding_groups:
+            for g in self._offloading.window_groups:
                 table = r.tables[g]
                 for p in range(min(self._offloading.skipped_blocks(g, r.num_computed),
                                    len(table))):

@@ -164,3 +164,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: frozenset[str] = frozenset()
     preempted_req_ids: frozenset[str] = frozenset()
+    boundary_state_offloads: dict[str, tuple[tuple[int, int, int], ...]] = field(
+        default_factory=dict)
+    """The state blocks the core commits in this step, per request, as `(group, block id,
+    boundary tokens)`: a Mamba group's state after `boundary` tokens lies in that block
+    (vLLM: `kv_connector_block_state.boundary_state_offloads`,
+    `vllm/v1/core/sched/output.py`:214-228)."""

@@ -24,7 +24,13 @@ from typing import Any
 import spec
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, cdiv, load_window_chunks, offload_key, window_chunks
+from spec.groups import (
+    NULL_BLOCK,
+    cdiv,
+    group_load_window_chunks,
+    group_window_chunks,
+    offload_key,
+)
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -244,7 +250,8 @@ class OffloadingScheduler:
     def _lookup(self, req: RequestState, request: Request, n: int) -> int | None:
         """The tokens loadable after the local hit `n`; None means defer
         (`_lookup_complete_chunks`, S:849-1054). Every group scans its keys (a prefix scan
-        for full attention, a suffix-window scan for a sliding window); a group's answer can
+        for full attention, a suffix-window scan for a sliding window or Mamba state); a
+        group's answer can
         shorten the hit, which sends the groups round again until it converges. The hit
         never covers the last prompt token's block (LAST-TOKEN-BOUND)."""
         if request.skip_reading_prefix_cache:
@@ -255,15 +262,18 @@ class OffloadingScheduler:
         max_hit = (request.num_tokens - 1) // bs * bs
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, n + req.max_load_tokens)
-        if cfg.sliding_groups:  # the last prompt token is recomputed for its logprobs
-            max_hit -= 1        # (S:872-876): a hit may end one token short of a block
-        order = tuple(g for g in range(cfg.num_groups) if g not in cfg.sliding_groups) \
-            + cfg.sliding_groups
+        if cfg.window_groups:  # the last prompt token is recomputed for its logprobs
+            max_hit -= 1       # (S:872-876): a hit may end one token short of a block
+            if cfg.handoff_groups:  # a Mamba state exists only at chunk edges (S:877-881)
+                max_hit = max_hit // tpc * tpc
+        order = tuple(g for g in range(cfg.num_groups) if g not in cfg.window_groups) \
+            + cfg.window_groups
         num_hit, defer, todo = 0, False, order
         while todo:
             looked_sliding, groups, todo = False, todo, ()
             for g in groups:
-                window = cfg.groups[g].sliding_window
+                group = cfg.groups[g]
+                windowed = g in cfg.window_groups
                 max_hit = min(max_hit, len(keys[g]) * tpc)
                 if req.max_load_tokens is not None:
                     max_hit = max_hit // tpc * tpc
@@ -271,12 +281,14 @@ class OffloadingScheduler:
                     return 0
                 n_chunks = min(cdiv(max_hit, tpc), len(keys[g]))
                 start = n // tpc
-                if window is None:
+                if not windowed:
                     found = self._prefix_scan(keys[g][start:n_chunks], req)
                 else:
-                    first = load_window_chunks(window, tpc, min(max_hit, n_chunks * tpc))
-                    found = self._window_scan(keys[g][start:n_chunks], req, first,
-                                              window_chunks(window, tpc))
+                    first = group_load_window_chunks(group.kind, group.sliding_window, tpc,
+                                                     min(max_hit, n_chunks * tpc))
+                    found = self._window_scan(
+                        keys[g][start:n_chunks], req, first,
+                        group_window_chunks(group.kind, group.sliding_window, tpc))
                 if found == 0:
                     return 0
                 if found is None:
@@ -290,16 +302,17 @@ class OffloadingScheduler:
                     if defer:
                         defer, todo = False, order
                     elif looked_sliding and not todo:
-                        todo = cfg.sliding_groups
-                looked_sliding |= window is not None
+                        todo = cfg.window_groups
+                looked_sliding |= windowed
                 num_hit = new
         if defer:
             return None
         end = n + num_hit
         for g, group in enumerate(cfg.groups):  # a hit chunk an async load still brings
             hit = keys[g][n // tpc:cdiv(end, tpc)]
-            if group.sliding_window is not None:
-                hit = hit[-load_window_chunks(group.sliding_window, tpc, end):]
+            if g in cfg.window_groups:
+                hit = hit[-group_load_window_chunks(group.kind, group.sliding_window, tpc,
+                                                    end):]
             if any(k in self.chunks_being_loaded for k in hit):
                 return None
         return num_hit
@@ -416,6 +429,7 @@ class OffloadingScheduler:
             # preempted one is first flushed (its blocks were freed behind the flush, not
             # quarantined).
             self._time_out_jobs()
+            self._build_boundary_store_jobs(out)
             for req_id in [*out.num_scheduled_tokens, *sorted(out.finished_req_ids)]:
                 req = self._req_status.get(req_id)
                 if req is not None and req.state in R.STORE_CANDIDATES:
@@ -477,7 +491,7 @@ class OffloadingScheduler:
             scheduled = self._req_status.get(req_id)
             if scheduled is not None:
                 scheduled.scheduled_end = scheduled.request.num_computed_tokens + num
-        if not self.config.sliding_groups or not self._batch_allocated_blocks:
+        if not self.config.window_groups or not self._batch_allocated_blocks:
             return
         bpc = self.config.blocks_per_chunk
         for job_id in self._batch_load_jobs:  # a table given in this step: nothing stale
@@ -485,7 +499,7 @@ class OffloadingScheduler:
             if job is not None:
                 ends.setdefault(job.owner.req_id, 0)
         for req_id, req in self._req_status.items():
-            for g in self.config.sliding_groups:
+            for g in self.config.window_groups:
                 table = req.group_block_ids[g]
                 for p in range(req.next_stored_chunk_idx * bpc, ends.get(req_id, len(table))):
                     if table[p] in self._batch_allocated_blocks:
@@ -522,10 +536,7 @@ class OffloadingScheduler:
                       else max(request.num_prompt_tokens, request.num_tokens - 1))
         else:
             tokens = request.num_computed_tokens + num_scheduled
-        if req.max_offload_tokens is not None:
-            tokens = min(tokens, req.max_offload_tokens)
-        if cfg.offload_prompt_only:
-            tokens = min(tokens, request.num_prompt_tokens)
+        tokens = self._offloadable_tokens(req, tokens)
         bpc = cfg.blocks_per_chunk
         tables = req.group_block_ids
         n_chunks = min(tokens // cfg.tokens_per_chunk, len(request.block_hashes) // bpc,
@@ -536,6 +547,8 @@ class OffloadingScheduler:
         offered: list[int] = []
         source: dict[int, tuple[int, int]] = {}
         for g, table in enumerate(tables):  # per group, S:1859-1982
+            if g in cfg.handoff_groups:
+                continue  # not positional: stored from the core's hand-offs (S:1904-1905)
             keys = self._request_keys(req, request, g)
             for c in range(start, n_chunks):
                 if NULL_BLOCK in table[c * bpc:(c + 1) * bpc]:
@@ -563,13 +576,66 @@ class OffloadingScheduler:
             sizes[g] += len(chunk)
             if starts[g] is None:
                 starts[g] = c * bpc
-            if cfg.groups[g].sliding_window is not None:
+            if g in cfg.window_groups:
                 fenced += chunk
         first = source[result.keys_to_store[0]][1] * bpc
         self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
                    chunk_ids=tuple(result.chunk_ids), block_ids=tuple(blocks),
                    first_block_index=first, fenced_block_ids=tuple(fenced),
                    **self._group_layout(sizes, [s or 0 for s in starts]), end_chunk=n_chunks)
+
+    def _build_boundary_store_jobs(self, out: SchedulerOutput) -> None:
+        """`_build_aligned_boundary_store_jobs` (S:1554-1624): each state block the core
+        handed off at a chunk boundary within the request's offloadable tokens is stored,
+        alone, into the chunk that ends there, and fenced from the job's creation (the core
+        frees a Mamba state block one step later); the store cursor stays. A hand-off vLLM
+        skips (the null block, a boundary inside a chunk or past the offloadable tokens) is
+        counted in `handoffs_skipped`; one for a request the connector does not track, or
+        in a state with no `store` row, in `handoffs_ignored`."""
+        cfg = self.config
+        bs, tpc = cfg.block_size, cfg.tokens_per_chunk
+        for req_id, entries in sorted(out.boundary_state_offloads.items()):
+            req = self._req_status.get(req_id)
+            for group, block, boundary in entries:
+                if not (type(group) is int and 0 <= group < cfg.num_groups):
+                    raise InvalidArgument(f"build_connector_meta: request {req_id!r}: a "
+                                          f"hand-off names group {group!r} of "
+                                          f"{cfg.num_groups}")
+                if req is None or not self._requests_life.outgoing(req.state, "store") \
+                        or req.loaded_tokens_invalid:
+                    self.stats["handoffs_ignored"] += 1
+                    continue
+                request: Request = req.request
+                keys = self._request_keys(req, request, group)
+                if block == NULL_BLOCK or boundary % tpc or boundary // tpc > len(keys) \
+                        or boundary > self._offloadable_tokens(req, request.num_tokens):
+                    self.stats["handoffs_skipped"] += 1
+                    continue
+                key = keys[boundary // tpc - 1]
+                result = self.manager.prepare_store([key], req.ctx)
+                if result is None:
+                    self._fire(self._requests_life, req, "store_alloc_failed")
+                    continue
+                if not result.keys_to_store:
+                    continue
+                sizes = [0] * cfg.num_groups
+                sizes[group] = 1
+                starts = [0] * cfg.num_groups
+                starts[group] = boundary // bs - 1
+                self._fire(self._requests_life, req, "store", keys=(key,),
+                           chunk_ids=tuple(result.chunk_ids), block_ids=(block,),
+                           first_block_index=boundary // bs - 1, fenced_block_ids=(block,),
+                           **self._group_layout(sizes, starts),
+                           end_chunk=req.next_stored_chunk_idx)
+
+    def _offloadable_tokens(self, req: RequestState, tokens: int) -> int:
+        """`tokens` under the request's `max_offload_tokens` and the prompt-only setting
+        (`_calc_num_offloadable_tokens`, S:762-771)."""
+        if req.max_offload_tokens is not None:
+            tokens = min(tokens, req.max_offload_tokens)
+        if self.config.offload_prompt_only:
+            tokens = min(tokens, req.request.num_prompt_tokens)
+        return tokens
 
     def _end_step(self) -> None:
         self._batch_load_jobs.clear()

@@ -147,19 +147,20 @@ class ReferenceAdapter:
             if hits is None:
                 return None, is_async
             self._hit_tokens[a[0]] = hits
-            return model_hit(hits, bool(self.scheduler.config.sliding_groups)), is_async
+            return model_hit(hits, bool(self.scheduler.config.window_groups)), is_async
         if call.hook == "update_state_after_alloc":
             ext = self._hit_tokens.get(a[0], 0) if a[2] else 0
             return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), ext)
         if call.hook == "build_connector_meta":
-            new, cached, sched, fin, pre, computed = a
+            new, cached, sched, fin, pre, computed, given = a
             for r, (n, _aborted) in computed.items():
                 self._request(r).num_computed_tokens = n * BLOCK
             sched = {r: n * BLOCK for r, n in sched.items()}
             out = SchedulerOutput(
                 tuple(NewRequestData(r, self._tables(b)) for r, b in new.items()),
                 tuple(CachedRequestData(r, self._tables(b)) for r, b in cached.items()),
-                dict(sched), frozenset(fin), frozenset(pre))
+                dict(sched), frozenset(fin), frozenset(pre),
+                {r: tuple((g, b, end * BLOCK) for g, b, end in e) for r, e in given.items()})
             shipped = s.build_connector_meta(out)
             self._note_evictions()
             return shipped
@@ -256,10 +257,15 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
              failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=3,
              blocks_per_chunk=2, sync_loads=True),
+    M.Bounds(requests=3, tokens=4, families=2, workers=2, cpu_chunks=5, gpu_blocks=12,
+             resets=2, failures=1, preemptions=1, groups=("full", "mamba")),
+    M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=16, resets=1,
+             failures=1, preemptions=1, groups=("full", "sliding", "mamba"),
+             sliding_window=2, blocks_per_chunk=2, sync_loads=True),
 )
-"""Several KV cache groups (full attention and a sliding window, in either order), chunks
-of several blocks, both (a hit that ends inside a chunk; a window of 3 tokens over chunks of
-2 blocks)."""
+"""Several KV cache groups (full attention and a sliding window, in either order; beside a
+Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
+tokens over chunks of 2 blocks)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

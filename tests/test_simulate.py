@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from statemachine import cli, engine, simulate, worker
+from statemachine.mutants import MUTANTS
 from statemachine.simulate import SimConfig
 
 
@@ -42,9 +43,7 @@ def test_a_hybrid_model_drains_clean_with_trouble_in_every_group() -> None:
     assert "group 1 (sliding window 40, page 32 B)" in text and "PASS" in text
 
 
-@pytest.mark.parametrize("name", ["sliding-window-skips-fence", "reset-keeps-stale-window-blocks",
-                                  "kernel-ignores-first-chunk-skip",
-                                  "kernel-copies-into-first-group", "keys-without-group-index"])
+@pytest.mark.parametrize("name", [m.name for m in MUTANTS if m.hybrid_data_plane])
 def test_the_data_plane_catches_the_group_mutants_on_a_hybrid_run(name: str) -> None:
     """With the connector's invariant checks off, the data plane alone catches each fault:
     the bytes (in the sliding-window group's tensor), or a store's keys that name another

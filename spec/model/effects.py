@@ -12,7 +12,7 @@ from typing import Any
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, window_positions
+from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import unquarantine
 from spec.model.faults import Fault
@@ -121,16 +121,15 @@ def reset_store_cursor(w: World, k: str, **kw: Any) -> None:
 
 
 def _window_blocks_forgotten(w: World, k: str, table: tuple[int, ...]) -> tuple[int, ...]:
-    """The request's table with the sliding-window positions before the window of its
+    """The request's table with the window groups' positions before the window of its
     computed tokens zeroed (the core freed them, and may have handed them out since): with
     the cursor back at 0, a store would read them otherwise. Beyond vLLM 0.33.0, which keeps
     them (RESET_KEEPS_STALE_WINDOW_BLOCKS)."""
     b = w.bounds
-    if not b.sliding_groups() or not table \
+    if not b.window_groups() or not table \
             or Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS in w.faults:
         return table
-    freed = set(window_positions(b.groups, len(table), 0,
-                                 b.skipped_blocks(tracked(w, k).window_end)))
+    freed = set(b.freed_positions(len(table), tracked(w, k).window_end))
     return tuple(NULL_BLOCK if i in freed else x for i, x in enumerate(table))
 
 

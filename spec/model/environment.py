@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, window_positions
+from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import follow_connector, free
 from spec.model.faults import NO_FAULTS, Faults
-from spec.model.hooks import alloc, build_meta, finish, lookup, report, reset
+from spec.model.hooks import alloc, build_meta, finish, handoffs, lookup, report, reset
 from spec.model.interpreter import SPEC_TABLES, Tables, fire
 from spec.model.projection import abstract
 from spec.model.state import (
@@ -90,25 +90,24 @@ def initial(bounds: Bounds) -> ModelState:
 def _allocation(b: Bounds, tokens: int, computed: int) -> tuple[int, ...]:
     """The shape of the block table the core allocates for a request admitted with
     `computed` tokens already computed (the hit): `tokens` positions per group, 0 for a
-    block to allocate, NULL_BLOCK where a sliding-window group needs none (before the
-    window of the first token to compute)."""
-    skip = b.skipped_blocks(computed)
-    return tuple(NULL_BLOCK if kind == "sliding" and p < skip else 0
-                 for kind in b.groups for p in range(tokens))
+    block to allocate, NULL_BLOCK where a window group needs none (before the window of the
+    first token to compute: for a Mamba group, every position before the hit's state)."""
+    return tuple(NULL_BLOCK if p < b.skipped_blocks(g, computed) else 0
+                 for g in range(len(b.groups)) for p in range(tokens))
 
 
 def _free_before_window(w: World) -> None:
-    """The core frees a running request's sliding-window blocks that fell out of the window
+    """The core frees a running request's window-group blocks that fell out of the window
     (`remove_skipped_blocks`, which vLLM runs as it schedules the request's next step)."""
     b = w.bounds
-    if not b.sliding_groups():
+    if not b.window_groups():
         return
     for r, c in sorted(w.core.items()):
         if c.status != "running" or not c.blocks:
             continue
         table = list(c.blocks)
         freed: list[int] = []
-        for i in window_positions(b.groups, len(table), 0, b.skipped_blocks(c.computed)):
+        for i in b.freed_positions(len(table), c.computed):
             if table[i] != NULL_BLOCK:
                 freed.append(table[i])
                 table[i] = NULL_BLOCK
@@ -193,10 +192,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 cached[r] = ()
                 sched[r] = 1
         fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
-        build_meta(w, new, cached, sched, fin, pre)
+        given = handoffs(w, sched)
+        build_meta(w, new, cached, sched, fin, pre, given)
         computed = {r: (c.computed, c.aborted) for r, c in w.core.items()}
         calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
-                                                   fin, pre, computed)))
+                                                   fin, pre, computed, given)))
         for r, n in sched.items():
             c = w.core[r]
             w.core[r] = c._replace(computed=min(c.computed + n, w.template(r).tokens))

@@ -25,6 +25,7 @@ class Fault(StrEnum):
     EVICT_PINNED_CHUNKS = "evict-pinned-chunks"
     SLIDING_WINDOW_SKIPS_FENCE = "sliding-window-skips-fence"
     RESET_KEEPS_STALE_WINDOW_BLOCKS = "reset-keeps-stale-window-blocks"
+    HANDOFF_STORE_SKIPS_FENCE = "handoff-store-skips-fence"
 
 
 Faults = frozenset[Fault]

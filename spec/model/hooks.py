@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, cdiv, window_positions
+from spec.groups import HANDOFF_KINDS, NULL_BLOCK, WINDOW_KINDS, cdiv, window_positions
 from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
@@ -83,21 +83,25 @@ def _hit(w: World, r: str, local: int) -> int | None:
     settings = w.template(r).settings
     if settings.skip_reading_prefix_cache:
         return 0  # S:1258-1259
-    order = tuple(g for g, kind in enumerate(b.groups) if kind == "full") + b.sliding_groups()
+    order = tuple(g for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS) \
+        + b.window_groups()
     max_hit = w.template(r).tokens - 1
     cap = settings.max_load_tokens
     if cap is not None:
         max_hit = min(max_hit, local + cap)  # S:867-871
-    # With a sliding-window group vLLM stops the hit one token before the bound (the last
-    # prompt token is recomputed for its logprobs, S:872-876): below a block, so here the
-    # hit keeps the block but is "short" until a group's answer cuts it to a chunk edge.
-    short = bool(b.sliding_groups())
+    # With a window group vLLM stops the hit one token before the bound (the last prompt
+    # token is recomputed for its logprobs, S:872-876): below a block, so here the hit keeps
+    # the block but is "short" until a group's answer cuts it to a chunk edge. A Mamba
+    # group cuts it at once: its state exists only at chunk edges (S:877-881).
+    short = bool(b.window_groups())
+    if b.handoff_groups():
+        max_hit, short = (max_hit - short) // tpc * tpc, False
     num_hit, defer = 0, False
     todo = order
     while todo:
         looked_sliding, groups, todo = False, todo, ()
         for g in groups:
-            sliding = b.groups[g] == "sliding"
+            sliding = b.groups[g] in WINDOW_KINDS
             keys = w.keys_of(r, g)
             if len(keys) * tpc < max_hit:
                 max_hit, short = len(keys) * tpc, False
@@ -107,8 +111,9 @@ def _hit(w: World, r: str, local: int) -> int | None:
                 return 0
             n_chunks = min(cdiv(max_hit, tpc), len(keys))
             start = local // tpc
-            first = b.load_window_chunks(min(max_hit, n_chunks * tpc)) if sliding else 0
-            found = _scan(w, keys[start:n_chunks], sliding, first, b.window_chunks())
+            first = b.load_window_chunks(g, min(max_hit, n_chunks * tpc)) if sliding else 0
+            found = _scan(w, keys[start:n_chunks], sliding, first,
+                          b.window_chunks(g) if sliding else 0)
             if found == 0:
                 return 0
             if found is None:
@@ -122,7 +127,7 @@ def _hit(w: World, r: str, local: int) -> int | None:
                 if defer:
                     defer, todo = False, order
                 elif looked_sliding and not todo:
-                    todo = b.sliding_groups()
+                    todo = b.window_groups()
             looked_sliding |= sliding
             num_hit = new
     if defer:
@@ -130,8 +135,8 @@ def _hit(w: World, r: str, local: int) -> int | None:
     end = local + num_hit
     for g, kind in enumerate(b.groups):  # a hit chunk an async load still brings (S:1021-1045)
         keys = w.keys_of(r, g)[local // tpc:cdiv(end, tpc)]
-        if kind == "sliding":
-            keys = keys[-b.load_window_chunks(end):]
+        if kind in WINDOW_KINDS:
+            keys = keys[-b.load_window_chunks(g, end):]
         if any(k in w.being_loaded for k in keys):
             return None
     return num_hit
@@ -164,8 +169,10 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
 
 def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
                sched: dict[str, int], finished: frozenset[str],
-               preempted: frozenset[str]) -> None:
-    """build_connector_meta (S:2103-2196), same order as the implementation."""
+               preempted: frozenset[str],
+               given: dict[str, tuple[tuple[int, int, int], ...]] | None = None) -> None:
+    """build_connector_meta (S:2103-2196), same order as the implementation; `given`: the
+    core's boundary-state hand-offs of the step (`handoffs`)."""
     _open(w)
     for r, blocks in [*new.items(), *cached.items()]:
         w.batch_alloc.update(blocks)
@@ -175,7 +182,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
             put_req(w, cur._replace(blocks=table))
         else:  # the table says from where a request may be scheduled
             fire(w, "request", r, "schedule", block_ids=table)
-    if w.bounds.sliding_groups():
+    if w.bounds.window_groups():
         for r, n in sched.items():
             put_req(w, tracked(w, r)._replace(window_end=w.core[r].computed + n))
     _forget_reallocated_window_blocks(w, set(new))
@@ -196,6 +203,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
             if aged is not None and aged.age is not None and aged.age >= limit:
                 truth.failed_copy(w, jid)  # its data never confirmed
                 fire(w, "job", jid, "time_out")
+    _store_boundaries(w, given or {})
     for r in [*sched, *sorted(finished)]:
         opt = w.reqs.get(r)
         if opt is not None and opt.state in R.STORE_CANDIDATES:
@@ -217,7 +225,7 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
     so no store reads it (`_update_req_states`, S:1533-1552). A table the step replaced
     whole has nothing stale."""
     b = w.bounds
-    if not b.sliding_groups() or not w.batch_alloc:
+    if not b.window_groups() or not w.batch_alloc:
         return
     bpc = b.blocks_per_chunk
     loading = {w.jobs[j].owner for j in w.batch_loads if j in w.jobs}
@@ -232,6 +240,12 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
             put_req(w, req._replace(blocks=tuple(table)))
 
 
+def _offloadable(w: World, r: str, tokens: int) -> int:
+    """`tokens` under the request's `max_offload_tokens` (S:762-771)."""
+    cap = w.template(r).settings.max_offload_tokens
+    return tokens if cap is None else min(tokens, cap)
+
+
 def _store(w: World, r: str, scheduled: int) -> None:
     req = tracked(w, r)
     if req.load_invalid:
@@ -242,8 +256,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
         tokens = core.computed if core.aborted else max(t.tokens, t.tokens - 1)
     else:
         tokens = core.computed + scheduled
-    if t.settings.max_offload_tokens is not None:
-        tokens = min(tokens, t.settings.max_offload_tokens)  # S:762-771
+    tokens = _offloadable(w, r, tokens)
     b = w.bounds
     bpc = b.blocks_per_chunk
     start = req.cursor
@@ -254,26 +267,43 @@ def _store(w: World, r: str, scheduled: int) -> None:
         keys = w.keys_of(r, g)
         table = w.group_blocks(req.blocks, g)
         n = min(tokens // b.tokens_per_chunk, len(table) // bpc, len(keys))
+        if kind in HANDOFF_KINDS:
+            continue  # its table is not positional: stored from hand-offs (S:1904-1905)
         for c in range(start, n):
             blocks = table[c * bpc:(c + 1) * bpc]
             if NULL_BLOCK in blocks:
                 continue  # a block the core freed, or handed out again: nothing to store
             offered.append(keys[c])
-            source[keys[c]] = (blocks, kind == "sliding")
+            source[keys[c]] = (blocks, kind in WINDOW_KINDS)
     if start >= n:
         return
+    candidates = _prepare_store(w, r, offered)
+    if candidates is None:
+        return
+    if not candidates:
+        put_req(w, req._replace(cursor=n))
+        return
+    blocks = tuple(x for c in candidates for x in source[c][0])
+    fenced = tuple(x for c in candidates if source[c][1] for x in source[c][0])
+    fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks,
+         fenced_block_ids=fenced, end_chunk=n)
+
+
+def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
+    """The manager's `prepare_store` of the chunks `offered` (M:254-336): those not yet
+    stored and admitted, with room made by evicting unpinned chunks; None: no room
+    (`store_alloc_failed` fired)."""
+    b = w.bounds
     candidates = [c for c in offered if c not in w.chunks]
     if b.store_threshold > 1 and offered:  # store admission (M:129-148, M:282-291)
         for k in offered:
             w.offers[k] = min(w.offers.get(k, 0) + 1, b.store_threshold)
         candidates = [c for c in candidates if w.offers[c] >= b.store_threshold]
     if not candidates:
-        put_req(w, req._replace(cursor=n))
-        return
-    if req.signaled:
+        return candidates
+    if tracked(w, r).signaled:
         w.stores_after_signal.append(r)
-    free = (w.bounds.cpu_chunks - len(w.chunks)
-            - sum(j.held_slots for j in w.held.values()))
+    free = (b.cpu_chunks - len(w.chunks) - sum(j.held_slots for j in w.held.values()))
     need = len(candidates) - free
     if need > 0:
         pinned_ok = Fault.EVICT_PINNED_CHUNKS in w.faults
@@ -281,16 +311,53 @@ def _store(w: World, r: str, scheduled: int) -> None:
                            if (ref == 0 or (pinned_ok and ref > 0)) and c not in offered)
         if need > len(evictable):
             fire(w, "request", r, "store_alloc_failed")
-            return
+            return None
         victims = w.choose_victims(evictable, need)
         for c in victims:
             del w.chunks[c]
     for c in candidates:
         w.chunks[c] = -1
-    blocks = tuple(x for c in candidates for x in source[c][0])
-    fenced = tuple(x for c in candidates if source[c][1] for x in source[c][0])
-    fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks,
-         fenced_block_ids=fenced, end_chunk=n)
+    return candidates
+
+
+def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """The boundary states the core hands to the connector in this step
+    (`boundary_state_offloads`, vLLM `vllm/v1/core/sched/output.py`:214-228): for each
+    scheduled request, each Mamba group's state block after the step's last token, with that
+    boundary, as `(group, block, boundary)`. The core commits a state at every block it
+    completes (`MambaManager.cache_blocks`, with every state retained); a state the request
+    loaded is not handed off again (its chunk is stored)."""
+    b = w.bounds
+    out: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    for r, n in sched.items():
+        core = w.core[r]
+        boundary = core.computed + n
+        states = ((g, w.group_blocks(core.blocks, g)[boundary - 1])
+                  for g in b.handoff_groups())
+        entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
+        if entries:
+            out[r] = entries
+    return out
+
+
+def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...]]) -> None:
+    """`_build_aligned_boundary_store_jobs` (S:1554-1624): a hand-off at a chunk boundary
+    within the offloadable tokens becomes a store of its one block into the chunk that ends
+    there, fenced from the job's creation; the store cursor stays."""
+    tpc = w.bounds.tokens_per_chunk
+    for r, entries in given.items():
+        for g, block, boundary in entries:
+            req = w.reqs.get(r)
+            if req is None or req.state not in R.STORE_CANDIDATES or req.load_invalid:
+                continue
+            if boundary % tpc or boundary > _offloadable(w, r, w.template(r).tokens):
+                continue
+            key = w.keys_of(r, g)[boundary // tpc - 1]
+            stored = _prepare_store(w, r, [key])
+            if stored:
+                fenced = () if Fault.HANDOFF_STORE_SKIPS_FENCE in w.faults else (block,)
+                fire(w, "request", r, "store", keys=(key,), block_ids=(block,),
+                     fenced_block_ids=fenced, end_chunk=req.cursor)
 
 
 def _end_step(w: World) -> None:

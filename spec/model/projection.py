@@ -7,19 +7,19 @@ from dataclasses import replace
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, window_positions
+from spec.groups import NULL_BLOCK
 from spec.model.state import MJob, ModelState
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 
 
 def _held(s: ModelState, table: tuple[int, ...], window_end: int) -> tuple[int, ...]:
-    """The blocks of the connector's table the request still holds: a sliding-window
-    group's positions only in the window of its computed tokens (the core frees those
-    before it); no null position."""
+    """The blocks of the connector's table the request still holds: a window group's
+    positions only in the window of its computed tokens (the core frees those before it);
+    no null position."""
     b = s.bounds
-    if not b.sliding_groups():
+    if not b.window_groups():
         return table
-    freed = set(window_positions(b.groups, len(table), 0, b.skipped_blocks(window_end)))
+    freed = set(b.freed_positions(len(table), window_end))
     return tuple(x for i, x in enumerate(table) if x != NULL_BLOCK and i not in freed)
 
 

@@ -11,6 +11,7 @@ core left unallocated or freed (a sliding-window block before the window).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -19,12 +20,15 @@ from spec import job as J
 from spec import request as R
 from spec.groups import (
     GROUP_KINDS,
+    HANDOFF_KINDS,
+    WINDOW_KINDS,
     GroupKind,
-    load_window_chunks,
+    freed_positions,
+    group_load_window_chunks,
+    group_skipped_blocks,
+    group_window_chunks,
     offload_key,
-    skipped_blocks,
     split_groups,
-    window_chunks,
 )
 from spec.model.faults import NO_FAULTS, Faults
 from spec.state import AbstractState
@@ -108,8 +112,9 @@ class Bounds:
     """Also send a report for a stale job that already drained (a confused worker)."""
     groups: tuple[GroupKind, ...] = ("full",)
     """The KV cache groups, in vLLM's group order: "full" attention (prefix lookup, blocks
-    held until the request ends) or "sliding" window (suffix-window lookup; the core frees
-    its blocks before the window while the request runs)."""
+    held until the request ends), "sliding" window (suffix-window lookup; the core frees its
+    blocks before the window while the request runs) or "mamba" in align mode (one state
+    per request, looked up as a one-chunk window, stored from the core's hand-offs)."""
     sliding_window: int = 2
     """Tokens a sliding-window group attends to (the window of its last token)."""
     blocks_per_chunk: int = 1
@@ -122,7 +127,7 @@ class Bounds:
 
     def __post_init__(self) -> None:
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
-            raise ValueError(f"groups must be 'full' or 'sliding', got {self.groups!r}")
+            raise ValueError(f"groups must be of {GROUP_KINDS}, got {self.groups!r}")
         if self.blocks_per_chunk < 1 or self.sliding_window < 1 or self.store_threshold < 1:
             raise ValueError("blocks_per_chunk, sliding_window and store_threshold must be "
                              ">= 1")
@@ -136,17 +141,31 @@ class Bounds:
         """Beyond the first model: several groups or chunks of several blocks."""
         return len(self.groups) > 1 or self.groups != ("full",) or self.blocks_per_chunk > 1
 
-    def sliding_groups(self) -> tuple[int, ...]:
-        return tuple(g for g, kind in enumerate(self.groups) if kind == "sliding")
+    def window_groups(self) -> tuple[int, ...]:
+        """The groups looked up by a suffix-window scan (sliding window and Mamba)."""
+        return tuple(g for g, kind in enumerate(self.groups) if kind in WINDOW_KINDS)
 
-    def window_chunks(self) -> int:
-        return window_chunks(self.sliding_window, self.tokens_per_chunk)
+    def handoff_groups(self) -> tuple[int, ...]:
+        """The groups stored only from the core's boundary-state hand-offs (Mamba)."""
+        return tuple(g for g, kind in enumerate(self.groups) if kind in HANDOFF_KINDS)
 
-    def load_window_chunks(self, end_tokens: int) -> int:
-        return load_window_chunks(self.sliding_window, self.tokens_per_chunk, end_tokens)
+    def _window(self, g: int) -> int | None:
+        return self.sliding_window if self.groups[g] == "sliding" else None
 
-    def skipped_blocks(self, computed: int) -> int:
-        return skipped_blocks(self.sliding_window, 1, computed)
+    def window_chunks(self, g: int) -> int:
+        return group_window_chunks(self.groups[g], self._window(g), self.tokens_per_chunk)
+
+    def load_window_chunks(self, g: int, end_tokens: int) -> int:
+        return group_load_window_chunks(self.groups[g], self._window(g),
+                                        self.tokens_per_chunk, end_tokens)
+
+    def skipped_blocks(self, g: int, computed: int) -> int:
+        return group_skipped_blocks(self.groups[g], self._window(g), 1, computed)
+
+    def freed_positions(self, length: int, computed: int) -> Iterator[int]:
+        """The positions of a flat table of `length` blocks the core frees once `computed`
+        tokens are computed (the window groups' positions before their window)."""
+        return freed_positions(self.groups, self.sliding_window, 1, length, computed)
 
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
