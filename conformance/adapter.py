@@ -274,7 +274,10 @@ class VLLMAdapter:
 
     def _build(self, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
                sched: dict[str, int], finished: frozenset[str], preempted: frozenset[str],
-               computed: dict[str, tuple[int, bool]]) -> Any:
+               computed: dict[str, tuple[int, bool]],
+               handoffs: dict[str, tuple[tuple[int, int, int], ...]]) -> Any:
+        if handoffs:  # only a Mamba group's core hands states off (CONFORMANCE.md)
+            raise NotImplementedError("the adapter does not hand Mamba states to vLLM yet")
         obs = self.obs
         for r in sorted(preempted):
             if r in new or r in self.admitted or r not in self.requests:
