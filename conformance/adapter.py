@@ -143,7 +143,12 @@ class VLLMAdapter:
             rid = req_id_of(args, kwargs)
             if rid is not None and obs.signals.get(rid, 0) and rid in self.scheduler._req_status:
                 obs.stores_after_signal.append(rid)
-            return prepare_store(*args, **kwargs)
+            # the victims of each store in turn: a step may evict a chunk for one store and
+            # store it again for the next (a hand-off, then the positional store)
+            before = self._policy_keys()
+            out = prepare_store(*args, **kwargs)
+            self._evicted.extend(sorted(obs.key_of[k] for k in before - self._policy_keys()))
+            return out
 
         manager.on_request_finished = on_request_finished
         manager.prepare_store = counted_prepare_store
@@ -276,8 +281,6 @@ class VLLMAdapter:
                sched: dict[str, int], finished: frozenset[str], preempted: frozenset[str],
                computed: dict[str, tuple[int, bool]],
                handoffs: dict[str, tuple[tuple[int, int, int], ...]]) -> Any:
-        if handoffs:  # only a Mamba group's core hands states off (CONFORMANCE.md)
-            raise NotImplementedError("the adapter does not hand Mamba states to vLLM yet")
         obs = self.obs
         for r in sorted(preempted):
             if r in new or r in self.admitted or r not in self.requests:
@@ -311,11 +314,11 @@ class VLLMAdapter:
             ledger.finish(r)
         for r in preempted:
             ledger.preempt(r)
-        out = E.scheduler_output_of(self.setup, ledger.close(), self.requests)
-        before = self._policy_keys()
-        meta = self.connector.build_connector_meta(out)
-        gone = before - self._policy_keys()
-        self._evicted.extend(sorted(obs.key_of[k] for k in gone))
+        out = E.scheduler_output_of(  # the core hands off a Mamba group's states
+            self.setup, ledger.close(), self.requests,
+            {r: [(g, vllm_block(b), end * BLOCK_SIZE) for g, b, end in entries]
+             for r, entries in handoffs.items()})
+        meta = self.connector.build_connector_meta(out)  # victims: counted_prepare_store
         self._memo_jobs(meta)
         obs.reset_since_last_step = False
         self.admitted.clear()
@@ -384,9 +387,11 @@ def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
     stores whole chunks, so the window must span a chunk."""
     if bounds.groups == ("full",):
         return {}
-    if len(bounds.groups) != E.NUM_LAYERS or "sliding" not in bounds.groups:
+    if len(bounds.groups) != E.NUM_LAYERS or set(bounds.groups) == {"full"}:
         raise ValueError(f"the conformance setup takes one group, or {E.NUM_LAYERS} groups "
-                         f"with a sliding window; got {bounds.groups}")
+                         f"with a sliding window or a Mamba group; got {bounds.groups}")
+    if "sliding" not in bounds.groups:
+        return {"groups": bounds.groups}
     if bounds.sliding_window - 1 < bounds.blocks_per_chunk:
         raise ValueError(f"a sliding window of {bounds.sliding_window} blocks does not span "
                          f"a chunk of {bounds.blocks_per_chunk} blocks and the one before it")
@@ -417,16 +422,17 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.blocks_per_chunk + 1)
               if "sliding" in b.groups else b.sliding_window)
       for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))
-      if not b.handoff_groups()),  # a Mamba group: not yet built on vLLM (CONFORMANCE.md)
+      if len(b.groups) <= E.NUM_LAYERS),  # one layer per group
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),
 )
-"""The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` without worker
-failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block chunks: a
-full-attention and a sliding-window group (either order) with 1, 2 and 4 blocks per chunk,
-and one full-attention group of 2-block chunks (vLLM block size 16: one model token is one
-vLLM block)."""
+"""The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
+groups (one layer per group), without worker failures and with a window that spans a chunk
+(`hybrid_setup`), plus 4-block chunks: a full-attention and a sliding-window group (either
+order) with 1, 2 and 4 blocks per chunk, a full-attention and a Mamba group, and one
+full-attention group of 2-block chunks (vLLM block size 16: one model token is one vLLM
+block)."""
 
 
 VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")

@@ -121,6 +121,8 @@ def _v() -> SimpleNamespace:
         SchedulerOutput=output.SchedulerOutput,
         FullAttentionSpec=kv_iface.FullAttentionSpec,
         SlidingWindowSpec=kv_iface.SlidingWindowSpec,
+        MambaSpec=kv_iface.MambaSpec,
+        KVConnectorBlockState=getattr(output, "KVConnectorBlockState", None),
         KVCacheConfig=kv_iface.KVCacheConfig,
         KVCacheGroupSpec=kv_iface.KVCacheGroupSpec,
         KVCacheTensor=kv_iface.KVCacheTensor,
@@ -199,6 +201,11 @@ class VLLMSetup:
         return self.block_size * self.blocks_per_chunk
 
 
+def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
+    """One layer per KV cache group: a sliding window, or a Mamba group."""
+    return sliding_window is not None or "mamba" in groups
+
+
 def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
                      sliding_window: int | None = None,
                      groups: Sequence[str] = ("full", "sliding")) -> Any:
@@ -207,21 +214,27 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
     spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
     page = spec.page_size_bytes
-    if sliding_window is not None:  # a hybrid model: one layer per group, kinds in order
+    if _hybrid(sliding_window, groups):  # a hybrid model: one layer per group, in order
         if not v33:
             raise RuntimeError("hybrid KV cache configurations need vLLM 0.33")
         if len(groups) != NUM_LAYERS:
             raise ValueError(f"a hybrid configuration has {NUM_LAYERS} groups (one per layer)")
-        sw = v.SlidingWindowSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
-                                 head_size=HEAD_SIZE, dtype=v.torch.float32,
-                                 sliding_window=sliding_window)
+        kinds: dict[str, Any] = {"full": spec}
+        if "sliding" in groups:
+            kinds["sliding"] = v.SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                dtype=v.torch.float32, sliding_window=sliding_window)
+        if "mamba" in groups:  # align mode (what prefix caching turns on); a state of one
+            kinds["mamba"] = v.MambaSpec(  # attention page, as vLLM pads it to
+                block_size=block_size, shapes=((page // 4,),), dtypes=(v.torch.float32,),
+                mamba_cache_mode="align")
         tensors = [v.KVCacheTensor(size=page * num_gpu_blocks, layers=[name],
                                    layer_stride=page * num_gpu_blocks, block_stride=page)
                    for name in layers]
         return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                               kv_cache_groups=[v.KVCacheGroupSpec(
-                                   [name], sw if kind == "sliding" else spec)
-                                   for name, kind in zip(layers, groups, strict=True)])
+                               kv_cache_groups=[v.KVCacheGroupSpec([name], kinds[kind])
+                                                for name, kind in zip(layers, groups,
+                                                                      strict=True)])
     if v33:  # one backing allocation for all layers, layer-outermost
         tensors = [v.KVCacheTensor(size=page * NUM_LAYERS * num_gpu_blocks, layers=layers,
                                    layer_stride=page * num_gpu_blocks, block_stride=page)]
@@ -272,7 +285,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     if num_cpu_chunks is not None:
         if cpu_bytes is not None:
             raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
-        layers = NUM_LAYERS if sliding_window is None else 1
+        layers = 1 if _hybrid(sliding_window, groups) else NUM_LAYERS
         cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers,
                                                   layers)
     if cpu_bytes is None:
@@ -289,7 +302,8 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     cfg = v.config
     # a sliding-window group keeps (and stores) every block, as the spec models it; vLLM's
     # default (0) keeps only the blocks a hit at the prompt's end needs
-    dense = {"prefix_cache_retention_interval": None} if sliding_window is not None else {}
+    dense = ({"prefix_cache_retention_interval": None} if _hybrid(sliding_window, groups)
+             else {})
     parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1
                 else cfg.ParallelConfig())
     vllm_config = cfg.VllmConfig(
@@ -390,15 +404,18 @@ class SortedIdSet(set[str]):
         return iter(sorted(set.__iter__(self)))
 
 
-def scheduler_output_of(setup: VLLMSetup, step: Any, requests: Mapping[str, Any]) -> Any:
+def scheduler_output_of(setup: VLLMSetup, step: Any, requests: Mapping[str, Any],
+                        handoffs: Mapping[str, Sequence[tuple[int, int, int]]] | None = None
+                        ) -> Any:
     """vLLM's `SchedulerOutput` of a `statemachine.core.CoreStep` (the record every core
-    stand-in builds), with vLLM's request objects from `requests`."""
+    stand-in builds), with vLLM's request objects from `requests`, and the Mamba states the
+    core hands off in the step (`(group, vLLM block id, boundary tokens)` per request)."""
     return scheduler_output(
         setup, new={r: (requests[r], b) for r, b in step.new.items()},
         resumed={r: (requests[r], b) for r, b in step.cached.items() if r in step.resumed},
         cached={r: (requests[r], b) for r, b in step.cached.items() if r not in step.resumed},
         num_scheduled_tokens=step.num_scheduled, finished_req_ids=step.finished,
-        preempted_req_ids=step.preempted)
+        preempted_req_ids=step.preempted, boundary_state_offloads=handoffs)
 
 
 def _groups(blocks: Sequence[Any]) -> tuple[list[int], ...]:
@@ -415,7 +432,9 @@ def scheduler_output(setup: VLLMSetup, *,
                      cached: Mapping[str, tuple[Any, Sequence[int]]] | None = None,
                      num_scheduled_tokens: Mapping[str, int] | None = None,
                      finished_req_ids: set[str] | frozenset[str] | None = None,
-                     preempted_req_ids: set[str] | frozenset[str] | None = None) -> Any:
+                     preempted_req_ids: set[str] | frozenset[str] | None = None,
+                     boundary_state_offloads: Mapping[str, Sequence[tuple[int, int, int]]]
+                     | None = None) -> Any:
     """A real `SchedulerOutput`.
 
     - `new`: first scheduling of a request, `{req_id: (request, whole block table)}`;
@@ -424,7 +443,9 @@ def scheduler_output(setup: VLLMSetup, *,
     - `cached`: a request that keeps running, `{req_id: (request, blocks added this step)}`;
     - `num_scheduled_tokens`: tokens computed this step per scheduled request;
     - `finished_req_ids`: requests finished since the previous step;
-    - `preempted_req_ids`: requests the core preempted since the previous step.
+    - `preempted_req_ids`: requests the core preempted since the previous step;
+    - `boundary_state_offloads`: the Mamba states the core commits in this step, as
+      `kv_connector_block_state` carries them (0.33; the connector reads nothing else of it).
     """
     v = _v()
     out = v.SchedulerOutput.make_empty()
@@ -454,6 +475,14 @@ def scheduler_output(setup: VLLMSetup, *,
     out.total_num_scheduled_tokens = sum(sched.values())
     out.finished_req_ids = SortedIdSet(finished_req_ids or ())
     out.preempted_req_ids = SortedIdSet(preempted_req_ids) if preempted_req_ids else None
+    if boundary_state_offloads:
+        def no_tables(req_id: str) -> tuple[list[int], ...]:
+            raise NotImplementedError("the offloading connector reads only the hand-offs")
+
+        out.kv_connector_block_state = v.KVConnectorBlockState(
+            req_ids=set(sched) | set(boundary_state_offloads), resolve_block_ids=no_tables,
+            boundary_state_offloads={r: [tuple(map(int, e)) for e in entries]
+                                     for r, entries in boundary_state_offloads.items()})
     return out
 
 

@@ -115,3 +115,60 @@ def test_f2_reset_then_store_reads_a_reallocated_sliding_window_block(
     assert 4 in sliding, (
         f"vLLM no longer stores from the re-allocated block 4 (sources {sliding}): F2 is "
         "fixed; move it to the fixed findings in CONFORMANCE.md")
+
+
+# ============================================================================ a Mamba group
+def _jobs_by_groups(meta: Any) -> dict[tuple[int, ...], tuple[list[int], list[int]]]:
+    """Each store job as {group sizes: (source block ids, block indices)}."""
+    out = {}
+    for job in meta.store_jobs.values():
+        spec = job.src_spec
+        out[tuple(int(n) for n in spec.group_sizes)] = (
+            [int(b) for b in spec.block_ids], [int(i) for i in spec.block_indices])
+    return out
+
+
+def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_does(
+        vllm_ready: Any) -> None:
+    """vLLM 0.33.0 with a full-attention and a Mamba group (align mode): the positional
+    store skips the Mamba group (S:1904-1905); the state the core hands off at a block
+    boundary is a store of that one block, fenced at creation (S:1554-1624). The reference
+    scheduler, given the same step, makes the same two jobs."""
+    E = vllm_ready
+    if E.vllm_version() < (0, 26, 0):
+        pytest.skip("hybrid KV cache configurations need vLLM 0.33")
+    from spec.groups import NULL_BLOCK
+    from statemachine import KVCacheGroup, OffloadingConfig, OffloadingScheduler
+    from statemachine.messages import NewRequestData, Request, SchedulerOutput
+
+    setup = E.make_setup(num_gpu_blocks=16, block_size=BLOCK, groups=("full", "mamba"))
+    conn = setup.connector
+    r0 = E.make_request(setup, "r0", _prompt(0))
+    conn.on_new_request(r0)
+    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
+    table = ([1, 2, 3], [0, 5, 0])  # the state after two blocks lies in block 5
+    conn.update_state_after_alloc(r0, E.kv_blocks(table), 0)
+    r0.status = E.request_status().RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (r0, table)}, num_scheduled_tokens={"r0": 2 * BLOCK},
+        boundary_state_offloads={"r0": [(1, 5, 2 * BLOCK)]}))
+    vllm_jobs = _jobs_by_groups(meta)
+    assert vllm_jobs == {(2, 0): ([1, 2], [0, 0]), (0, 1): ([5], [0, 1])}
+    [state_job] = [j for j, s in setup.scheduler._jobs.items() if s.fenced_block_ids]
+    assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
+
+    ours = OffloadingScheduler(OffloadingConfig(
+        block_size=BLOCK, groups=(KVCacheGroup("full"), KVCacheGroup("mamba"))))
+    hashes = [b + 1 for b in range(3)]
+    req = Request("r0", _prompt(0), block_hashes=hashes)
+    ours.on_new_request(req)
+    ours.get_num_new_matched_tokens(req, 0)
+    mine = ((0, 1, 2), (NULL_BLOCK, 4, NULL_BLOCK))  # vLLM's ids less one, -1 for null
+    ours.update_state_after_alloc(req, mine, 0)
+    out = ours.build_connector_meta(SchedulerOutput(
+        (NewRequestData("r0", mine),), (), {"r0": 2 * BLOCK},
+        boundary_state_offloads={"r0": ((1, 4, 2 * BLOCK),)}))
+    our_jobs = {tuple(j.src.group_sizes): ([b + 1 for b in j.src.block_ids],  # type: ignore[attr-defined]
+                                           list(j.src.block_indices))  # type: ignore[attr-defined]
+                for j in out.store_jobs.values()}
+    assert our_jobs == vllm_jobs

@@ -76,7 +76,8 @@ def test_vllm_conforms_to_the_spec(vllm_ready: Any, record_property: Any) -> Non
 
 def test_vllm_conforms_with_a_hybrid_kv_cache(vllm_ready: Any, record_property: Any) -> None:
     """The machine on vLLM's connector built with a full-attention and a sliding-window KV
-    cache group (block size 16; 1, 2 and 4 blocks per chunk) and on chunks of 2 blocks:
+    cache group (block size 16; 1, 2 and 4 blocks per chunk), with a full-attention and a
+    Mamba group (the core's hand-offs played by the adapter) and on chunks of 2 blocks:
     refinement, every invariant after every hook, the drain (`HYBRID_VLLM_BOUNDS`)."""
     from conformance.adapter import VLLMHybridMachine
 
