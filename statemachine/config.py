@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec.groups import GROUP_KINDS, HANDOFF_KINDS, WINDOW_KINDS, GroupKind, group_skipped_blocks
+from spec.groups import (
+    GROUP_KINDS,
+    HANDOFF_KINDS,
+    WINDOW_KINDS,
+    GroupKind,
+    group_load_window_chunks,
+    group_skipped_blocks,
+    group_window_chunks,
+)
 from statemachine.errors import ConfigError
 
 
@@ -113,6 +121,17 @@ class OffloadingConfig:
     def handoff_groups(self) -> tuple[int, ...]:
         """The groups stored only from the core's boundary-state hand-offs: Mamba."""
         return tuple(i for i, g in enumerate(self.groups) if g.kind in HANDOFF_KINDS)
+
+    def window_chunks(self, group: int) -> int:
+        """The run of hit chunks a window group's lookup needs."""
+        g = self.groups[group]
+        return group_window_chunks(g.kind, g.sliding_window, self.tokens_per_chunk)
+
+    def load_window_chunks(self, group: int, end_tokens: int) -> int:
+        """The chunks a hit of a window group ending at `end_tokens` needs."""
+        g = self.groups[group]
+        return group_load_window_chunks(g.kind, g.sliding_window, self.tokens_per_chunk,
+                                        end_tokens)
 
     def skipped_blocks(self, group: int, computed: int) -> int:
         """Blocks of `group` before the window once `computed` tokens are computed (the core

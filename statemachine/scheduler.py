@@ -24,13 +24,7 @@ from typing import Any
 import spec
 from spec import job as J
 from spec import request as R
-from spec.groups import (
-    NULL_BLOCK,
-    cdiv,
-    group_load_window_chunks,
-    group_window_chunks,
-    offload_key,
-)
+from spec.groups import NULL_BLOCK, cdiv, offload_key
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -250,10 +244,9 @@ class OffloadingScheduler:
     def _lookup(self, req: RequestState, request: Request, n: int) -> int | None:
         """The tokens loadable after the local hit `n`; None means defer
         (`_lookup_complete_chunks`, S:849-1054). Every group scans its keys (a prefix scan
-        for full attention, a suffix-window scan for a sliding window or Mamba state); a
-        group's answer can
-        shorten the hit, which sends the groups round again until it converges. The hit
-        never covers the last prompt token's block (LAST-TOKEN-BOUND)."""
+        for full attention, a suffix-window scan for a sliding window or a Mamba state); a
+        group's answer can shorten the hit, which sends the groups round again until it
+        converges. The hit never covers the last prompt token's block (LAST-TOKEN-BOUND)."""
         if request.skip_reading_prefix_cache:
             return 0
         cfg = self.config
@@ -272,7 +265,6 @@ class OffloadingScheduler:
         while todo:
             looked_sliding, groups, todo = False, todo, ()
             for g in groups:
-                group = cfg.groups[g]
                 windowed = g in cfg.window_groups
                 max_hit = min(max_hit, len(keys[g]) * tpc)
                 if req.max_load_tokens is not None:
@@ -284,11 +276,9 @@ class OffloadingScheduler:
                 if not windowed:
                     found = self._prefix_scan(keys[g][start:n_chunks], req)
                 else:
-                    first = group_load_window_chunks(group.kind, group.sliding_window, tpc,
-                                                     min(max_hit, n_chunks * tpc))
-                    found = self._window_scan(
-                        keys[g][start:n_chunks], req, first,
-                        group_window_chunks(group.kind, group.sliding_window, tpc))
+                    first = cfg.load_window_chunks(g, min(max_hit, n_chunks * tpc))
+                    found = self._window_scan(keys[g][start:n_chunks], req, first,
+                                              cfg.window_chunks(g))
                 if found == 0:
                     return 0
                 if found is None:
@@ -308,11 +298,10 @@ class OffloadingScheduler:
         if defer:
             return None
         end = n + num_hit
-        for g, group in enumerate(cfg.groups):  # a hit chunk an async load still brings
+        for g in range(cfg.num_groups):  # a hit chunk an async load still brings
             hit = keys[g][n // tpc:cdiv(end, tpc)]
             if g in cfg.window_groups:
-                hit = hit[-group_load_window_chunks(group.kind, group.sliding_window, tpc,
-                                                    end):]
+                hit = hit[-cfg.load_window_chunks(g, end):]
             if any(k in self.chunks_being_loaded for k in hit):
                 return None
         return num_hit
