@@ -22,10 +22,11 @@ demo: $(STAMP)
 	$(BIN)/kvspec simulate --seed 1
 	$(BIN)/kvspec check
 
+# the tests run one file per worker over every core (a module's fixtures are built once)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak" --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak" -n auto --dist loadfile --cov=statemachine --cov=spec --cov-report=term:skip-covered
 	$(BIN)/kvspec diagrams --check
 
 # the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)
