@@ -1,17 +1,18 @@
 """`VLLMAdapter`: the model-based test machine of `statemachine.testing`, driving vLLM.
 
-The machine's model speaks in small units: one token is one GPU block is one chunk, chunk
-keys are `spec.model.key(family, position)`, GPU blocks are 0..gpu_blocks-1. The adapter
+The machine's model speaks in small units: a GPU block holds `tokens_per_block` model
+tokens (1 by default), chunk keys are `spec.model.key(family, position)`, GPU blocks are
+0..gpu_blocks-1. The adapter
 translates each model hook call into the same hook of vLLM's real scheduler-side
 `OffloadingConnector` (built by `conformance.vllm_env`):
 
-- a model token at `position` of a prompt of `family` becomes one full vLLM block of
-  `BLOCK_SIZE` token ids that are a pure function of (family, position), so prompts that
-  share a model prefix share vLLM block hashes, hence offload keys; the adapter keeps the map
-  from each offload key back to the model key;
-- token counts (lookup hits, scheduled and computed tokens) are multiplied by `BLOCK_SIZE`
-  on the way in and divided on the way out (a vLLM answer that is not a whole number of
-  blocks is a divergence);
+- vLLM's blocks hold `BLOCK_SIZE` tokens, so a model token is `BLOCK_SIZE //
+  tokens_per_block` of them: token ids that are a pure function of (family, position), so
+  prompts that share a model prefix share vLLM block hashes, hence offload keys; the adapter
+  keeps the map from each offload key back to the model key;
+- token counts (lookup hits, scheduled and computed tokens) are multiplied by the vLLM
+  tokens per model token on the way in and divided on the way out (a vLLM answer that is not
+  a whole number of model tokens is a divergence);
 - model GPU block `b` is vLLM block `b + 1` (vLLM's block 0 is the null block);
 - the adapter plays vLLM's core scheduler around the hooks: request status
   (`RUNNING`, `PREEMPTED` with `num_computed_tokens = 0`, `WAITING_FOR_REMOTE_KVS`,
@@ -53,14 +54,23 @@ from statemachine.testing import (
 )
 
 BLOCK_SIZE = 16
-"""vLLM tokens per model token (one full vLLM block, one block hash, one chunk)."""
+"""vLLM tokens per GPU block (one block hash each); a model token is `BLOCK_SIZE //
+tokens_per_block` of them."""
 
 
-def block_tokens(family: int, position: int) -> list[int]:
-    """The vLLM token ids of the model token at `position` of a prompt of `family`."""
+def block_tokens(family: int, position: int, n: int = BLOCK_SIZE) -> list[int]:
+    """The `n` vLLM token ids of the model token at `position` of a prompt of `family`."""
     base = 3 + (family * 101 + position) * BLOCK_SIZE
     span = E.VOCAB_SIZE - 3
-    return [3 + (base + i - 3) % span for i in range(BLOCK_SIZE)]
+    return [3 + (base + i - 3) % span for i in range(n)]
+
+
+def tokens_per_model_token(bounds: M.Bounds) -> int:
+    """vLLM tokens per model token: a vLLM block holds `tokens_per_block` model tokens."""
+    if BLOCK_SIZE % bounds.tokens_per_block:
+        raise ValueError(f"{bounds.tokens_per_block} model tokens per block do not divide "
+                         f"vLLM's block of {BLOCK_SIZE} tokens")
+    return BLOCK_SIZE // bounds.tokens_per_block
 
 
 def _accepts_max_num_new_tokens(scheduler: Any) -> bool:
@@ -83,6 +93,8 @@ class VLLMAdapter:
         if bounds.store_threshold > 1:
             extra["store_threshold"] = bounds.store_threshold
         self.groups = len(bounds.groups)
+        self.tok = tokens_per_model_token(bounds)
+        """vLLM tokens per model token."""
         self.setup = E.make_setup(num_gpu_blocks=bounds.gpu_blocks + 1, block_size=BLOCK_SIZE,
                                   blocks_per_chunk=bounds.blocks_per_chunk,
                                   num_cpu_chunks=bounds.cpu_chunks, num_workers=bounds.workers,
@@ -92,7 +104,8 @@ class VLLMAdapter:
         self.scheduler = self.setup.scheduler
         self.status = E.request_status()
         self.obs = Observations(num_workers=bounds.workers, groups=bounds.groups,
-                                sliding_window=bounds.sliding_window)
+                                sliding_window=bounds.sliding_window,
+                                tokens_per_block=bounds.tokens_per_block)
         if not hasattr(self.scheduler, "_reset_fence"):
             self.obs.emulated_fence = {}
         self.requests: dict[str, Any] = {}
@@ -159,18 +172,20 @@ class VLLMAdapter:
         if req is not None:
             return req
         t = next(t for t in self.bounds.templates() if t.req_id == req_id)
-        prompt = [tok for c in range(t.tokens) for tok in block_tokens(t.family, c)]
+        prompt = [tok for p in range(t.tokens) for tok in block_tokens(t.family, p, self.tok)]
         req = E.make_request(
             self.setup, req_id, prompt,
-            kv_transfer_params=transfer_params(t.settings, BLOCK_SIZE) or None,
+            kv_transfer_params=transfer_params(t.settings, self.tok) or None,
             skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         hashes = list(req.block_hashes)
-        if len(hashes) != t.tokens:
-            raise AssertionError(f"{req_id}: {len(hashes)} block hashes for {t.tokens} blocks")
-        for c, h in enumerate(hashes):
+        tpb = self.bounds.tokens_per_block
+        if len(hashes) != t.tokens // tpb:
+            raise AssertionError(f"{req_id}: {len(hashes)} block hashes for "
+                                 f"{t.tokens // tpb} full blocks")
+        for c, h in enumerate(hashes):  # the hash of a block is the model's at its last token
             for g in range(self.groups):
-                self.obs.key_of[bytes(E.offload_key(h, g))] = M.key(t.family, c, g,
-                                                                     self.groups)
+                self.obs.key_of[bytes(E.offload_key(h, g))] = M.key(
+                    t.family, (c + 1) * tpb - 1, g, self.groups)
         self.requests[req_id] = req
         self.family[req_id] = t.family
         return req
@@ -239,18 +254,18 @@ class VLLMAdapter:
             # token, through vLLM's own bound for it (what OffloadingConnector passes for
             # hybrid models: the longest hit of num_tokens - 1 tokens).
             hits, is_async = self.scheduler.get_num_new_matched_tokens(
-                req, local * BLOCK_SIZE,
-                max_num_new_tokens=max(0, (req.num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
-                                       - local * BLOCK_SIZE))
+                req, local * self.tok,
+                max_num_new_tokens=max(0, (req.num_tokens - 1) // self.tok * self.tok
+                                       - local * self.tok))
         else:
             hits, is_async = self.connector.get_num_new_matched_tokens(req,
-                                                                       local * BLOCK_SIZE)
+                                                                       local * self.tok)
         self.last_async[req_id] = bool(is_async)
         if hits is None:
             return None, bool(is_async)
         self.hit_tokens[req_id] = int(hits)
         try:
-            return model_hit(int(hits), "sliding" in self.bounds.groups, BLOCK_SIZE), \
+            return model_hit(int(hits), "sliding" in self.bounds.groups, self.tok), \
                 bool(is_async)
         except AssertionError as exc:
             raise AssertionError(f"lookup of {req_id}: {exc}") from None
@@ -293,21 +308,21 @@ class VLLMAdapter:
                 obs.core_blocks[r] = ()
         for r, (n, _aborted) in computed.items():
             if r in self.requests:
-                self.requests[r].num_computed_tokens = n * BLOCK_SIZE
+                self.requests[r].num_computed_tokens = n * self.tok
         ledger = self.ledger
         for r in sched:  # in the model's order: the order of vLLM's stores
             obs.window_end[r] = computed[r][0] + sched[r]
             if r in new:
                 req = self._request(r)
                 vblocks = self._vllm_table(new[r])
-                ledger.admit(r, vblocks, sched[r] * BLOCK_SIZE)
+                ledger.admit(r, vblocks, sched[r] * self.tok)
                 req.status = self.status.RUNNING
                 obs.core_status[r] = "running"
                 obs.core_blocks[r] = _flat(vblocks)
             else:
                 vblocks = self._vllm_table(cached[r]) if cached[r] or self.groups == 1 \
                     else tuple([] for _ in range(self.groups))
-                ledger.run(r, vblocks, sched[r] * BLOCK_SIZE)
+                ledger.run(r, vblocks, sched[r] * self.tok)
                 if self.groups == 1:
                     obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
         for r in finished:
@@ -316,7 +331,7 @@ class VLLMAdapter:
             ledger.preempt(r)
         out = E.scheduler_output_of(  # the core hands off a Mamba group's states
             self.setup, ledger.close(), self.requests,
-            {r: [(g, vllm_block(b), end * BLOCK_SIZE) for g, b, end in entries]
+            {r: [(g, vllm_block(b), end * self.tok) for g, b, end in entries]
              for r, entries in handoffs.items()})
         meta = self.connector.build_connector_meta(out)  # victims: counted_prepare_store
         self._memo_jobs(meta)
@@ -347,6 +362,7 @@ class VLLMAdapter:
         req = self._request(req_id)
         req.status = (self.status.FINISHED_ABORTED if aborted
                       else self.status.FINISHED_STOPPED)
+        self.obs.final_blocks[req_id] = self.obs.core_blocks.get(req_id, ())
         blocks = [b for b in self.obs.core_blocks.get(req_id, ()) if b != 0]
         if self.obs.core_status.get(req_id) != "remote":  # an abort while loading keeps them
             self.obs.core_blocks[req_id] = ()
@@ -392,10 +408,11 @@ def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
                          f"with a sliding window or a Mamba group; got {bounds.groups}")
     if "sliding" not in bounds.groups:
         return {"groups": bounds.groups}
-    if bounds.sliding_window - 1 < bounds.blocks_per_chunk:
-        raise ValueError(f"a sliding window of {bounds.sliding_window} blocks does not span "
-                         f"a chunk of {bounds.blocks_per_chunk} blocks and the one before it")
-    return {"sliding_window": window_tokens(bounds.sliding_window, BLOCK_SIZE),
+    if bounds.sliding_window - 1 < bounds.tokens_per_chunk:
+        raise ValueError(f"a sliding window of {bounds.sliding_window} tokens does not span "
+                         f"a chunk of {bounds.tokens_per_chunk} tokens and the one before it")
+    return {"sliding_window": window_tokens(bounds.sliding_window,
+                                            tokens_per_model_token(bounds)),
             "groups": bounds.groups}
 
 
@@ -419,7 +436,7 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
 
 
 HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
-    *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.blocks_per_chunk + 1)
+    *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
               if "sliding" in b.groups else b.sliding_window)
       for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))
       if len(b.groups) <= E.NUM_LAYERS),  # one layer per group
@@ -430,9 +447,9 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
 """The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
 groups (one layer per group), without worker failures and with a window that spans a chunk
 (`hybrid_setup`), plus 4-block chunks: a full-attention and a sliding-window group (either
-order) with 1, 2 and 4 blocks per chunk, a full-attention and a Mamba group, and one
-full-attention group of 2-block chunks (vLLM block size 16: one model token is one vLLM
-block)."""
+order) with 1, 2 and 4 blocks per chunk, a full-attention and a Mamba group, one
+full-attention group of 2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a
+model token is 16 vLLM tokens, or 8 where a block holds 2 model tokens)."""
 
 
 VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")

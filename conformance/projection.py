@@ -66,6 +66,8 @@ class Observations:
     """The core's view: waiting / remote / running / finished."""
     core_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """vLLM GPU block ids the core holds for the request."""
+    final_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The core's table of each finished request as it finished."""
     jobs: dict[int, JobMemo] = field(default_factory=dict)
     flush_requested: set[int] = field(default_factory=set)
     flush_shipped: set[int] = field(default_factory=set)
@@ -78,16 +80,19 @@ class Observations:
     """The KV cache groups' kinds (the core's tables are flat, group by group)."""
     sliding_window: int = 1
     """The window of a sliding-window group, in model tokens."""
+    tokens_per_block: int = 1
+    """Model tokens per GPU block."""
     window_end: dict[str, int] = field(default_factory=dict)
     """Model tokens computed once each request's last scheduled step ran: the core frees a
     window group's blocks before that window (the adapter plays the core)."""
 
-    def held(self, req_id: str) -> tuple[int, ...]:
-        """The model blocks the core still gives `req_id`: no null block, and a window
-        group's positions only in the window."""
-        table = self.core_blocks.get(req_id, ())
-        freed = set(freed_positions(self.groups, self.sliding_window, 1, len(table),
-                                    self.window_end.get(req_id, 0)))
+    def held(self, req_id: str, table: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The model blocks the core still gives `req_id` (of `table`, by default the core's
+        table now): no null block, and a window group's positions only in the window."""
+        if table is None:
+            table = self.core_blocks.get(req_id, ())
+        freed = set(freed_positions(self.groups, self.sliding_window, self.tokens_per_block,
+                                    len(table), self.window_end.get(req_id, 0)))
         return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and i not in freed)
 
 
@@ -183,10 +188,14 @@ def project(setup: Any, obs: Observations) -> AbstractState:
         state = _request_state(sched, obs, req_id, st)
         if state in R.HOLDS_GPU_BLOCKS:
             gpu = obs.held(req_id)
-        elif st.req.is_finished():  # aborted while loading: the load's blocks stay held
+        elif st.req.is_finished():
+            # finished while loading: the load's blocks stay held, but not those its window
+            # had left behind while the request ran
+            still = set(obs.held(req_id, obs.final_blocks.get(req_id, ())))
             gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
                         and not sched._jobs[j].is_store
-                        for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ()))
+                        for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ())
+                        if b in still)
         else:
             gpu = ()
         requests.append(RequestRecord(

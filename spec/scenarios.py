@@ -163,6 +163,15 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=1, preemptions=1, blocks_per_chunk=2),
              Expect("pass", 35_945, 18)),
+    Scenario("multi-token-blocks",
+             "blocks of 2 tokens, a full-attention and a sliding-window group (window 3), "
+             "prompts of 5 tokens: a step ends inside a block, the last block is partial and "
+             "never stored, hits, loads and the window's frees whole blocks; a failure and "
+             "a preemption",
+             Bounds(requests=2, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=8, resets=0,
+                    failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=3,
+                    tokens_per_block=2),
+             Expect("pass", 32_101, 25)),
     Scenario("request-settings",
              "requests with their own settings (vLLM's kv_transfer_params and "
              "skip_reading_prefix_cache): a request whose stores stop at a cap and whose "

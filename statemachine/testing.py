@@ -72,13 +72,14 @@ class Adapter(Protocol):
 
 
 BLOCK = 4
-"""Tokens per GPU block of the reference implementation under the model (one model token
-is one block): above one, so that a hit one token short of a block is a real case."""
+"""Tokens of the reference implementation per model token (its blocks hold
+`tokens_per_block` model tokens): above one, so that a hit one token short of a block is a
+real case."""
 
 
 def transfer_params(settings: M.RequestSettings, block: int = BLOCK) -> dict[str, int]:
-    """A request's `kv_transfer_params` for the model's settings (one model token is one
-    block of `block` tokens)."""
+    """A request's `kv_transfer_params` for the model's settings (one model token is `block`
+    tokens)."""
     out: dict[str, int] = {}
     if settings.max_load_tokens is not None:
         out["max_load_tokens"] = settings.max_load_tokens * block
@@ -88,24 +89,25 @@ def transfer_params(settings: M.RequestSettings, block: int = BLOCK) -> dict[str
 
 
 def model_hit(tokens: int, sliding: bool, block: int = BLOCK) -> int:
-    """A lookup's hit in tokens as the model's, in blocks. With a sliding-window group a
-    hit may stop one token before a block's end (the last prompt token is recomputed,
-    S:872-876): the block is loaded, so it counts."""
+    """A lookup's hit in tokens as the model's (one model token is `block` tokens). With a
+    sliding-window group a hit may stop one token before a model token's end (the last
+    prompt token is recomputed, S:872-876): that model token is loaded, so it counts."""
     if tokens % block and not (sliding and tokens % block == block - 1):
-        raise AssertionError(f"a hit of {tokens} tokens is not whole blocks of {block}"
+        raise AssertionError(f"a hit of {tokens} tokens is not whole model tokens of {block}"
                              + (" (or one token short of one)" if sliding else ""))
     return -(-tokens // block)
 
 
 class ReferenceAdapter:
-    """Drives `statemachine.OffloadingScheduler` (one token = one block; the bounds give the
-    KV cache groups and blocks per chunk)."""
+    """Drives `statemachine.OffloadingScheduler` (one model token is `BLOCK` tokens; the
+    bounds give the KV cache groups, tokens per block and blocks per chunk)."""
 
     def __init__(self, bounds: M.Bounds) -> None:
         self.bounds = bounds
         sync = 10**9 if bounds.sync_loads else 0
         self.config = OffloadingConfig(
-            block_size=BLOCK, blocks_per_chunk=bounds.blocks_per_chunk, num_workers=bounds.workers,
+            block_size=BLOCK * bounds.tokens_per_block, blocks_per_chunk=bounds.blocks_per_chunk,
+            num_workers=bounds.workers,
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
             store_threshold=bounds.store_threshold,
@@ -129,8 +131,10 @@ class ReferenceAdapter:
     def _request(self, req_id: str) -> Request:
         if req_id not in self.requests:
             t = next(t for t in self.bounds.templates() if t.req_id == req_id)
-            hashes = [M.key(t.family, c) for c in range(t.tokens)]
-            tokens = [h * BLOCK + i for h in hashes for i in range(BLOCK)]
+            tpb = self.bounds.tokens_per_block
+            tokens = [M.key(t.family, p) * BLOCK + i for p in range(t.tokens)
+                      for i in range(BLOCK)]
+            hashes = [M.key(t.family, (c + 1) * tpb - 1) for c in range(t.tokens // tpb)]
             self.requests[req_id] = Request(
                 req_id, tokens, block_hashes=hashes,
                 kv_transfer_params=transfer_params(t.settings) or None,
@@ -262,10 +266,19 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=16, resets=1,
              failures=1, preemptions=1, groups=("full", "sliding", "mamba"),
              sliding_window=2, blocks_per_chunk=2, sync_loads=True),
+    M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=4, gpu_blocks=9,
+             resets=1, failures=1, preemptions=1, tokens_per_block=2),
+    M.Bounds(requests=2, tokens=7, workers=1, cpu_chunks=4, gpu_blocks=12, resets=1,
+             failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=3,
+             tokens_per_block=2, blocks_per_chunk=2, sync_loads=True),
+    M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=12,
+             resets=1, failures=1, preemptions=1, groups=("full", "mamba"),
+             tokens_per_block=2),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
-tokens over chunks of 2 blocks)."""
+tokens over chunks of 2 blocks), blocks of several tokens (a step, a prompt, a cap that ends
+inside a block)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

@@ -89,11 +89,12 @@ def initial(bounds: Bounds) -> ModelState:
 
 def _allocation(b: Bounds, tokens: int, computed: int) -> tuple[int, ...]:
     """The shape of the block table the core allocates for a request admitted with
-    `computed` tokens already computed (the hit): `tokens` positions per group, 0 for a
-    block to allocate, NULL_BLOCK where a window group needs none (before the window of the
-    first token to compute: for a Mamba group, every position before the hit's state)."""
+    `computed` tokens already computed (the hit): a block per `tokens_per_block` tokens in
+    each group, 0 for a block to allocate, NULL_BLOCK where a window group needs none (before
+    the window of the first token to compute: for a Mamba group, every position before the
+    hit's state)."""
     return tuple(NULL_BLOCK if p < b.skipped_blocks(g, computed) else 0
-                 for g in range(len(b.groups)) for p in range(tokens))
+                 for g in range(len(b.groups)) for p in range(b.blocks_of(tokens)))
 
 
 def _free_before_window(w: World) -> None:

@@ -153,16 +153,19 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
         return
     req = tracked(w, r)
     trigger = "load_sync" if req.sync_reserved else "load_async"
-    tpc = w.bounds.tokens_per_chunk
+    b = w.bounds
+    tpc = b.tokens_per_chunk
     end = local + hit
+    last = b.blocks_of(end)
     keys: list[int] = []
     dst: list[int] = []
-    for g in range(len(w.bounds.groups)):
+    for g in range(len(b.groups)):
         table = w.group_blocks(blocks, g)
-        first = next((i for i in range(local, end) if table[i] != NULL_BLOCK), end)
-        if first < end:
-            keys += w.keys_of(r, g)[first // w.bounds.blocks_per_chunk:cdiv(end, tpc)]
-            dst += table[first:end]
+        first = next((i for i in range(b.blocks_of(local), last) if table[i] != NULL_BLOCK),
+                     last)
+        if first < last:
+            keys += w.keys_of(r, g)[first // b.blocks_per_chunk:cdiv(end, tpc)]
+            dst += table[first:last]
     fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
          end_chunk=cdiv(end, tpc), sync=req.sync_reserved, block_table=tuple(blocks))
 
@@ -323,16 +326,19 @@ def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
 def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int, int], ...]]:
     """The boundary states the core hands to the connector in this step
     (`boundary_state_offloads`, vLLM `vllm/v1/core/sched/output.py`:214-228): for each
-    scheduled request, each Mamba group's state block after the step's last token, with that
-    boundary, as `(group, block, boundary)`. The core commits a state at every block it
-    completes (`MambaManager.cache_blocks`, with every state retained); a state the request
-    loaded is not handed off again (its chunk is stored)."""
+    scheduled request whose step completes a block, each Mamba group's state block after the
+    step's last token, with that boundary, as `(group, block, boundary)`. The core commits a
+    state at every block it completes (`MambaManager.cache_blocks`, with every state
+    retained); a state the request loaded is not handed off again (its chunk is stored)."""
     b = w.bounds
+    tpb = b.tokens_per_block
     out: dict[str, tuple[tuple[int, int, int], ...]] = {}
     for r, n in sched.items():
         core = w.core[r]
         boundary = core.computed + n
-        states = ((g, w.group_blocks(core.blocks, g)[boundary - 1])
+        if boundary % tpb:
+            continue  # the block is not complete: no state committed
+        states = ((g, w.group_blocks(core.blocks, g)[(boundary - 1) // tpb])
                   for g in b.handoff_groups())
         entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
         if entries:

@@ -1,12 +1,15 @@
 """The abstract model's state: bounds, the records of requests, jobs and the core, the
 hashable `ModelState`, and `World`, its mutable working copy during one event.
 
-Granularity: one token is one GPU block (block_size 1); a chunk is `blocks_per_chunk` blocks
-(1 by default). Each KV cache group (`Bounds.groups`: full attention or sliding window) has
-its own blocks and its own chunk keys: the key of request template `t`'s chunk `c` in group
-`g` is `key(t.family, c, g)`. A request's block table is flat, group by group (as vLLM's
-GPULoadStoreSpec orders it), `tokens` blocks per group; `NULL_BLOCK` marks a position the
-core left unallocated or freed (a sliding-window block before the window).
+Granularity: a GPU block holds `tokens_per_block` tokens (1 by default) and a chunk is
+`blocks_per_chunk` blocks (1 by default); a step computes one token of each running request.
+Each KV cache group (`Bounds.groups`: full attention, sliding window or Mamba) has its own
+blocks and its own chunk keys: the key of request template `t`'s chunk in group `g` is
+`key(t.family, p, g)`, `p` the chunk's last token (one block hash per token: the hash at a
+block's last token is the block's). A request's block table is flat, group by group (as
+vLLM's GPULoadStoreSpec orders it), `cdiv(tokens, tokens_per_block)` blocks per group;
+`NULL_BLOCK` marks a position the core left unallocated or freed (a window group's block
+before the window).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from spec.groups import (
     HANDOFF_KINDS,
     WINDOW_KINDS,
     GroupKind,
+    cdiv,
     freed_positions,
     group_load_window_chunks,
     group_skipped_blocks,
@@ -83,9 +87,9 @@ class Template:
 
 
 def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
-    """The chunk key of group `group` whose last block is at `position` of a prompt of
-    `family` (shared prefixes share keys): the block hash there is `family * 1000 +
-    position + 1` (vLLM: the hash at the chunk's last block plus the group index)."""
+    """The chunk key of group `group` whose last token is at `position` of a prompt of
+    `family` (shared prefixes share keys): the hash there is `family * 1000 + position + 1`
+    (vLLM: the hash at the chunk's last block plus the group index)."""
     return offload_key(family * 1000 + position + 1, group, num_groups)
 
 
@@ -118,6 +122,9 @@ class Bounds:
     sliding_window: int = 2
     """Tokens a sliding-window group attends to (the window of its last token)."""
     blocks_per_chunk: int = 1
+    tokens_per_block: int = 1
+    """Tokens per GPU block (vLLM's block size, in the model's tokens): above 1, a step can
+    end inside a block, and a hit, a store or a hand-off only ever covers whole blocks."""
     request_settings: tuple[RequestSettings, ...] = ()
     """Request i's settings (`max_load_tokens`, `max_offload_tokens`,
     `skip_reading_prefix_cache`); requests past the tuple's end have none."""
@@ -128,18 +135,24 @@ class Bounds:
     def __post_init__(self) -> None:
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
             raise ValueError(f"groups must be of {GROUP_KINDS}, got {self.groups!r}")
-        if self.blocks_per_chunk < 1 or self.sliding_window < 1 or self.store_threshold < 1:
-            raise ValueError("blocks_per_chunk, sliding_window and store_threshold must be "
-                             ">= 1")
+        if min(self.blocks_per_chunk, self.tokens_per_block, self.sliding_window,
+               self.store_threshold) < 1:
+            raise ValueError("blocks_per_chunk, tokens_per_block, sliding_window and "
+                             "store_threshold must be >= 1")
 
     @property
     def tokens_per_chunk(self) -> int:
-        return self.blocks_per_chunk  # one token per block
+        return self.blocks_per_chunk * self.tokens_per_block
 
     @property
     def hybrid(self) -> bool:
-        """Beyond the first model: several groups or chunks of several blocks."""
-        return len(self.groups) > 1 or self.groups != ("full",) or self.blocks_per_chunk > 1
+        """Beyond the first model: several groups, chunks of several blocks or blocks of
+        several tokens."""
+        return len(self.groups) > 1 or self.groups != ("full",) or self.tokens_per_chunk > 1
+
+    def blocks_of(self, tokens: int) -> int:
+        """The blocks a group needs for `tokens` tokens (the last one may be partial)."""
+        return cdiv(tokens, self.tokens_per_block)
 
     def window_groups(self) -> tuple[int, ...]:
         """The groups looked up by a suffix-window scan (sliding window and Mamba)."""
@@ -160,12 +173,14 @@ class Bounds:
                                         self.tokens_per_chunk, end_tokens)
 
     def skipped_blocks(self, g: int, computed: int) -> int:
-        return group_skipped_blocks(self.groups[g], self._window(g), 1, computed)
+        return group_skipped_blocks(self.groups[g], self._window(g), self.tokens_per_block,
+                                    computed)
 
     def freed_positions(self, length: int, computed: int) -> Iterator[int]:
         """The positions of a flat table of `length` blocks the core frees once `computed`
         tokens are computed (the window groups' positions before their window)."""
-        return freed_positions(self.groups, self.sliding_window, 1, length, computed)
+        return freed_positions(self.groups, self.sliding_window, self.tokens_per_block, length,
+                               computed)
 
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
@@ -375,12 +390,12 @@ class World:
     def keys_of(self, req_id: str, group: int = 0) -> list[int]:
         """The chunk keys of group `group` of the request: one per full chunk."""
         t, b = self.template(req_id), self.bounds
-        bpc = b.blocks_per_chunk
-        return [key(t.family, (c + 1) * bpc - 1, group, len(b.groups))
-                for c in range(t.tokens // b.tokens_per_chunk)]
+        tpc = b.tokens_per_chunk
+        return [key(t.family, (c + 1) * tpc - 1, group, len(b.groups))
+                for c in range(t.tokens // tpc)]
 
     def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
-        """Group `group`'s part of a flat block table (`tokens` blocks per group)."""
+        """Group `group`'s part of a flat block table (as many blocks per group)."""
         return split_groups(blocks, len(self.bounds.groups))[group] if blocks else ()
 
     keep_inside: bool = False
