@@ -182,10 +182,10 @@ class VLLMAdapter:
         if len(hashes) != t.tokens // tpb:
             raise AssertionError(f"{req_id}: {len(hashes)} block hashes for "
                                  f"{t.tokens // tpb} full blocks")
-        for c, h in enumerate(hashes):  # the hash of a block is the model's at its last token
+        for c, h in enumerate(hashes):
             for g in range(self.groups):
-                self.obs.key_of[bytes(E.offload_key(h, g))] = M.key(
-                    t.family, (c + 1) * tpb - 1, g, self.groups)
+                self.obs.key_of[bytes(E.offload_key(h, g))] = M.block_key(
+                    t.family, c, tpb, g, self.groups)
         self.requests[req_id] = req
         self.family[req_id] = t.family
         return req

@@ -134,7 +134,7 @@ class ReferenceAdapter:
             tpb = self.bounds.tokens_per_block
             tokens = [M.key(t.family, p) * BLOCK + i for p in range(t.tokens)
                       for i in range(BLOCK)]
-            hashes = [M.key(t.family, (c + 1) * tpb - 1) for c in range(t.tokens // tpb)]
+            hashes = [M.block_key(t.family, c, tpb) for c in range(t.tokens // tpb)]
             self.requests[req_id] = Request(
                 req_id, tokens, block_hashes=hashes,
                 kv_transfer_params=transfer_params(t.settings) or None,

@@ -42,6 +42,7 @@ from spec.model.state import (
     RequestSettings,
     Template,
     World,
+    block_key,
     key,
 )
 
@@ -59,5 +60,5 @@ def coverage_universe() -> set[tuple[str, int]]:
 __all__ = ["MACHINES", "NO_FAULTS", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
            "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
            "NotEnabled", "RequestSettings", "Tables", "Template", "World", "abstract", "apply",
-           "canonical", "coverage_universe", "events", "fair_class", "fire", "initial", "key",
-           "parse_events", "renumbering", "successors"]
+           "block_key", "canonical", "coverage_universe", "events", "fair_class", "fire",
+           "initial", "key", "parse_events", "renumbering", "successors"]

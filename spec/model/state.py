@@ -93,6 +93,13 @@ def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
     return offload_key(family * 1000 + position + 1, group, num_groups)
 
 
+def block_key(family: int, block: int, tokens_per_block: int, group: int = 0,
+              num_groups: int = 1) -> int:
+    """The key of block `block` of a prompt of `family`: the hash at the block's last token
+    (what an implementation's block hash `block` maps back to)."""
+    return key(family, (block + 1) * tokens_per_block - 1, group, num_groups)
+
+
 @dataclass(frozen=True)
 class Bounds:
     """What the environment may do; the state space is finite under these bounds."""
@@ -390,9 +397,9 @@ class World:
     def keys_of(self, req_id: str, group: int = 0) -> list[int]:
         """The chunk keys of group `group` of the request: one per full chunk."""
         t, b = self.template(req_id), self.bounds
-        tpc = b.tokens_per_chunk
-        return [key(t.family, (c + 1) * tpc - 1, group, len(b.groups))
-                for c in range(t.tokens // tpc)]
+        bpc = b.blocks_per_chunk
+        return [block_key(t.family, (c + 1) * bpc - 1, b.tokens_per_block, group,
+                          len(b.groups)) for c in range(t.tokens // b.tokens_per_chunk)]
 
     def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
         """Group `group`'s part of a flat block table (as many blocks per group)."""
