@@ -334,6 +334,13 @@ def _inv21(s: AbstractState) -> Iterator[Violation]:
                             r.id)
 
 
+def _inv22(s: AbstractState) -> Iterator[Violation]:
+    for k in sorted(s.misplaced_chunks):
+        yield Violation("INV-22", f"chunk {k} was copied from or to a block at another "
+                        "position than its own (a partial tail's key: the block its boundary "
+                        "falls in)")
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("INV-1", "jobs-in-table", "every id in any transfer_jobs is a key of _jobs",
               "implicit; broken before PR #48102", _inv1),
@@ -395,6 +402,11 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("INV-21", "store-cursor-reset", "between a reset and the next step every "
               "tracked request's store cursor is 0: the reset forgot every chunk, so each "
               "request stores its prefix again", "S:2429-2433", _inv21),
+    Invariant("INV-22", "copy-placement", "every job copies each chunk from or to the blocks "
+              "at the chunk's own positions in its group's table: a partial tail's key is "
+              "stored from, and loaded into, only the block its boundary falls in (the data's "
+              "truth, kept by the model; the engine checks the same on the bytes)",
+              "S:1428-1442, S:1688-1737", _inv22),
 )
 
 SAFETY = tuple(i for i in INVARIANTS if not i.is_progress)

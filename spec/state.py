@@ -100,6 +100,11 @@ class AbstractState:
     """Chunk keys the manager holds whose content is invalid: the data's truth, which the
     model keeps (`spec.model.truth`); an implementation's projection leaves it empty (its
     engine checks the same fact on the bytes)."""
+    misplaced_chunks: frozenset[int] = frozenset()
+    """Chunk keys some job copied from or to a block at another position than the chunk's
+    own (a partial tail's key: the block its boundary falls in): the data's truth, kept by
+    the model like `invalid_chunks`; an implementation's projection leaves it empty (the
+    engine's byte oracle checks the same fact on the bytes)."""
     extra: tuple[tuple[str, int], ...] = field(default=())
     """Counters that do not take part in invariants (ignored reports, ...)."""
 

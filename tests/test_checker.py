@@ -48,6 +48,21 @@ def test_the_scenario_set_reaches_three_requests_of_three_tokens() -> None:
     assert big
 
 
+def test_a_partial_tail_loaded_into_the_wrong_block_is_found_by_inv22_alone() -> None:
+    """A load that counts its blocks and chunks with floor division puts the boundary's key
+    into the last complete block: INV-22 finds it at the load's creation; with INV-22 off,
+    no other property does under the same bounds (the tables see nothing wrong)."""
+    fault = M.Fault.TAIL_LOAD_ROUNDS_DOWN
+    bounds = hunt_bounds(fault)
+    r = check(bounds, frozenset({fault}))
+    assert r.counterexample is not None and r.verdict == "invariant INV-22", r
+    text = r.counterexample.render()
+    assert "update_state_after_alloc" in text and len(r.counterexample.steps) <= 10, text
+    assert check(bounds).counterexample is None
+    blind = check(bounds, frozenset({fault}), without=frozenset({"INV-22"}))
+    assert blind.counterexample is None and blind.states > r.states
+
+
 @pytest.mark.parametrize("fault", [M.Fault.SLIDING_WINDOW_SKIPS_FENCE,
                                    M.Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS],
                          ids=lambda f: f.value)

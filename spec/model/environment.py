@@ -17,7 +17,16 @@ from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import follow_connector, free
 from spec.model.faults import NO_FAULTS, Faults
-from spec.model.hooks import alloc, build_meta, finish, handoffs, lookup, report, reset
+from spec.model.hooks import (
+    alloc,
+    build_meta,
+    finish,
+    handoffs,
+    lookup,
+    report,
+    reset,
+    tail_handoffs,
+)
 from spec.model.interpreter import SPEC_TABLES, Tables, fire
 from spec.model.projection import abstract
 from spec.model.state import (
@@ -194,7 +203,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 sched[r] = 1
         fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
         given = handoffs(w, sched)
+        tails = tail_handoffs(w, new, sched)
+        for r, entries in tails.items():
+            given[r] = given.get(r, ()) + entries
         build_meta(w, new, cached, sched, fin, pre, given)
+        free(w, tuple(block for entries in tails.values() for _, block, _ in entries))
         computed = {r: (c.computed, c.aborted) for r, c in w.core.items()}
         calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
                                                    fin, pre, computed, given)))

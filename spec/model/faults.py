@@ -26,6 +26,7 @@ class Fault(StrEnum):
     SLIDING_WINDOW_SKIPS_FENCE = "sliding-window-skips-fence"
     RESET_KEEPS_STALE_WINDOW_BLOCKS = "reset-keeps-stale-window-blocks"
     HANDOFF_STORE_SKIPS_FENCE = "handoff-store-skips-fence"
+    TAIL_LOAD_ROUNDS_DOWN = "tail-load-rounds-down"
 
 
 Faults = frozenset[Fault]

@@ -36,6 +36,8 @@ def lookup(w: World, r: str, local: int = 0) -> tuple[int | None, bool]:
         fire(w, "request", r, "lookup_resolved")
         return 0, False
     hit = _hit(w, r, local)
+    if hit is not None and w.bounds.partial_tails:
+        hit = _tail_hit(w, r, local, hit)
     if hit is None:
         fire(w, "request", r, "lookup_deferred")
         return None, False
@@ -142,6 +144,31 @@ def _hit(w: World, r: str, local: int) -> int | None:
     return num_hit
 
 
+def _tail_hit(w: World, r: str, local: int, complete: int) -> int | None:
+    """The partial-tail refinement of a hit of `complete` tokens (`_lookup`, S:1068-1152):
+    from the furthest hash boundary the hit may reach inside the next block down to the
+    complete hit's end, the first boundary whose keys every group holds ready extends the
+    hit to it. A write-pending key met before a miss defers the lookup, if the complete hit
+    is empty (a hit of complete chunks is answered at once)."""
+    t = w.template(r)
+    if t.settings.skip_reading_prefix_cache:
+        return complete
+    b = w.bounds
+    edge = local + complete
+    furthest = min(t.tokens - 1, edge + b.tokens_per_block - 1)
+    if t.settings.max_load_tokens is not None:
+        furthest = min(furthest, local + t.settings.max_load_tokens)
+    pending = False
+    for boundary in range(furthest, edge, -1):
+        refs = [w.chunks.get(w.tail_key(r, boundary, g)) for g in range(len(b.groups))]
+        missing = next((i for i, ref in enumerate(refs) if ref is None), len(refs))
+        here = any(ref == -1 for ref in refs[:missing])
+        if missing == len(refs) and not here:
+            return boundary - local
+        pending |= here
+    return None if pending and complete == 0 else complete
+
+
 def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -> None:
     """update_state_after_alloc (S:1351-1500): per group, the load fills the non-null blocks
     from the first fresh one up to the hit's end (a sliding-window group only its window),
@@ -154,20 +181,31 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
     req = tracked(w, r)
     trigger = "load_sync" if req.sync_reserved else "load_async"
     b = w.bounds
-    tpc = b.tokens_per_chunk
+    bpc, tpc = b.blocks_per_chunk, b.tokens_per_chunk
     end = local + hit
+    tail = b.partial_tails and end % tpc != 0  # a partial-tail hit (S:1374-1377)
     last = b.blocks_of(end)
+    end_chunk = cdiv(end, tpc)
+    if Fault.TAIL_LOAD_ROUNDS_DOWN in w.faults and tail:
+        last = end_chunk = end // tpc
     keys: list[int] = []
     dst: list[int] = []
+    copies: list[tuple[int, int]] = []
     for g in range(len(b.groups)):
         table = w.group_blocks(blocks, g)
         first = next((i for i in range(b.blocks_of(local), last) if table[i] != NULL_BLOCK),
                      last)
         if first < last:
-            keys += w.keys_of(r, g)[first // b.blocks_per_chunk:cdiv(end, tpc)]
+            group_keys = w.keys_of(r, g)[first // bpc:end_chunk - tail]
+            if tail:  # the boundary's key, last (S:1428-1442)
+                group_keys.append(w.tail_key(r, end, g))
+            keys += group_keys
             dst += table[first:last]
+            copies += ((k, min(last, (first // bpc + i + 1) * bpc) - 1)
+                       for i, k in enumerate(group_keys))
     fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
-         end_chunk=cdiv(end, tpc), sync=req.sync_reserved, block_table=tuple(blocks))
+         end_chunk=end_chunk, sync=req.sync_reserved, block_table=tuple(blocks))
+    truth.placed(w, copies)
 
 
 def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
@@ -207,6 +245,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
                 truth.failed_copy(w, jid)  # its data never confirmed
                 fire(w, "job", jid, "time_out")
     _store_boundaries(w, given or {})
+    _store_tails(w, given or {})
     for r in [*sched, *sorted(finished)]:
         opt = w.reqs.get(r)
         if opt is not None and opt.state in R.STORE_CANDIDATES:
@@ -266,6 +305,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
     n = 0
     offered: list[int] = []
     source: dict[int, tuple[tuple[int, ...], bool]] = {}
+    position: dict[int, int] = {}
     for g, kind in enumerate(b.groups):  # per group, S:1859-1982
         keys = w.keys_of(r, g)
         table = w.group_blocks(req.blocks, g)
@@ -278,6 +318,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
                 continue  # a block the core freed, or handed out again: nothing to store
             offered.append(keys[c])
             source[keys[c]] = (blocks, kind in WINDOW_KINDS)
+            position[keys[c]] = (c + 1) * bpc - 1
     if start >= n:
         return
     candidates = _prepare_store(w, r, offered)
@@ -290,6 +331,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
     fenced = tuple(x for c in candidates if source[c][1] for x in source[c][0])
     fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks,
          fenced_block_ids=fenced, end_chunk=n)
+    truth.placed(w, ((c, position[c]) for c in candidates))
 
 
 def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
@@ -364,6 +406,72 @@ def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...
                 fenced = () if Fault.HANDOFF_STORE_SKIPS_FENCE in w.faults else (block,)
                 fire(w, "request", r, "store", keys=(key,), block_ids=(block,),
                      fenced_block_ids=fenced, end_chunk=req.cursor)
+                truth.placed(w, ((key, boundary // w.bounds.tokens_per_block - 1),))
+
+
+def tail_handoffs(w: World, new: dict[str, tuple[int, ...]], sched: dict[str, int]
+                  ) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """The partial tails the core hands off in this step (vLLM's Mamba manager in align
+    mode, `vllm/v1/core/single_type_kv_cache_manager.py`:1880-1910, 2085-2135): a request
+    whose own steps reached its prompt's tail boundary (`Bounds.tail_boundary`) committed
+    its Mamba states there; as it is scheduled on, the core copies each on write into a
+    fresh block and hands that block off with the boundary, `(group, block, boundary)`.
+    A request that loaded its tail (admitted in this step, or resumed after an async load)
+    has it keyed already: nothing is handed off. The copy's block comes from the free pool
+    and goes back to it once the step is built; with no free block, no hand-off (vLLM's
+    core would not schedule the request)."""
+    b = w.bounds
+    out: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    for r in sorted(sched):
+        core = w.core[r]
+        boundary = b.tail_boundary(w.template(r).tokens)
+        if r in new or boundary is None or core.computed != boundary:
+            continue
+        groups = b.handoff_groups()
+        if len(w.free_blocks) < len(groups):
+            continue
+        copies = sorted(w.free_blocks)[:len(groups)]
+        w.free_blocks.difference_update(copies)
+        w.batch_alloc.update(copies)  # a copy's destination (S:1530-1531)
+        out[r] = tuple((g, block, boundary) for g, block in zip(groups, copies, strict=True))
+    return out
+
+
+def _store_tails(w: World, given: dict[str, tuple[tuple[int, int, int], ...]]) -> None:
+    """`_build_partial_tail_store_jobs` (S:1626-1760): a hand-off inside a block becomes one
+    store of every group's block the boundary falls in (the Mamba group's copy, the others'
+    table block), under the boundary's keys, all fenced from the job's creation; the store
+    cursor stays. vLLM asserts the boundary is within the request's offloadable tokens
+    (S:1662-1668); here a boundary past `max_offload_tokens` is not stored."""
+    b = w.bounds
+    tpb = b.tokens_per_block
+    for r, entries in sorted(given.items()):
+        tails = [(g, block, boundary) for g, block, boundary in entries if boundary % tpb]
+        req = w.reqs.get(r)
+        if not tails or req is None or req.state not in R.STORE_CANDIDATES or \
+                req.load_invalid:
+            continue
+        boundary = tails[0][2]
+        if boundary > _offloadable(w, r, w.template(r).tokens):
+            continue
+        position = boundary // tpb
+        copy_of = {g: block for g, block, _ in tails}
+        sources: dict[int, int] = {}
+        for g in range(len(b.groups)):
+            if g in copy_of:
+                sources[w.tail_key(r, boundary, g)] = copy_of[g]
+                continue
+            table = w.group_blocks(req.blocks, g)
+            if position >= len(table) or table[position] == NULL_BLOCK:
+                break
+            sources[w.tail_key(r, boundary, g)] = table[position]
+        else:
+            stored = _prepare_store(w, r, list(sources))
+            if stored:
+                blocks = tuple(sources[k] for k in stored)
+                fire(w, "request", r, "store", keys=tuple(stored), block_ids=blocks,
+                     fenced_block_ids=blocks, end_chunk=req.cursor)
+                truth.placed(w, ((k, position) for k in stored))
 
 
 def _end_step(w: World) -> None:

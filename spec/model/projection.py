@@ -54,7 +54,7 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         quarantine=quarantine, chunks_being_loaded=s.being_loaded, chunk_ref_cnt=s.chunks,
         block_fence=s.block_fence, jobs_to_flush=s.to_flush, step_open=step_open,
         reset_since_last_step=s.reset_since_step, finished_signals=s.signals,
-        invalid_chunks=s.bad_chunks,
+        invalid_chunks=s.bad_chunks, misplaced_chunks=s.misplaced,
         stores_after_signal=s.stores_after_signal,
     )
 

@@ -93,6 +93,12 @@ def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
     return offload_key(family * 1000 + position + 1, group, num_groups)
 
 
+def key_position(chunk_key: int, num_groups: int = 1) -> int:
+    """The token a chunk key was made at (its chunk's last token, or a partial tail's
+    boundary minus one): the inverse of `key` for the data's truth (`spec.model.truth`)."""
+    return (chunk_key // num_groups) % 1000 - 1
+
+
 def block_key(family: int, block: int, tokens_per_block: int, group: int = 0,
               num_groups: int = 1) -> int:
     """The key of block `block` of a prompt of `family`: the hash at the block's last token
@@ -138,6 +144,14 @@ class Bounds:
     store_threshold: int = 1
     """Store admission (vLLM's `store_threshold`, M:129-148, M:266-291): a chunk is stored
     only once offered this many times (1: every chunk)."""
+    partial_tails: bool = False
+    """Partial-tail stores and lookups (vLLM's `supports_partial_tail`, S:274-292): a hash
+    per token, finer than a block, so the core commits a Mamba state at the prompt's last
+    hash boundary inside a block (token `tokens - 1`), copies it on write and hands it off;
+    the connector stores it with the full-attention block the boundary falls in under the
+    boundary's keys, and a lookup that finds them hits up to the boundary. vLLM allows it
+    with one block per chunk, a Mamba group whose blocks are above one hash, and no sliding
+    window."""
 
     def __post_init__(self) -> None:
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
@@ -146,6 +160,12 @@ class Bounds:
                self.store_threshold) < 1:
             raise ValueError("blocks_per_chunk, tokens_per_block, sliding_window and "
                              "store_threshold must be >= 1")
+        if self.partial_tails and (self.blocks_per_chunk != 1 or self.tokens_per_block < 2
+                                   or "mamba" not in self.groups
+                                   or "sliding" in self.groups):
+            raise ValueError("partial_tails needs blocks_per_chunk 1, tokens_per_block >= 2, "
+                             "a mamba group and no sliding group (vLLM's "
+                             "supports_partial_tail, S:274-292)")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -188,6 +208,15 @@ class Bounds:
         tokens are computed (the window groups' positions before their window)."""
         return freed_positions(self.groups, self.sliding_window, self.tokens_per_block, length,
                                computed)
+
+    def tail_boundary(self, tokens: int) -> int | None:
+        """The partial tail a prompt of `tokens` tokens makes: its last hash boundary before
+        the last token (vLLM: `get_mamba_prefill_checkpoint_position`, at a hash per token),
+        when it falls inside a block; None without partial tails or on a block edge."""
+        boundary = tokens - 1
+        if not self.partial_tails or boundary <= 0 or boundary % self.tokens_per_block == 0:
+            return None
+        return boundary
 
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
@@ -292,6 +321,9 @@ class ModelState:
     offers: tuple[tuple[int, int], ...] = ()
     """Store admission: how often each key was offered, counted up to the threshold (only
     with `store_threshold >= 2`; a reset keeps them)."""
+    misplaced: frozenset[int] = frozenset()
+    """The data's truth: the chunk keys some job copied from or to a block at another
+    position than the chunk's own (INV-22)."""
 
 
 # ============================================================================ the world
@@ -339,6 +371,7 @@ class World:
     stores_after_signal: list[str] = field(default_factory=list)
     bad_chunks: set[int] = field(default_factory=set)
     offers: dict[int, int] = field(default_factory=dict)
+    misplaced: set[int] = field(default_factory=set)
     fired: list[tuple[str, int]] = field(default_factory=list)
     """(machine, transition index) of every row fired: the coverage."""
     moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)
@@ -353,7 +386,8 @@ class World:
                    dict(s.core), set(s.pending_finished), set(s.pending_preempted),
                    set(s.free_blocks), list(s.budget),
                    stores_after_signal=list(s.stores_after_signal),
-                   bad_chunks=set(s.bad_chunks), offers=dict(s.offers))
+                   bad_chunks=set(s.bad_chunks), offers=dict(s.offers),
+                   misplaced=set(s.misplaced))
 
     def freeze(self) -> ModelState:
         return ModelState(
@@ -368,7 +402,8 @@ class World:
             frozenset(self.pending_finished), frozenset(self.pending_preempted),
             frozenset(self.free_blocks), (self.budget[0], self.budget[1], self.budget[2]),
             tuple(sorted(self.stores_after_signal)),
-            frozenset(self.bad_chunks & self.chunks.keys()), tuple(sorted(self.offers.items())))
+            frozenset(self.bad_chunks & self.chunks.keys()), tuple(sorted(self.offers.items())),
+            frozenset(self.misplaced))
 
     # -- subjects by machine ------------------------------------------------------
     def get(self, machine: str, k: Any) -> Any:
@@ -400,6 +435,12 @@ class World:
         bpc = b.blocks_per_chunk
         return [block_key(t.family, (c + 1) * bpc - 1, b.tokens_per_block, group,
                           len(b.groups)) for c in range(t.tokens // b.tokens_per_chunk)]
+
+    def tail_key(self, req_id: str, boundary: int, group: int) -> int:
+        """The key of group `group`'s partial tail at `boundary` (vLLM's
+        `_make_boundary_key`, S:1056-1066: the hash at the boundary's last token)."""
+        b = self.bounds
+        return key(self.template(req_id).family, boundary - 1, group, len(b.groups))
 
     def group_blocks(self, blocks: tuple[int, ...], group: int) -> tuple[int, ...]:
         """Group `group`'s part of a flat block table (as many blocks per group)."""

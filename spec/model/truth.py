@@ -8,6 +8,8 @@ really true of the bytes, as the engine's byte oracle does on the real tensors:
   fails, times out, or read an invalid chunk, until the core restarts it from token zero;
 - a job's copy is invalid (`MJob.bad`): a store of invalid KV, a store or load a worker
   failed, a load of an invalid chunk;
+- a chunk was copied from or to the wrong place (`ModelState.misplaced`) when a job moved it
+  from or to a block at another table position than the one its key stands for (INV-22);
 - a chunk the manager holds is invalid (`ModelState.bad_chunks`) when a store whose copy was
   invalid published it.
 
@@ -19,7 +21,9 @@ failed store completed as a good one) is caught by the checker, not only by the 
 
 from __future__ import annotations
 
-from spec.model.state import MJob, World
+from collections.abc import Iterable
+
+from spec.model.state import MJob, World, key_position
 
 
 def _taint_owner(w: World, j: MJob) -> None:
@@ -69,3 +73,16 @@ def loaded(w: World, j: MJob) -> None:
     """Load `j` ended: an invalid copy leaves its request's KV invalid."""
     if j.bad:
         _taint_owner(w, j)
+
+
+def placed(w: World, copies: Iterable[tuple[int, int]]) -> None:
+    """A job copies each chunk `key` of `copies` from or to the block at table position
+    `position` of the chunk's group (the position of the chunk's last block it copies): the
+    chunk's own position is that of the block its key's token falls in (a chunk key: its
+    last block; a partial tail's key: the block its boundary falls in). Any other is
+    misplaced (INV-22)."""
+    b = w.bounds
+    for chunk_key, position in copies:
+        token = key_position(chunk_key, len(b.groups))
+        if position // b.blocks_per_chunk != token // b.tokens_per_chunk:
+            w.misplaced.add(chunk_key)
