@@ -178,14 +178,15 @@ class VLLMAdapter:
             kv_transfer_params=transfer_params(t.settings, self.tok) or None,
             skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         hashes = list(req.block_hashes)
-        tpb = self.bounds.tokens_per_block
-        if len(hashes) != t.tokens // tpb:
+        # a hash per block, or per model token where partial tails hash finer
+        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
+        if len(hashes) != t.tokens // unit:
             raise AssertionError(f"{req_id}: {len(hashes)} block hashes for "
-                                 f"{t.tokens // tpb} full blocks")
+                                 f"{t.tokens // unit} full hash blocks")
         for c, h in enumerate(hashes):
             for g in range(self.groups):
                 self.obs.key_of[bytes(E.offload_key(h, g))] = M.block_key(
-                    t.family, c, tpb, g, self.groups)
+                    t.family, c, unit, g, self.groups)
         self.requests[req_id] = req
         self.family[req_id] = t.family
         return req
@@ -295,7 +296,8 @@ class VLLMAdapter:
     def _build(self, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
                sched: dict[str, int], finished: frozenset[str], preempted: frozenset[str],
                computed: dict[str, tuple[int, bool]],
-               handoffs: dict[str, tuple[tuple[int, int, int], ...]]) -> Any:
+               handoffs: dict[str, tuple[tuple[int, int, int], ...]],
+               copies: tuple[tuple[int, int], ...]) -> Any:
         obs = self.obs
         for r in sorted(preempted):
             if r in new or r in self.admitted or r not in self.requests:
@@ -332,7 +334,8 @@ class VLLMAdapter:
         out = E.scheduler_output_of(  # the core hands off a Mamba group's states
             self.setup, ledger.close(), self.requests,
             {r: [(g, vllm_block(b), end * self.tok) for g, b, end in entries]
-             for r, entries in handoffs.items()})
+             for r, entries in handoffs.items()},
+            [(vllm_block(src), vllm_block(dst)) for src, dst in copies])
         meta = self.connector.build_connector_meta(out)  # victims: counted_prepare_store
         self._memo_jobs(meta)
         obs.reset_since_last_step = False
@@ -407,7 +410,9 @@ def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
         raise ValueError(f"the conformance setup takes one group, or {E.NUM_LAYERS} groups "
                          f"with a sliding window or a Mamba group; got {bounds.groups}")
     if "sliding" not in bounds.groups:
-        return {"groups": bounds.groups}
+        tails = {"prefix_match_unit": tokens_per_model_token(bounds)} \
+            if bounds.partial_tails else {}
+        return {"groups": bounds.groups, **tails}
     if bounds.sliding_window - 1 < bounds.tokens_per_chunk:
         raise ValueError(f"a sliding window of {bounds.sliding_window} tokens does not span "
                          f"a chunk of {bounds.tokens_per_chunk} tokens and the one before it")
@@ -435,9 +440,21 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
     return tuple(out)
 
 
+def offload_caps_past_the_tail(b: M.Bounds) -> M.Bounds:
+    """F3 (CONFORMANCE.md): vLLM asserts when a request's `max_offload_tokens` falls below
+    its partial tail's boundary; the machine raises such a cap to the boundary."""
+    boundary = b.tail_boundary(b.tokens)
+    if boundary is None:
+        return b
+    return replace(b, request_settings=tuple(
+        s._replace(max_offload_tokens=max(s.max_offload_tokens, boundary))
+        if s.max_offload_tokens is not None else s for s in b.request_settings))
+
+
 HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
-    *(replace(b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
-              if "sliding" in b.groups else b.sliding_window)
+    *(offload_caps_past_the_tail(replace(
+        b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
+        if "sliding" in b.groups else b.sliding_window))
       for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))
       if len(b.groups) <= E.NUM_LAYERS),  # one layer per group
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,

@@ -123,6 +123,7 @@ def _v() -> SimpleNamespace:
         SlidingWindowSpec=kv_iface.SlidingWindowSpec,
         MambaSpec=kv_iface.MambaSpec,
         KVConnectorBlockState=getattr(output, "KVConnectorBlockState", None),
+        KVCacheBlockCopy=getattr(kv_utils, "KVCacheBlockCopy", None),
         KVCacheConfig=kv_iface.KVCacheConfig,
         KVCacheGroupSpec=kv_iface.KVCacheGroupSpec,
         KVCacheTensor=kv_iface.KVCacheTensor,
@@ -271,14 +272,17 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
                enable_prefix_caching: bool = True,
                extra_config: Mapping[str, Any] | None = None,
                sliding_window: int | None = None,
-               groups: Sequence[str] = ("full", "sliding")) -> VLLMSetup:
+               groups: Sequence[str] = ("full", "sliding"),
+               prefix_match_unit: int | None = None) -> VLLMSetup:
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
     every job then waits for that many acks. With `sliding_window` (tokens) the model is
     hybrid: one layer per KV cache group, of the kinds `groups` names in order (default: a
     full-attention group, then a sliding window; 0.33 only); the window's blocks are all
-    retained and offloaded (`prefix_cache_retention_interval=None`)."""
+    retained and offloaded (`prefix_cache_retention_interval=None`). `prefix_match_unit`
+    (tokens, dividing `block_size`) hashes requests finer than a block: with a Mamba group,
+    vLLM's partial tails are on."""
     v = _v()
     version = vllm_version()
     v33 = version >= (0, 26, 0)
@@ -311,7 +315,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         cache_config=cfg.CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
                                      cache_dtype="auto",
                                      enable_prefix_caching=enable_prefix_caching,
-                                     **dense),
+                                     prefix_match_unit=prefix_match_unit, **dense),
         scheduler_config=cfg.SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_model_len, 2048),
             max_model_len=max_model_len, enable_chunked_prefill=True,
@@ -343,7 +347,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         num_gpu_blocks=num_gpu_blocks, num_cpu_chunks=chunks, num_workers=world,
         eviction_policy=eviction_policy, vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
-        block_hasher=v.get_request_block_hasher(block_size, v.sha256),
+        block_hasher=v.get_request_block_hasher(prefix_match_unit or block_size, v.sha256),
         vllm_file=str(v.file), extra_config=extra,
     )
 
@@ -405,17 +409,19 @@ class SortedIdSet(set[str]):
 
 
 def scheduler_output_of(setup: VLLMSetup, step: Any, requests: Mapping[str, Any],
-                        handoffs: Mapping[str, Sequence[tuple[int, int, int]]] | None = None
-                        ) -> Any:
+                        handoffs: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+                        copies: Sequence[tuple[int, int]] = ()) -> Any:
     """vLLM's `SchedulerOutput` of a `statemachine.core.CoreStep` (the record every core
-    stand-in builds), with vLLM's request objects from `requests`, and the Mamba states the
-    core hands off in the step (`(group, vLLM block id, boundary tokens)` per request)."""
+    stand-in builds), with vLLM's request objects from `requests`, the Mamba states the core
+    hands off in the step (`(group, vLLM block id, boundary tokens)` per request) and the
+    block copies it queued (`(source, destination)` vLLM block ids)."""
     return scheduler_output(
         setup, new={r: (requests[r], b) for r, b in step.new.items()},
         resumed={r: (requests[r], b) for r, b in step.cached.items() if r in step.resumed},
         cached={r: (requests[r], b) for r, b in step.cached.items() if r not in step.resumed},
         num_scheduled_tokens=step.num_scheduled, finished_req_ids=step.finished,
-        preempted_req_ids=step.preempted, boundary_state_offloads=handoffs)
+        preempted_req_ids=step.preempted, boundary_state_offloads=handoffs,
+        kv_cache_block_copies=copies)
 
 
 def _groups(blocks: Sequence[Any]) -> tuple[list[int], ...]:
@@ -434,7 +440,8 @@ def scheduler_output(setup: VLLMSetup, *,
                      finished_req_ids: set[str] | frozenset[str] | None = None,
                      preempted_req_ids: set[str] | frozenset[str] | None = None,
                      boundary_state_offloads: Mapping[str, Sequence[tuple[int, int, int]]]
-                     | None = None) -> Any:
+                     | None = None,
+                     kv_cache_block_copies: Sequence[tuple[int, int]] = ()) -> Any:
     """A real `SchedulerOutput`.
 
     - `new`: first scheduling of a request, `{req_id: (request, whole block table)}`;
@@ -445,7 +452,8 @@ def scheduler_output(setup: VLLMSetup, *,
     - `finished_req_ids`: requests finished since the previous step;
     - `preempted_req_ids`: requests the core preempted since the previous step;
     - `boundary_state_offloads`: the Mamba states the core commits in this step, as
-      `kv_connector_block_state` carries them (0.33; the connector reads nothing else of it).
+      `kv_connector_block_state` carries them (0.33; the connector reads nothing else of it);
+    - `kv_cache_block_copies`: the copies the core queued, `(source, destination)`.
     """
     v = _v()
     out = v.SchedulerOutput.make_empty()
@@ -475,6 +483,9 @@ def scheduler_output(setup: VLLMSetup, *,
     out.total_num_scheduled_tokens = sum(sched.values())
     out.finished_req_ids = SortedIdSet(finished_req_ids or ())
     out.preempted_req_ids = SortedIdSet(preempted_req_ids) if preempted_req_ids else None
+    if kv_cache_block_copies:
+        out.kv_cache_block_copies = [v.KVCacheBlockCopy(int(src), int(dst))
+                                     for src, dst in kv_cache_block_copies]
     if boundary_state_offloads:
         def no_tables(req_id: str) -> tuple[list[int], ...]:
             raise NotImplementedError("the offloading connector reads only the hand-offs")

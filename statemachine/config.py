@@ -67,6 +67,11 @@ class OffloadingConfig:
     it was offered this many times; 1 (or 0 in vLLM's config) stores every chunk."""
     groups: tuple[KVCacheGroup, ...] = field(default=(KVCacheGroup(),))
     """The KV cache groups, in vLLM's group order (all of `block_size` tokens per block)."""
+    tokens_per_hash: int | None = None
+    """Tokens per block hash (vLLM's hash block size, `prefix_match_unit`): the request's
+    `block_hashes` hold one hash per this many tokens; it divides `block_size`. None: one
+    hash per block. Below the block size with a Mamba group, partial tails are on
+    (`supports_partial_tail`)."""
     check_invariants: bool = True
     """Check every invariant of `spec` after every hook (on in tests; off for speed)."""
 
@@ -100,6 +105,11 @@ class OffloadingConfig:
             else:
                 need(g.sliding_window is None,
                      f"group {i}: a {g.kind} group has no sliding_window")
+        need(self.tokens_per_hash is None
+             or (type(self.tokens_per_hash) is int and self.tokens_per_hash >= 1
+                 and self.block_size % self.tokens_per_hash == 0),
+             f"tokens_per_hash must be None or an int >= 1 dividing block_size "
+             f"{self.block_size}, got {self.tokens_per_hash!r}")
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
@@ -107,6 +117,23 @@ class OffloadingConfig:
     @property
     def tokens_per_chunk(self) -> int:
         return self.block_size * self.blocks_per_chunk
+
+    @property
+    def hash_unit(self) -> int:
+        """Tokens per block hash."""
+        return self.tokens_per_hash or self.block_size
+
+    @property
+    def hashes_per_chunk(self) -> int:
+        return self.tokens_per_chunk // self.hash_unit
+
+    @property
+    def supports_partial_tail(self) -> bool:
+        """Partial tails are on (vLLM's `supports_partial_tail`, S:274-292): one block per
+        chunk, a Mamba group whose blocks span more than one hash, no sliding window."""
+        return (self.blocks_per_chunk == 1 and bool(self.handoff_groups)
+                and self.block_size > self.hash_unit
+                and all(g.kind != "sliding" for g in self.groups))
 
     @property
     def num_groups(self) -> int:

@@ -170,3 +170,7 @@ class SchedulerOutput:
     boundary tokens)`: a Mamba group's state after `boundary` tokens lies in that block
     (vLLM: `kv_connector_block_state.boundary_state_offloads`,
     `vllm/v1/core/sched/output.py`:214-228)."""
+    kv_cache_block_copies: tuple[tuple[int, int], ...] = ()
+    """The block copies the core queued in this step, as `(source block, destination
+    block)` (vLLM: `kv_cache_block_copies`, a copy on write of a Mamba state): each
+    destination is a block given out in this step (S:1530-1531)."""

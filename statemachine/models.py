@@ -44,6 +44,9 @@ class RequestState:
     num_locally_computed_tokens: int = 0
     lookup_hit_tokens: int | None = None
     """Set by a lookup that hit; consumed by update_state_after_alloc or dropped at step end."""
+    partial_tail_boundary: int | None = None
+    """Set by a lookup whose hit ends at a partial tail (S:1068-1152): the boundary, in
+    tokens; consumed by update_state_after_alloc or dropped at step end."""
     sync_load_reserved: bool = False
     deferred_lookup_since_step: int | None = None
     kv_load_id: int | None = None

@@ -252,6 +252,12 @@ def _patch_global(module: str, name: str, make: Callable[[Any], Any]) -> Patch:
     return patch
 
 
+def _load_extent_rounded_down(orig: Any) -> Any:
+    def _load_extent(self: OffloadingScheduler, cached: int) -> tuple[int, int]:
+        return cached // self.config.block_size, cached // self.config.tokens_per_chunk
+    return _load_extent
+
+
 def _key_without_group(orig: Any) -> Any:
     def offload_key(block_hash: int, group: int, num_groups: int) -> int:
         return int(orig(block_hash, 0, num_groups))
@@ -347,6 +353,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "flushed",
            _patch(OffloadingScheduler, "_build_boundary_store_jobs", _handoff_store_unfenced),
            Fault.HANDOFF_STORE_SKIPS_FENCE),
+    Mutant("tail-load-rounds-down", "groups", "S:1393, S:1423-1442, INV-22",
+           "a load counts its GPU blocks and chunks with floor division: a partial tail's "
+           "key lands in the last complete block, and the block the boundary falls in is "
+           "not loaded",
+           _patch(OffloadingScheduler, "_load_extent", _load_extent_rounded_down),
+           Fault.TAIL_LOAD_ROUNDS_DOWN),
     Mutant("keys-without-group-index", "groups", "B:27-42 (make_offload_key)",
            "a chunk key is made from the block hash alone, without its KV cache group: every "
            "group's chunk of a position has one key, so one group's chunk is stored and the "

@@ -149,10 +149,20 @@ class OffloadingScheduler:
     def offload_keys(self, request: Request, group: int = 0) -> list[int]:
         """The chunk keys of `group` the request's hashes give so far: one per full chunk,
         from the hash at the chunk's last block and the group (S:412-429, B:27-42)."""
-        bpc, n = self.config.blocks_per_chunk, self.config.num_groups
+        per_chunk, n = self.config.hashes_per_chunk, self.config.num_groups
         hashes = request.block_hashes
-        return [offload_key(hashes[(c + 1) * bpc - 1], group, n)
-                for c in range(len(hashes) // bpc)]
+        return [offload_key(hashes[(c + 1) * per_chunk - 1], group, n)
+                for c in range(len(hashes) // per_chunk)]
+
+    def _boundary_key(self, req: RequestState, request: Request, group: int,
+                      boundary: int) -> int:
+        """The key of group `group` at a hash boundary (`_make_boundary_key`,
+        S:1056-1066): the hash of the boundary's last hash block and the group; the manager
+        learns its position, the boundary."""
+        key = offload_key(request.block_hashes[boundary // self.config.hash_unit - 1], group,
+                          self.config.num_groups)
+        req.ctx.positions[key] = boundary
+        return key
 
     def _request_keys(self, req: RequestState, request: Request, group: int = 0) -> list[int]:
         """`offload_keys`, telling the manager (through the request context) each key's
@@ -242,17 +252,57 @@ class OffloadingScheduler:
             return hit, bool(hit) and not sync
 
     def _lookup(self, req: RequestState, request: Request, n: int) -> int | None:
-        """The tokens loadable after the local hit `n`; None means defer
+        """The tokens loadable after the local hit `n`; None means defer (S:1068-1152): the
+        complete chunks' hit, then, with partial tails, its refinement up to a boundary."""
+        req.partial_tail_boundary = None
+        if request.skip_reading_prefix_cache:
+            return 0
+        complete = self._lookup_complete_chunks(req, request, n)
+        if complete is None or not self.config.supports_partial_tail:
+            return complete
+        return self._lookup_partial_tail(req, request, n, complete)
+
+    def _lookup_partial_tail(self, req: RequestState, request: Request, n: int,
+                             complete: int) -> int | None:
+        """From the furthest hash boundary the hit may reach inside the next block (before
+        the last prompt token, under `max_load_tokens`) down to the complete hit's end, the
+        first boundary whose keys every group holds ready extends the hit to it (its
+        boundary is recorded for the load). A key not ready, met before a miss, defers the
+        lookup if the complete hit is empty (S:1068-1195)."""
+        cfg = self.config
+        unit, edge = cfg.hash_unit, n + complete
+        furthest = min(request.num_prompt_tokens - 1, edge + cfg.block_size - 1)
+        if req.max_load_tokens is not None:
+            furthest = min(furthest, n + req.max_load_tokens)
+        furthest = furthest // unit * unit
+        pending = False
+        for boundary in range(furthest, edge, -unit):
+            ready = True
+            for g in range(cfg.num_groups):
+                result = self.manager.lookup(self._boundary_key(req, request, g, boundary),
+                                             req.ctx)
+                if result == LookupResult.MISS:
+                    ready = False
+                    break
+                if result != LookupResult.HIT:
+                    ready, pending = False, True
+            if ready:
+                req.partial_tail_boundary = boundary
+                return boundary - n
+        return None if pending and complete == 0 else complete
+
+    def _lookup_complete_chunks(self, req: RequestState, request: Request,
+                                n: int) -> int | None:
+        """The tokens loadable in whole chunks after the local hit `n`; None means defer
         (`_lookup_complete_chunks`, S:849-1054). Every group scans its keys (a prefix scan
         for full attention, a suffix-window scan for a sliding window or a Mamba state); a
         group's answer can shorten the hit, which sends the groups round again until it
-        converges. The hit never covers the last prompt token's block (LAST-TOKEN-BOUND)."""
-        if request.skip_reading_prefix_cache:
-            return 0
+        converges. The hit never covers the last prompt token's hash block
+        (LAST-TOKEN-BOUND)."""
         cfg = self.config
-        tpc, bs = cfg.tokens_per_chunk, cfg.block_size
+        tpc = cfg.tokens_per_chunk
         keys = [self._request_keys(req, request, g) for g in range(cfg.num_groups)]
-        max_hit = (request.num_tokens - 1) // bs * bs
+        max_hit = (request.num_tokens - 1) // cfg.hash_unit * cfg.hash_unit
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, n + req.max_load_tokens)
         if cfg.window_groups:  # the last prompt token is recomputed for its logprobs
@@ -362,11 +412,15 @@ class OffloadingScheduler:
                 raise InvalidArgument(f"{hook}: the last lookup of this request answered "
                                       f"{req.lookup_hit_tokens} tokens in this step, not {ext}")
             cfg = self.config
-            bs, bpc, tpc = cfg.block_size, cfg.blocks_per_chunk, cfg.tokens_per_chunk
+            bs, bpc = cfg.block_size, cfg.blocks_per_chunk
             tables = self._tables(block_ids, hook)
             n = req.num_locally_computed_tokens
             cached = n + ext
-            num_gpu = cdiv(cached, bs)
+            tail = req.partial_tail_boundary
+            if tail is not None and tail != cached:
+                raise InvalidArgument(f"{hook}: the lookup's partial tail ends at {tail} "
+                                      f"tokens, not at {cached}")
+            num_gpu, end_chunk = self._load_extent(cached)
             keys: list[int] = []
             dst: list[int] = []
             sizes: list[int] = []
@@ -379,7 +433,10 @@ class OffloadingScheduler:
                 start = next((i for i in range(cdiv(n, bs), num_gpu)
                               if table[i] != NULL_BLOCK), num_gpu)
                 if start < num_gpu:
-                    keys += self._request_keys(req, request, g)[start // bpc:cdiv(cached, tpc)]
+                    keys += self._request_keys(req, request, g)[
+                        start // bpc:end_chunk - (tail is not None)]
+                    if tail is not None:  # the boundary's key, last (S:1428-1442)
+                        keys.append(self._boundary_key(req, request, g, tail))
                 dst += table[start:num_gpu]
                 sizes.append(num_gpu - start)
                 starts.append(start)
@@ -387,8 +444,14 @@ class OffloadingScheduler:
             self._batch_allocated_blocks.update(b for t in tables for b in t if b != NULL_BLOCK)
             self._fire(self._requests_life, req, trigger, keys=tuple(keys),
                        block_ids=tuple(dst), first_block_index=starts[0],
-                       **self._group_layout(sizes, starts), end_chunk=cdiv(cached, tpc),
+                       **self._group_layout(sizes, starts), end_chunk=end_chunk,
                        sync=req.sync_load_reserved, block_table=tables)
+            req.partial_tail_boundary = None
+
+    def _load_extent(self, cached: int) -> tuple[int, int]:
+        """The GPU blocks and the chunks that `cached` computed and loaded tokens reach
+        (S:1393, S:1423): a partial block or chunk counts."""
+        return cdiv(cached, self.config.block_size), cdiv(cached, self.config.tokens_per_chunk)
 
     def _group_layout(self, sizes: list[int], starts: list[int]) -> dict[str, tuple[int, ...]]:
         """A job's per-group layout (vLLM's `group_sizes`, `block_indices`), for several
@@ -419,6 +482,7 @@ class OffloadingScheduler:
             # quarantined).
             self._time_out_jobs()
             self._build_boundary_store_jobs(out)
+            self._build_partial_tail_store_jobs(out)
             for req_id in [*out.num_scheduled_tokens, *sorted(out.finished_req_ids)]:
                 req = self._req_status.get(req_id)
                 if req is not None and req.state in R.STORE_CANDIDATES:
@@ -476,6 +540,7 @@ class OffloadingScheduler:
             full = cached.resumed_from_preemption
             ends[cached.req_id] = 0 if full else self._table_length(req)
             self._scheduled(req, cached.new_block_ids, full=full)
+        self._batch_allocated_blocks.update(dst for _, dst in out.kv_cache_block_copies)
         for req_id, num in out.num_scheduled_tokens.items():
             scheduled = self._req_status.get(req_id)
             if scheduled is not None:
@@ -594,6 +659,8 @@ class OffloadingScheduler:
                         or req.loaded_tokens_invalid:
                     self.stats["handoffs_ignored"] += 1
                     continue
+                if cfg.supports_partial_tail and boundary % bs:
+                    continue  # a partial tail: the next builder's
                 request: Request = req.request
                 keys = self._request_keys(req, request, group)
                 if block == NULL_BLOCK or boundary % tpc or boundary // tpc > len(keys) \
@@ -616,6 +683,65 @@ class OffloadingScheduler:
                            first_block_index=boundary // bs - 1, fenced_block_ids=(block,),
                            **self._group_layout(sizes, starts),
                            end_chunk=req.next_stored_chunk_idx)
+
+    def _build_partial_tail_store_jobs(self, out: SchedulerOutput) -> None:
+        """`_build_partial_tail_store_jobs` (S:1626-1760), with partial tails on: a request's
+        hand-offs inside a block (one boundary) become one store of every group's block the
+        boundary falls in (a Mamba group's handed-off copy, the others' table block) under
+        the boundary's keys, every source fenced from the job's creation; the store cursor
+        stays. vLLM asserts what it cannot store (a boundary past the offloadable tokens, a
+        null source); here such a hand-off is counted in `handoffs_skipped`, and one for a
+        request without a `store` row (or whose loaded KV is invalid) in
+        `handoffs_ignored`."""
+        cfg = self.config
+        if not cfg.supports_partial_tail:
+            return
+        bs = cfg.block_size
+        for req_id, entries in sorted(out.boundary_state_offloads.items()):
+            tails = [(g, block, boundary) for g, block, boundary in entries if boundary % bs]
+            if not tails:
+                continue
+            req = self._req_status.get(req_id)
+            if req is None or not self._requests_life.outgoing(req.state, "store") \
+                    or req.loaded_tokens_invalid:
+                self.stats["handoffs_ignored"] += 1
+                continue
+            request: Request = req.request
+            boundaries = {boundary for _, _, boundary in tails}
+            if len(boundaries) != 1:
+                raise InvalidArgument(f"build_connector_meta: request {req_id!r}: partial "
+                                      f"tails at several boundaries {sorted(boundaries)}")
+            boundary = boundaries.pop()
+            position = boundary // bs
+            copies = {g: block for g, block, _ in tails}
+            sources: list[int] = []
+            for g in range(cfg.num_groups):
+                table = req.group_block_ids[g]
+                if g in cfg.handoff_groups:
+                    sources.append(copies.get(g, NULL_BLOCK))
+                else:
+                    sources.append(table[position] if position < len(table) else NULL_BLOCK)
+            if NULL_BLOCK in sources or boundary % cfg.hash_unit \
+                    or boundary > self._offloadable_tokens(req, request.num_prompt_tokens):
+                self.stats["handoffs_skipped"] += 1
+                continue
+            keys = [self._boundary_key(req, request, g, boundary)
+                    for g in range(cfg.num_groups)]
+            result = self.manager.prepare_store(keys, req.ctx)
+            if result is None:
+                self._fire(self._requests_life, req, "store_alloc_failed")
+                continue
+            if not result.keys_to_store:
+                continue
+            stored = [keys.index(k) for k in result.keys_to_store]
+            blocks = tuple(sources[g] for g in stored)
+            sizes = [1 if g in stored else 0 for g in range(cfg.num_groups)]
+            starts = [position if g in stored else 0 for g in range(cfg.num_groups)]
+            self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
+                       chunk_ids=tuple(result.chunk_ids), block_ids=blocks,
+                       first_block_index=position, fenced_block_ids=blocks,
+                       **self._group_layout(sizes, starts),
+                       end_chunk=req.next_stored_chunk_idx)
 
     def _offloadable_tokens(self, req: RequestState, tokens: int) -> int:
         """`tokens` under the request's `max_offload_tokens` and the prompt-only setting
@@ -642,6 +768,7 @@ class OffloadingScheduler:
         self.jobs_to_flush.clear()
         for req in self._req_status.values():
             req.lookup_hit_tokens = None
+            req.partial_tail_boundary = None
             req.sync_load_reserved = False
         self.manager.on_schedule_end()
         self.reset_since_last_step = False

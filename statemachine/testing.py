@@ -111,6 +111,7 @@ class ReferenceAdapter:
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
             store_threshold=bounds.store_threshold,
+            tokens_per_hash=BLOCK if bounds.partial_tails else None,
             groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
                                       if kind == "sliding" else None)
                          for kind in bounds.groups))
@@ -134,7 +135,10 @@ class ReferenceAdapter:
             tpb = self.bounds.tokens_per_block
             tokens = [M.key(t.family, p) * BLOCK + i for p in range(t.tokens)
                       for i in range(BLOCK)]
-            hashes = [M.block_key(t.family, c, tpb) for c in range(t.tokens // tpb)]
+            if self.bounds.partial_tails:  # a hash per model token (BLOCK tokens)
+                hashes = [M.key(t.family, p) for p in range(t.tokens)]
+            else:
+                hashes = [M.block_key(t.family, c, tpb) for c in range(t.tokens // tpb)]
             self.requests[req_id] = Request(
                 req_id, tokens, block_hashes=hashes,
                 kv_transfer_params=transfer_params(t.settings) or None,
@@ -156,7 +160,7 @@ class ReferenceAdapter:
             ext = self._hit_tokens.get(a[0], 0) if a[2] else 0
             return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), ext)
         if call.hook == "build_connector_meta":
-            new, cached, sched, fin, pre, computed, given = a
+            new, cached, sched, fin, pre, computed, given, copies = a
             for r, (n, _aborted) in computed.items():
                 self._request(r).num_computed_tokens = n * BLOCK
             sched = {r: n * BLOCK for r, n in sched.items()}
@@ -164,7 +168,8 @@ class ReferenceAdapter:
                 tuple(NewRequestData(r, self._tables(b)) for r, b in new.items()),
                 tuple(CachedRequestData(r, self._tables(b)) for r, b in cached.items()),
                 dict(sched), frozenset(fin), frozenset(pre),
-                {r: tuple((g, b, end * BLOCK) for g, b, end in e) for r, e in given.items()})
+                {r: tuple((g, b, end * BLOCK) for g, b, end in e) for r, e in given.items()},
+                tuple(copies))
             shipped = s.build_connector_meta(out)
             self._note_evictions()
             return shipped
@@ -274,11 +279,20 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=12,
              resets=1, failures=1, preemptions=1, groups=("full", "mamba"),
              tokens_per_block=2),
+    M.Bounds(requests=3, tokens=4, families=2, workers=2, cpu_chunks=6, gpu_blocks=12,
+             resets=1, failures=1, preemptions=1, groups=("full", "mamba"),
+             tokens_per_block=2, partial_tails=True),
+    M.Bounds(requests=3, tokens=6, workers=1, cpu_chunks=5, gpu_blocks=12, resets=1,
+             failures=1, preemptions=1, groups=("mamba", "full"), tokens_per_block=4,
+             partial_tails=True, sync_loads=True, request_settings=(
+                 M.RequestSettings(), M.RequestSettings(max_load_tokens=4),
+                 M.RequestSettings(max_offload_tokens=4))),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
 tokens over chunks of 2 blocks), blocks of several tokens (a step, a prompt, a cap that ends
-inside a block)."""
+inside a block), partial tails (a boundary inside a block of 2 and of 4 tokens; a load cap
+below it, an offload cap that leaves it unstored)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

@@ -203,14 +203,15 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 sched[r] = 1
         fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
         given = handoffs(w, sched)
-        tails = tail_handoffs(w, new, sched)
+        tails, copies = tail_handoffs(w, new, sched)
         for r, entries in tails.items():
             given[r] = given.get(r, ()) + entries
+        given = dict(sorted(given.items()))  # by request id: the builders' order
         build_meta(w, new, cached, sched, fin, pre, given)
-        free(w, tuple(block for entries in tails.values() for _, block, _ in entries))
+        free(w, tuple(dst for _, dst in copies))
         computed = {r: (c.computed, c.aborted) for r, c in w.core.items()}
         calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
-                                                   fin, pre, computed, given)))
+                                                   fin, pre, computed, given, copies)))
         for r, n in sched.items():
             c = w.core[r]
             w.core[r] = c._replace(computed=min(c.computed + n, w.template(r).tokens))

@@ -410,7 +410,8 @@ def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...
 
 
 def tail_handoffs(w: World, new: dict[str, tuple[int, ...]], sched: dict[str, int]
-                  ) -> dict[str, tuple[tuple[int, int, int], ...]]:
+                  ) -> tuple[dict[str, tuple[tuple[int, int, int], ...]],
+                             tuple[tuple[int, int], ...]]:
     """The partial tails the core hands off in this step (vLLM's Mamba manager in align
     mode, `vllm/v1/core/single_type_kv_cache_manager.py`:1880-1910, 2085-2135): a request
     whose own steps reached its prompt's tail boundary (`Bounds.tail_boundary`) committed
@@ -419,9 +420,11 @@ def tail_handoffs(w: World, new: dict[str, tuple[int, ...]], sched: dict[str, in
     A request that loaded its tail (admitted in this step, or resumed after an async load)
     has it keyed already: nothing is handed off. The copy's block comes from the free pool
     and goes back to it once the step is built; with no free block, no hand-off (vLLM's
-    core would not schedule the request)."""
+    core would not schedule the request). Returns the hand-offs and the copies, as
+    `(source block, copy's block)` (vLLM's `kv_cache_block_copies`)."""
     b = w.bounds
     out: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    made: list[tuple[int, int]] = []
     for r in sorted(sched):
         core = w.core[r]
         boundary = b.tail_boundary(w.template(r).tokens)
@@ -434,7 +437,9 @@ def tail_handoffs(w: World, new: dict[str, tuple[int, ...]], sched: dict[str, in
         w.free_blocks.difference_update(copies)
         w.batch_alloc.update(copies)  # a copy's destination (S:1530-1531)
         out[r] = tuple((g, block, boundary) for g, block in zip(groups, copies, strict=True))
-    return out
+        made += ((w.group_blocks(core.blocks, g)[boundary // b.tokens_per_block], block)
+                 for g, block in zip(groups, copies, strict=True))
+    return out, tuple(made)
 
 
 def _store_tails(w: World, given: dict[str, tuple[tuple[int, int, int], ...]]) -> None:

@@ -126,6 +126,31 @@ D3_LOADED_UNSCHEDULED = ("arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(jo
                          "step(admit=r1) ; ack(job 3, count 2) ; reset() ; abort(r1) ; step()")
 
 
+F3_BOUNDS = M.Bounds(requests=1, tokens=6, workers=1, cpu_chunks=5, gpu_blocks=12,
+                     resets=0, failures=0, preemptions=0, groups=("mamba", "full"),
+                     tokens_per_block=4, partial_tails=True,
+                     request_settings=(M.RequestSettings(max_offload_tokens=4),))
+F3_TAIL_PAST_THE_CAP = "arrive(r0) ; " + " ; ".join(["step(admit=r0)"] + ["step()"] * 5)
+
+
+def test_finding_f3_partial_tail_past_the_offload_cap_crashes(vllm_ready: Any) -> None:
+    """F3: with partial tails on, the core hands off a request's Mamba state at its prompt's
+    last hash boundary whatever the request's `max_offload_tokens`; vLLM asserts that the
+    boundary is within the offloadable tokens (S:1662-1668), so a request whose cap is below
+    its boundary (here 16 tokens, the boundary at 20) crashes build_connector_meta. The spec
+    does not store that tail; the reference conforms on the same trace."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLMHybridMachine, offload_caps_past_the_tail
+    from statemachine.testing import OffloadingStateMachine
+
+    with pytest.raises(AssertionError) as err:
+        _replay(VLLMHybridMachine, F3_BOUNDS, F3_TAIL_PAST_THE_CAP)
+    assert "_build_partial_tail_store_jobs" in "".join(str(e.name) for e in err.traceback)
+    _replay(OffloadingStateMachine, F3_BOUNDS, F3_TAIL_PAST_THE_CAP)
+    # with the cap at the boundary (the machine's restriction) vLLM stores the tail
+    _replay(VLLMHybridMachine, offload_caps_past_the_tail(F3_BOUNDS), F3_TAIL_PAST_THE_CAP)
+
+
 def test_finding_f1_second_reset_before_a_step_crashes(vllm_ready: Any) -> None:
     """F1: reset_cache leaves its flush in _current_batch_jobs_to_flush for the next step,
     then asserts that set is empty: a second reset before that step raises."""
