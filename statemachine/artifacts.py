@@ -58,8 +58,10 @@ def mutants_table() -> str:
             ce = r.counterexample
             size = (f"{len(ce.prefix)} steps to a cycle of {len(ce.cycle)}"
                     if ce is not None and ce.cycle_start is not None else f"{len(ce or ())} steps")
-            checker = (f"{r.verdict}, {size}, {r.states} states: "
-                       f"{ce.summary.split(' (')[0]}" if ce else "**not caught**")
+            what = str(ce.violations[0]) if ce is not None and ce.violations else \
+                (ce.summary if ce is not None else "")
+            checker = (f"{r.verdict}, {size}, {r.states} states: {what.split(' (')[0]}"
+                       if ce else "**not caught**")
             tests = "model-based replay of that counterexample"
             if m.hybrid_data_plane:
                 tests += "; the byte oracle of `kvspec simulate --model hybrid`"
