@@ -22,9 +22,10 @@ def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
 
 
 def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> None:
-    r = soak.soak_model(0, 20_000, shrink_seconds=10, mutant="reset-keeps-transfer-jobs")
+    # seed 2's first failing program is 12 events long (the seed only picks one to shrink)
+    r = soak.soak_model(2, 20_000, shrink_seconds=10, mutant="reset-keeps-transfer-jobs")
     [f] = r.failures
-    assert f.render().splitlines()[-1].endswith("--seed 0 --mutant reset-keeps-transfer-jobs")
+    assert f.render().splitlines()[-1].endswith("--seed 2 --mutant reset-keeps-transfer-jobs")
     first_line = f.render().splitlines()[0]
     assert "InvariantViolation" in first_line and "after reset_cache()" in first_line
     assert "INV-1" in f.error.splitlines()[1]
