@@ -1,9 +1,11 @@
-"""The model checker: every scenario concludes what it records (verdict, distinct states,
-depth), the scenarios fire every table row, each abstract mutant yields a short, readable,
-certified counterexample, and the progress properties are found as liveness (lassos)."""
+"""The model checker: every compiled scenario concludes what it records (verdict, distinct
+states, depth; the others: `test_checker_groups.py`), each abstract mutant yields a short,
+readable, certified counterexample, and the progress properties are found as liveness
+(lassos)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -11,32 +13,30 @@ import pytest
 
 from spec import model as M
 from spec.checker import CheckResult, check_model
-from spec.scenarios import SCENARIOS, Expect, hunt_bounds, parse_bounds
+from spec.scenarios import SCENARIOS, Expect, Scenario, hunt_bounds, parse_bounds
 from statemachine import cli, diagrams
-from statemachine.checker import check
+from statemachine.checker import check, compiled
 from statemachine.mutants import MUTANTS, Mutant
 
 KEEP = M.Fault.RESET_KEEPS_TRANSFER_JOBS
+COMPILED = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is None)
+"""The scenarios the compiled twin takes (one full-attention group, ...)."""
 
 
-@pytest.fixture(scope="module")
-def suite() -> dict[str, CheckResult]:
-    return {sc.name: check(sc.bounds) for sc in SCENARIOS}
+@functools.cache
+def _suite() -> dict[str, CheckResult]:
+    """The compiled scenarios' checks, once per worker, in the first test that asks (a
+    test's call: `no_cover` spares the searches the line tracer). The others run beside
+    them, in `test_checker_groups.py`."""
+    return {sc.name: check(sc.bounds) for sc in COMPILED}
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
-def test_each_scenario_concludes_what_it_records(suite: dict[str, CheckResult],
-                                                 scenario: object) -> None:
-    from spec.scenarios import Scenario
-
-    assert isinstance(scenario, Scenario) and scenario.expect is not None
-    r = suite[scenario.name]
-    from statemachine.checker import compiled
-
-    # the compiled twin takes every scenario of one full-attention group without a store
-    # threshold; the others run on the Python model (and say why)
-    assert r.complete and r.engine == ("compiled" if compiled.fits(scenario.bounds) is None
-                                       else f"python ({compiled.fits(scenario.bounds)})")
+@pytest.mark.no_cover
+@pytest.mark.parametrize("scenario", COMPILED, ids=lambda s: s.name)
+def test_each_compiled_scenario_concludes_what_it_records(scenario: Scenario) -> None:
+    assert scenario.expect is not None
+    r = _suite()[scenario.name]
+    assert r.complete and r.engine == "compiled"
     assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (
         r.counterexample.render() if r.counterexample else r)
     assert r.liveness == ("P-1", "P-2", "P-3", "P-4", "P-5")
@@ -46,46 +46,6 @@ def test_the_scenario_set_reaches_three_requests_of_three_tokens() -> None:
     big = [s.bounds for s in SCENARIOS if s.bounds.requests >= 3 and s.bounds.tokens >= 3
            and s.bounds.workers >= 2 and s.bounds.resets >= 2 and s.bounds.preemptions >= 1]
     assert big
-
-
-def test_a_partial_tail_loaded_into_the_wrong_block_is_found_by_inv22_alone() -> None:
-    """A load that counts its blocks and chunks with floor division puts the boundary's key
-    into the last complete block: INV-22 finds it at the load's creation; with INV-22 off,
-    no other property does under the same bounds (the tables see nothing wrong)."""
-    fault = M.Fault.TAIL_LOAD_ROUNDS_DOWN
-    bounds = hunt_bounds(fault)
-    r = check(bounds, frozenset({fault}))
-    assert r.counterexample is not None and r.verdict == "invariant INV-22", r
-    text = r.counterexample.render()
-    assert "update_state_after_alloc" in text and len(r.counterexample.steps) <= 10, text
-    assert check(bounds).counterexample is None
-    blind = check(bounds, frozenset({fault}), without=frozenset({"INV-22"}))
-    assert blind.counterexample is None and blind.states > r.states
-
-
-@pytest.mark.parametrize("fault", [M.Fault.SLIDING_WINDOW_SKIPS_FENCE,
-                                   M.Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS],
-                         ids=lambda f: f.value)
-def test_the_checker_finds_each_fault_of_the_sliding_window_paths(fault: M.Fault) -> None:
-    """The faults only a sliding-window group has: found under their hunting bounds (the
-    hybrid scenarios') with a short counterexample through the window's blocks."""
-    r = check(hunt_bounds(fault), frozenset({fault}))
-    assert r.counterexample is not None, r
-    text = r.counterexample.render()
-    if fault == M.Fault.SLIDING_WINDOW_SKIPS_FENCE:  # the job's window source, unfenced
-        assert r.verdict == "invariant INV-7" and len(r.counterexample.steps) <= 3, text
-    else:  # F2: the final store after a reset reads a block the other request holds
-        assert r.verdict == "invariant INV-15" and len(r.counterexample.steps) <= 8, text
-        assert "reset()" in text and "re-allocated to 'r1'" in text, text
-
-
-def test_the_scenarios_fire_every_table_transition(suite: dict[str, CheckResult]) -> None:
-    covered: set[tuple[str, int]] = set()
-    for r in suite.values():
-        covered |= r.covered
-    missing = [(m, M.MACHINES[m].transitions[i].trigger, M.MACHINES[m].transitions[i].sources)
-               for m, i in sorted(M.coverage_universe() - covered)]
-    assert missing == []
 
 
 def test_the_48102_counterexample_is_shortest() -> None:

@@ -3,7 +3,7 @@
 S:1258-1259), and store admission (`store_threshold`): the model's answers, its agreement
 with the compiled twin, and the text form `kvspec check --bounds` reads. The pinned
 scenarios `request-settings` and `store-admission` run with the others
-(tests/test_checker.py)."""
+(tests/test_checker.py, tests/test_checker_groups.py)."""
 
 from __future__ import annotations
 
