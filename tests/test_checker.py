@@ -25,13 +25,11 @@ COMPILED = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is None)
 
 @functools.cache
 def _suite() -> dict[str, CheckResult]:
-    """The compiled scenarios' checks, once per worker, in the first test that asks (a
-    test's call: `no_cover` spares the searches the line tracer). The others run beside
-    them, in `test_checker_groups.py`."""
+    """The compiled scenarios' checks, once per worker, in the first test that asks. The
+    others run beside them, in `test_checker_groups.py`."""
     return {sc.name: check(sc.bounds) for sc in COMPILED}
 
 
-@pytest.mark.no_cover
 @pytest.mark.parametrize("scenario", COMPILED, ids=lambda s: s.name)
 def test_each_compiled_scenario_concludes_what_it_records(scenario: Scenario) -> None:
     assert scenario.expect is not None

@@ -38,7 +38,6 @@ def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
     return seen, edges
 
 
-@pytest.mark.no_cover  # the Python model's exhaustive search: no line tracing
 @pytest.mark.parametrize("name", SMALL)
 def test_the_same_reachable_states_and_transitions(name: str) -> None:
     b = by_name(name).bounds
@@ -128,14 +127,12 @@ def _same_finding(py: CheckResult, c: CheckResult) -> None:
     assert py.counterexample.cycle_start == c.counterexample.cycle_start
 
 
-@pytest.mark.no_cover  # the Python model's exhaustive search: no line tracing
 @pytest.mark.parametrize("fault", list(M.Fault), ids=lambda f: f.value)
 def test_the_same_verdict_for_every_fault(fault: M.Fault) -> None:
     b = hunt_bounds(fault)
     _same_finding(check_model(b, frozenset([fault])), check(b, frozenset([fault])))
 
 
-@pytest.mark.no_cover  # the Python model's exhaustive search: no line tracing
 def test_the_same_lasso_with_an_invariant_switched_off() -> None:
     fault = M.Fault.RESET_KEEPS_TRANSFER_JOBS
     b, off = hunt_bounds(fault), frozenset({"INV-1"})

@@ -23,12 +23,10 @@ PYTHON = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is not None)
 
 @functools.cache
 def _suite() -> dict[str, CheckResult]:
-    """Their checks, once per worker, in the first test that asks (a test's call: `no_cover`
-    spares the searches the line tracer; coverage comes from the other tests)."""
+    """Their checks, once per worker, in the first test that asks."""
     return {sc.name: check(sc.bounds) for sc in PYTHON}
 
 
-@pytest.mark.no_cover
 @pytest.mark.parametrize("scenario", PYTHON, ids=lambda s: s.name)
 def test_each_scenario_of_the_groups_concludes_what_it_records(scenario: Scenario) -> None:
     assert scenario.expect is not None
@@ -39,7 +37,6 @@ def test_each_scenario_of_the_groups_concludes_what_it_records(scenario: Scenari
     assert r.liveness == ("P-1", "P-2", "P-3", "P-4", "P-5")
 
 
-@pytest.mark.no_cover
 def test_the_scenarios_fire_every_table_transition() -> None:
     """These scenarios and the compiled ones under a million states (seconds each; the rows
     of the larger ones are theirs too) fire every row of every table."""
@@ -54,7 +51,6 @@ def test_the_scenarios_fire_every_table_transition() -> None:
     assert missing == []
 
 
-@pytest.mark.no_cover
 def test_a_partial_tail_loaded_into_the_wrong_block_is_found_by_inv22_alone() -> None:
     """A load that counts its blocks and chunks with floor division puts the boundary's key
     into the last complete block: INV-22 finds it at the load's creation; with INV-22 off,
@@ -70,7 +66,6 @@ def test_a_partial_tail_loaded_into_the_wrong_block_is_found_by_inv22_alone() ->
     assert blind.counterexample is None and blind.states > r.states
 
 
-@pytest.mark.no_cover
 @pytest.mark.parametrize("fault", [M.Fault.SLIDING_WINDOW_SKIPS_FENCE,
                                    M.Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS],
                          ids=lambda f: f.value)
