@@ -190,7 +190,7 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
         last = end_chunk = end // tpc
     keys: list[int] = []
     dst: list[int] = []
-    copies: list[tuple[int, int]] = []
+    placements: list[tuple[int, int]] = []
     for g in range(len(b.groups)):
         table = w.group_blocks(blocks, g)
         first = next((i for i in range(b.blocks_of(local), last) if table[i] != NULL_BLOCK),
@@ -201,11 +201,11 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
                 group_keys.append(w.tail_key(r, end, g))
             keys += group_keys
             dst += table[first:last]
-            copies += ((k, min(last, (first // bpc + i + 1) * bpc) - 1)
-                       for i, k in enumerate(group_keys))
+            placements += ((k, min(last, (first // bpc + i + 1) * bpc) - 1)
+                           for i, k in enumerate(group_keys))
     fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
          end_chunk=end_chunk, sync=req.sync_reserved, block_table=tuple(blocks))
-    truth.placed(w, copies)
+    truth.placed(w, placements)
 
 
 def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],

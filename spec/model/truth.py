@@ -75,14 +75,14 @@ def loaded(w: World, j: MJob) -> None:
         _taint_owner(w, j)
 
 
-def placed(w: World, copies: Iterable[tuple[int, int]]) -> None:
-    """A job copies each chunk `key` of `copies` from or to the block at table position
+def placed(w: World, placements: Iterable[tuple[int, int]]) -> None:
+    """A job copies each chunk `key` of `placements` from or to the block at table position
     `position` of the chunk's group (the position of the chunk's last block it copies): the
     chunk's own position is that of the block its key's token falls in (a chunk key: its
     last block; a partial tail's key: the block its boundary falls in). Any other is
     misplaced (INV-22)."""
     b = w.bounds
-    for chunk_key, position in copies:
+    for chunk_key, position in placements:
         token = key_position(chunk_key, len(b.groups))
         if position // b.blocks_per_chunk != token // b.tokens_per_chunk:
             w.misplaced.add(chunk_key)
