@@ -22,11 +22,13 @@ demo: $(STAMP)
 	$(BIN)/kvspec simulate --seed 1
 	$(BIN)/kvspec check
 
-# the tests run one file per worker over every core (a module's fixtures are built once)
+# the tests run one file per worker over every core (a module's fixtures are built once); the
+# exhaustive searches in a run of their own, without the line tracer (it doubles their time)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak" -n auto --dist loadfile --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak and not exhaustive" -n auto --dist loadfile --cov=statemachine --cov=spec --cov-report=term:skip-covered
+	$(BIN)/pytest -q -p no:cacheprovider -m exhaustive -n auto --dist loadfile
 	$(BIN)/kvspec diagrams --check
 
 # the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)

@@ -30,6 +30,7 @@ def _suite() -> dict[str, CheckResult]:
     return {sc.name: check(sc.bounds) for sc in COMPILED}
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("scenario", COMPILED, ids=lambda s: s.name)
 def test_each_compiled_scenario_concludes_what_it_records(scenario: Scenario) -> None:
     assert scenario.expect is not None

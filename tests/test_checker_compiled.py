@@ -17,6 +17,8 @@ from spec.scenarios import SCENARIOS, by_name, hunt_bounds, parse_bounds
 from statemachine.checker import check, compiled, gen
 from statemachine.checker.compiled import CompiledUnavailable
 
+pytestmark = pytest.mark.exhaustive
+
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset")
 
 

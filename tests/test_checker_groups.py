@@ -17,6 +17,8 @@ from spec.checker import CheckResult
 from spec.scenarios import SCENARIOS, Expect, Scenario, hunt_bounds
 from statemachine.checker import check, compiled
 
+pytestmark = pytest.mark.exhaustive
+
 PYTHON = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is not None)
 """The scenarios of the groups' paths: the Python model runs them."""
 
