@@ -50,7 +50,7 @@ def test_projection_field_by_field(vllm_ready: Any) -> None:
     assert a.call(M.Call("get_num_new_matched_tokens", ("r0", 0))) == (0, False)
     a.call(M.Call("update_state_after_alloc", ("r0", (0, 1, 2), 0)))
     a.call(M.Call("build_connector_meta", ({"r0": (0, 1, 2)}, {}, {"r0": 1}, frozenset(),
-                                           frozenset(), {"r0": (0, False)}, {})))
+                                           frozenset(), {"r0": (0, False)}, {}, ())))
     s = a.abstract_state()
     (req,) = s.requests
     assert (req.id, req.state, req.transfer_jobs) == ("r0", R.STORING, frozenset({0}))
@@ -83,7 +83,7 @@ def test_projection_field_by_field(vllm_ready: Any) -> None:
     assert s.requests[0].state == R.RUNNING and not s.requests[0].transfer_jobs
 
     a.call(M.Call("build_connector_meta", ({}, {"r0": ()}, {"r0": 1}, frozenset(),
-                                           frozenset(), {"r0": (1, False)}, {})))
+                                           frozenset(), {"r0": (1, False)}, {}, ())))
     s = a.abstract_state()
     assert s.reset_fence[0].flushed and not s.jobs_to_flush and not s.reset_since_last_step
     (job,) = s.jobs  # the store cursor went back to 0: both computed chunks again
