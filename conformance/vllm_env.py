@@ -308,6 +308,8 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     # default (0) keeps only the blocks a hit at the prompt's end needs
     dense = ({"prefix_cache_retention_interval": None} if _hybrid(sliding_window, groups)
              else {})
+    # a hash finer than a block (0.33; 0.25.1's CacheConfig has no such field)
+    hashing = {"prefix_match_unit": prefix_match_unit} if prefix_match_unit else {}
     parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1
                 else cfg.ParallelConfig())
     vllm_config = cfg.VllmConfig(
@@ -315,7 +317,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         cache_config=cfg.CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
                                      cache_dtype="auto",
                                      enable_prefix_caching=enable_prefix_caching,
-                                     prefix_match_unit=prefix_match_unit, **dense),
+                                     **dense, **hashing),
         scheduler_config=cfg.SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_model_len, 2048),
             max_model_len=max_model_len, enable_chunked_prefill=True,
