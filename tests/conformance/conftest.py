@@ -30,6 +30,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                     if b.request_settings else "")
         if b.store_threshold > 1:
             settings += f", store threshold {b.store_threshold}"
+        if b.partial_tails:
+            settings += f", partial tails (boundary {b.tail_boundary(b.tokens)})"
         block = f"{b.tokens_per_block} tokens/block, " if b.tokens_per_block > 1 else ""
         return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, {block}"
                 f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s){settings}")
