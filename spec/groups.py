@@ -90,6 +90,16 @@ def group_skipped_blocks(kind: str, sliding_window: int | None, tokens_per_block
     return skipped_blocks(sliding_window, tokens_per_block, computed)
 
 
+def committed_state_position(boundary: int, tokens_per_block: int) -> int | None:
+    """The block position of the Mamba state a step ending at `boundary` computed tokens
+    commits, which the core hands to the connector with that boundary; None when the step
+    ends inside a block (no state committed: `MambaManager.cache_blocks` caches full blocks
+    only, vLLM 0.33.0 `vllm/v1/core/single_type_kv_cache_manager.py`)."""
+    if boundary <= 0 or boundary % tokens_per_block:
+        return None
+    return (boundary - 1) // tokens_per_block
+
+
 def window_chunks(sliding_window: int, tokens_per_chunk: int) -> int:
     """A sliding-window group's window in chunks (no extra retained tokens)."""
     return cdiv(sliding_window, tokens_per_chunk)

@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spec import MACHINES, REQUEST_MACHINE, vllm
 from spec import render as md
 from statemachine.diagrams import have_dot, source_hash, svg_source_hash, to_graphviz, to_mermaid
 from statemachine.diagrams import sources as diagram_sources
 from statemachine.diagrams import svg as render_svg
+
+if TYPE_CHECKING:
+    from statemachine.mutants import Mutant
 
 Blocks = dict[str, Callable[[], str]]
 
@@ -63,16 +67,20 @@ def mutants_table() -> str:
             checker = (f"{r.verdict}, {size}, {r.states} states: {what.split(' (')[0]}"
                        if ce else "**not caught**")
             tests = "model-based replay of that counterexample"
-            if m.hybrid_data_plane:
-                tests += "; the byte oracle of `kvspec simulate --model hybrid`"
+            if m.data_plane_models:
+                tests += f"; the byte oracle of {_simulate_runs(m)}"
         else:
             checker = "not expressible in the abstract model"
-            tests = ("byte oracle (kernel round trip; `kvspec simulate --model hybrid`)"
+            tests = (f"byte oracle (kernel round trip; {_simulate_runs(m)})"
                      if m.area == "kernels" else "model-based random search")
-            if m.hybrid_data_plane and m.area != "kernels":
-                tests += "; `kvspec simulate --model hybrid`"
+            if m.data_plane_models and m.area != "kernels":
+                tests += f"; {_simulate_runs(m)}"
         rows.append(f"| `{m.name}` | {m.area} | {m.stands_for} | {checker} | {tests} |")
     return "\n".join(rows)
+
+
+def _simulate_runs(m: Mutant) -> str:
+    return " and ".join(f"`kvspec simulate --model {name}`" for name in m.data_plane_models)
 
 
 def _readme_blocks() -> Blocks:

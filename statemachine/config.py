@@ -39,10 +39,14 @@ KV_CACHE_MODELS: dict[str, KVCacheModel] = {
     "full": KVCacheModel((KVCacheGroup(),), (4,)),
     "hybrid": KVCacheModel((KVCacheGroup(), KVCacheGroup("sliding", sliding_window=40)),
                            (4, 2)),
+    "mamba": KVCacheModel((KVCacheGroup(), KVCacheGroup("mamba")), (4, 12)),
 }
 """The models `kvspec simulate --model` runs. `hybrid`: full attention beside a 40-token
 sliding window (2.5 blocks of 16 tokens, so its loads start inside a chunk) with pages half
-the size, in the order vLLM lists such groups."""
+the size, in the order vLLM lists such groups. `mamba`: full attention beside a Mamba group
+in align mode, whose state page is three times an attention page (a Mamba group's
+`bytes_per_token` only sizes its page: block size times it); its one-block states fill the
+last block of their chunk."""
 
 
 @dataclass(frozen=True)

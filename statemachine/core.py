@@ -109,6 +109,9 @@ class CoreStep:
     preempted: frozenset[str] = frozenset()
     """Requests the core preempted since the previous step (and did not schedule again in
     this one)."""
+    handoffs: dict[str, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    """The state blocks the core commits in this step, as `(group, block, boundary)`
+    (`SchedulerOutput.boundary_state_offloads`)."""
 
     def scheduler_output(self) -> SchedulerOutput:
         """The project's `SchedulerOutput` of this step."""
@@ -116,7 +119,8 @@ class CoreStep:
             tuple(NewRequestData(r, b) for r, b in self.new.items()),
             tuple(CachedRequestData(r, b, resumed_from_preemption=r in self.resumed)
                   for r, b in self.cached.items()),
-            dict(self.num_scheduled), self.finished, self.preempted)
+            dict(self.num_scheduled), self.finished, self.preempted,
+            boundary_state_offloads=dict(self.handoffs))
 
 
 class StepLedger:

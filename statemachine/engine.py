@@ -49,7 +49,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import HANDOFF_KINDS, NULL_BLOCK, offload_key
+from spec.groups import NULL_BLOCK, committed_state_position, offload_key
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -117,10 +117,6 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig: group_bytes_per_token must be empty or one int "
                               f">= 1 per group ({len(self.groups)}), got {per_group!r}")
         self.offloading_config()  # the groups are the connector's: validated there
-        if any(g.kind in HANDOFF_KINDS for g in self.groups):
-            raise ConfigError("EngineConfig: the data plane does not run a Mamba group yet "
-                              "(its core would have to commit states and hand them off; "
-                              "the scheduler side takes one: OffloadingConfig.groups)")
 
     @property
     def num_groups(self) -> int:
@@ -421,7 +417,11 @@ class Engine:
         idx = 0
         while idx < len(self.running) and budget > 0:
             r = self.running[idx]
-            n = min(r.num_tokens - r.num_computed, budget)
+            n = self._aligned_split(r, r.num_computed,
+                                    min(r.num_tokens - r.num_computed, budget))
+            if n == 0:
+                idx += 1  # no block-aligned chunk fits the budget left
+                continue
             need = self._blocks_to_grow(r, r.num_computed + n, r.num_computed)
             while need > len(self.free_blocks):
                 victim = self.running[-1]
@@ -438,7 +438,56 @@ class Engine:
             idx += 1
         if not preempted_now:
             budget = self._schedule_waiting(budget)
-        return self.ledger.close().scheduler_output()
+        step = self.ledger.close()
+        step.handoffs = self._commit_states(step.num_scheduled)
+        return step.scheduler_output()
+
+    def _aligned_split(self, r: EngineRequest, start: int, n: int) -> int:
+        """With a Mamba group, clip a prefill chunk of `n` tokens from `start` so that it
+        ends where a state is to be committed: on a block edge (unless it is the prompt's
+        last chunk), at the next block edge when it starts inside a block, and never past
+        the last block edge before the last token mid-chunk (vLLM 0.33.0's
+        `_mamba_block_aligned_split`, `vllm/v1/core/sched/scheduler.py`:546-662, without
+        EAGLE, hash-granular hits or shared-prefix junctions). 0: no aligned chunk fits."""
+        if not self._offloading.handoff_groups:
+            return n
+        prefill_end = max(r.request.num_prompt_tokens, r.num_tokens - 1)
+        if start >= prefill_end:
+            return n
+        bs = self.config.block_size
+        end = start + n
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= self.config.max_num_batched_tokens:
+                end = aligned
+        stops = ((start // bs + 1) * bs if start % bs else 0,
+                 (r.num_tokens - 1) // bs * bs)  # the last cacheable block edge
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
+    def _commit_states(self, num_sched: dict[str, int]
+                       ) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        """The Mamba states the core commits in this step and hands to the connector: for
+        every scheduled request whose step ends on a block edge, each Mamba group's block
+        of the state after the step's last token, as `(group, block, boundary)`
+        (`boundary_state_offloads`; vLLM 0.33.0 `vllm/v1/core/sched/output.py`:214-228).
+        A loaded state is not handed off again: its tokens are not scheduled."""
+        groups = self._offloading.handoff_groups
+        out: dict[str, tuple[tuple[int, int, int], ...]] = {}
+        if not groups:
+            return out
+        for rid, n in num_sched.items():
+            r = self.requests[rid]
+            boundary = r.num_computed + n
+            position = committed_state_position(boundary, self.config.block_size)
+            if position is None:
+                continue
+            entries = tuple((g, r.tables[g][position], boundary) for g in groups
+                            if r.tables[g][position] != NULL_BLOCK)
+            if entries:
+                out[rid] = entries
+                self.stats["states_handed_off"] += len(entries)
+        return out
 
     def _schedule_waiting(self, budget: int) -> int:
         bs = self.config.block_size
@@ -470,8 +519,11 @@ class Engine:
                 r.request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 skipped.append(r)
                 continue
-            n = min(r.num_tokens - r.num_computed - hit, budget)
             start = r.num_computed + hit
+            n = self._aligned_split(r, start, min(r.num_tokens - start, budget))
+            if n == 0:
+                skipped.append(r)  # no block-aligned chunk fits the budget left
+                continue
             need = self._blocks_to_grow(r, start + n, start)
             if need > len(self.free_blocks):
                 self.waiting.insert(0, r)
@@ -610,20 +662,29 @@ class Engine:
             where = {h: i for i, h in enumerate(r.request.block_hashes)}
             spec = job.src
             assert isinstance(spec, GPULoadStoreSpec)
-            block_groups = [g for g, n in enumerate(spec.group_sizes or (len(spec.block_ids),))
-                            for _ in range(n)]
+            sizes = spec.group_sizes or (len(spec.block_ids),)
+            firsts = spec.block_indices or (spec.first_block_index,)
+            block_groups = [g for g, n in enumerate(sizes) for _ in range(n)]
             positions: list[int] = []
-            for i, key in enumerate(status.keys):
+            begun: set[int] = set()
+            for key in status.keys:
                 last = where.get(key // groups)
                 group = key % groups
-                if last is None or (last + 1) % bpc:
+                if last is None or (last + 1) % bpc or len(positions) >= len(block_groups):
                     raise EngineError(f"store job {job_id}: key {key:#x} names no chunk of "
                                       f"request {r.id!r}")
-                if block_groups[i * bpc] != group:
+                if block_groups[len(positions)] != group:
                     raise EngineError(f"store job {job_id}: blocks of group "
-                                      f"{block_groups[i * bpc]} are stored under key "
+                                      f"{block_groups[len(positions)]} are stored under key "
                                       f"{key:#x} of group {group}")
-                positions += range(last + 1 - bpc, last + 1)
+                # a group's first chunk skips the sub-blocks before its first block (a Mamba
+                # state fills only the last block of its chunk)
+                skip = 0 if group in begun else firsts[group] % bpc
+                begun.add(group)
+                positions += range(last + 1 - bpc + skip, last + 1)
+            if len(positions) != len(block_groups):
+                raise EngineError(f"store job {job_id}: its keys cover {len(positions)} "
+                                  f"blocks, its source {len(block_groups)}")
             self._store_positions[job_id] = tuple(positions)
             if any(block_groups[i] == block_groups[i - 1] and positions[i] != positions[i - 1] + 1
                    for i in range(1, len(positions))):

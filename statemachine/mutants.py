@@ -36,8 +36,8 @@ class Mutant:
     patch: Patch
     model_fault: Fault | None = None
     """The same fault in the abstract model, if it can be expressed there."""
-    hybrid_data_plane: bool = False
-    """`kvspec simulate --model hybrid` catches it by the data plane alone (the bytes, or a
+    data_plane_models: tuple[str, ...] = ()
+    """The `kvspec simulate --model` runs that catch it by the data plane alone (the bytes, or a
     store's keys naming another group than its blocks')."""
 
     @property
@@ -339,20 +339,21 @@ MUTANTS: tuple[Mutant, ...] = (
            "them while the request runs and hands them out, and the store is not flushed",
            _patch(SchedulerEffects, "register_store_fences", _window_sources_unfenced),
            Fault.SLIDING_WINDOW_SKIPS_FENCE,
-           hybrid_data_plane=True),
+           data_plane_models=("hybrid", "mamba")),
     Mutant("reset-keeps-stale-window-blocks", "groups", "finding F2 (vLLM 0.33.0, "
            "S:2429-2433), INV-15",
            "a reset puts the store cursor back but keeps the sliding-window ids the core freed: "
            "the next store reads a block another request holds",
            _patch(SchedulerEffects, "reset_store_cursor", _reset_keeps_window_blocks),
            Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS,
-           hybrid_data_plane=True),
+           data_plane_models=("hybrid",)),
     Mutant("handoff-store-skips-fence", "groups", "S:1593-1602, INV-15",
            "the store of a Mamba state the core handed off is not fenced at its creation: the "
            "core frees the state block a step later and hands it out, and the store is not "
            "flushed",
            _patch(OffloadingScheduler, "_build_boundary_store_jobs", _handoff_store_unfenced),
-           Fault.HANDOFF_STORE_SKIPS_FENCE),
+           Fault.HANDOFF_STORE_SKIPS_FENCE,
+           data_plane_models=("mamba",)),
     Mutant("tail-load-rounds-down", "groups", "S:1393, S:1423-1442, INV-22",
            "a load counts its GPU blocks and chunks with floor division: a partial tail's "
            "key lands in the last complete block, and the block the boundary falls in is "
@@ -364,18 +365,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "group's chunk of a position has one key, so one group's chunk is stored and the "
            "others are loaded from its slot",
            _patch_global("statemachine.scheduler", "offload_key", _key_without_group),
-           hybrid_data_plane=True),
+           data_plane_models=("hybrid", "mamba")),
     Mutant("kernel-ignores-first-chunk-skip", "kernels", "GW:629-663 (first-chunk skip)",
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",
            _patch_in("kernels.layout", "Segment", "skip", _ignore_first_chunk_skip),
-           hybrid_data_plane=True),
+           data_plane_models=("hybrid",)),
     Mutant("kernel-copies-into-first-group", "kernels", "GW:597-669 (per-group refs)",
            "the copy kernels copy every KV cache group's blocks in the first group's tensors: "
            "a sliding-window group's pages land in (and are read from) the full-attention "
            "layers",
            _patch_in("kernels.engine", "_Copier", "_run_group", _copy_into_first_group),
-           hybrid_data_plane=True),
+           data_plane_models=("hybrid", "mamba")),
 )
 
 

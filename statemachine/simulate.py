@@ -28,6 +28,8 @@ from statemachine.errors import KVSpecError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
 from statemachine.oracle import CorruptedBytes
 
+from kernels import KernelSpecError  # isort: skip
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -86,6 +88,10 @@ class Workload:
     fail_and_hang: list[int]
     """From that step, the next async load fails on worker 0 while the last worker hangs on
     it for a few steps: placed just before a reset, it is orphaned by the reset."""
+    stalls: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, worker, steps): from that step, no copy of that worker completes for that many
+    steps (a busy copy stream): stores stay in flight while the core frees and reuses
+    blocks, so only the fences keep their sources intact."""
 
 
 def make_workload(cfg: SimConfig) -> Workload:
@@ -113,6 +119,7 @@ def make_workload(cfg: SimConfig) -> Workload:
         fail_stores=[(steps // 4, 0), ((4 * steps) // 5, 1 % workers)],
         hangs=[(steps // 8, 0, False), ((3 * steps) // 5, (w - 1), True)],
         fail_and_hang=[max(0, steps // 2 - 4)] if w > 1 else [],
+        stalls=[(steps // 6, 0, 4), ((5 * steps) // 12, w - 1, 4), ((7 * steps) // 8, 0, 4)],
     )
 
 
@@ -124,6 +131,7 @@ class Faults:
     release_after: int
     injected_failures: int = 0
     hung_jobs: list[int] = field(default_factory=list)
+    stalls: int = 0
     _armed: list[tuple[str, int]] = field(default_factory=list)
 
     def __call__(self, engine: Engine, meta: OffloadingConnectorMetadata) -> None:
@@ -134,6 +142,10 @@ class Faults:
         self._armed += [("hang-sync" if sync else "hang-async", w)
                         for s, w, sync in wl.hangs if s == step]
         self._armed += [("fail-hang", 0) for s in wl.fail_and_hang if s == step]
+        for s, worker, steps in wl.stalls:
+            if s == step:
+                engine.workers[worker].stall(steps)
+                self.stalls += 1
         still: list[tuple[str, int]] = []
         for kind, worker in self._armed:
             if kind == "store":
@@ -265,7 +277,7 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> SimResult:
     except CorruptedBytes as exc:
         result.corrupted = max(1, engine.stats["corrupted_blocks"])
         result.error = str(exc)
-    except KVSpecError as exc:
+    except (KVSpecError, KernelSpecError) as exc:  # a transfer spec the kernels refuse too
         result.error = f"{type(exc).__name__}: {exc}"
     result.seconds = time.perf_counter() - t0
     if not result.stopped:
@@ -310,8 +322,10 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         "orphaned_loads_failed": sc["orphaned_loads_failed"],
         "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
         "stores_with_gaps": st["stores_with_gaps"],
+        "states_handed_off": st["states_handed_off"],
         "quarantined_blocks_already_freed": st["quarantined_blocks_already_freed"],
         "hung_jobs": len(faults.hung_jobs),
+        "stalls": faults.stalls,
         "timeouts": sc["timed_out_jobs"],
         "loaded_blocks_verified": st["loaded_blocks_verified"],
         "stored_blocks_verified": st["stored_blocks_verified"],
@@ -354,6 +368,8 @@ def exercised_everywhere(result: SimResult) -> list[str]:
 def _kind(g: dict[str, Any]) -> str:
     if g["kind"] == "sliding":
         return f"sliding window {g['sliding_window']}, page {g['page_bytes']} B"
+    if g["kind"] == "mamba":
+        return f"Mamba state, page {g['page_bytes']} B"
     return f"full attention, page {g['page_bytes']} B"
 
 
@@ -378,6 +394,7 @@ def render(result: SimResult) -> str:
         ("failures", f"{m['injected_failures']} injected, {m['failed_jobs']} jobs failed, "
                      f"{m['orphaned_loads_failed']} reset-orphaned loads failed"),
         ("timeouts", f"{m['timeouts']} jobs timed out ({m['hung_jobs']} hung)"),
+        ("stalls", f"{m['stalls']} copy streams stalled for 4 steps"),
         ("bytes checked", f"{m['loaded_blocks_verified']} loaded, "
                           f"{m['stored_blocks_verified']} stored, "
                           f"{m['computed_blocks_verified']} computed blocks"),

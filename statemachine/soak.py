@@ -33,6 +33,7 @@ from spec import model as M
 from statemachine.testing import (
     DataPlaneStateMachine,
     HybridDataPlaneStateMachine,
+    MambaDataPlaneStateMachine,
     OffloadingStateMachine,
 )
 
@@ -215,14 +216,14 @@ def _bounds_text(b: M.Bounds) -> str:
 # ============================================================================ the data plane
 def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
     live = sorted(m.engine.requests)
-    rules = ["new_request", "step", "worker_failure", "worker_hang", "reset"]
+    rules = ["new_request", "step", "worker_failure", "worker_hang", "worker_stall", "reset"]
     if live:
         rules.append("abort_request")
     rule = rng.choice(rules)
     if rule == "new_request":
         return rule, {"family": rng.randint(0, 2), "tokens": rng.randint(5, 20),
                       "max_tokens": rng.randint(1, 6)}
-    if rule in ("worker_failure", "worker_hang"):
+    if rule in ("worker_failure", "worker_hang", "worker_stall"):
         return rule, {"worker": rng.randint(0, 1)}
     if rule == "abort_request":
         return rule, {"req_id": rng.choice(live)}
@@ -232,8 +233,9 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
 
 
 DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
-    DataPlaneStateMachine, HybridDataPlaneStateMachine)
-"""The data-plane soak alternates its programs over these (one KV cache group, hybrid)."""
+    DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine)
+"""The data-plane soak takes its programs in turn over these (one KV cache group, full
+attention beside a sliding window, full attention beside a Mamba group)."""
 
 
 def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,

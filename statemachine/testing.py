@@ -621,23 +621,24 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     """
 
     kv_model: str = "full"
-    """The KV cache groups: "full" (one full-attention group) or "hybrid" (full attention
-    beside a 6-token sliding window, 1.5 blocks, with pages of another size)."""
+    """The KV cache groups: "full" (one full-attention group), "hybrid" (full attention
+    beside a 6-token sliding window, 1.5 blocks, with pages of another size) or "mamba"
+    (full attention beside a Mamba group whose state pages are three times the size)."""
 
     def __init__(self) -> None:
         super().__init__()
         from statemachine.config import KVCacheGroup
         from statemachine.engine import Engine, EngineConfig
 
-        hybrid = self.kv_model == "hybrid"
-        groups = (KVCacheGroup(), KVCacheGroup("sliding", sliding_window=6)) if hybrid \
-            else (KVCacheGroup(),)
+        second = {"hybrid": (KVCacheGroup("sliding", sliding_window=6), 3),
+                  "mamba": (KVCacheGroup("mamba"), 6)}.get(self.kv_model)
+        groups = (KVCacheGroup(),) if second is None else (KVCacheGroup(), second[0])
         self.engine = Engine(EngineConfig(
-            block_size=4, blocks_per_chunk=2, num_gpu_blocks=40 if hybrid else 24,
-            num_cpu_chunks=12 if hybrid else 6, num_workers=2, num_layers=1,
+            block_size=4, blocks_per_chunk=2, num_gpu_blocks=40 if second else 24,
+            num_cpu_chunks=12 if second else 6, num_workers=2, num_layers=1,
             bytes_per_token=2, max_num_batched_tokens=32, max_num_running=4,
-            sync_load_budget_bytes=96 if hybrid else 64, job_timeout_steps=3, device="cpu",
-            groups=groups, group_bytes_per_token=(2, 3) if hybrid else ()))
+            sync_load_budget_bytes=96 if second else 64, job_timeout_steps=3, device="cpu",
+            groups=groups, group_bytes_per_token=(2, second[1]) if second else ()))
         self.n = 0
         self.armed: list[tuple[str, int]] = []
         self.engine.fault_hooks.append(self._inject)
@@ -672,6 +673,11 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     def worker_hang(self, worker: int) -> None:
         self.armed.append(("hang", worker))
 
+    @rule(worker=st.integers(0, 1))
+    def worker_stall(self, worker: int) -> None:
+        """No copy of `worker` completes for the next 3 steps (a busy copy stream)."""
+        self.engine.workers[worker].stall(3)
+
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         live = sorted(self.engine.requests)
@@ -701,3 +707,11 @@ class HybridDataPlaneStateMachine(DataPlaneStateMachine):
     whose loads start inside a chunk and whose blocks the core frees as the window moves."""
 
     kv_model = "hybrid"
+
+
+class MambaDataPlaneStateMachine(DataPlaneStateMachine):
+    """`DataPlaneStateMachine` over full attention beside a Mamba group in align mode: the
+    core splits prefills at block edges and hands off the states it commits, each stored
+    into the last block of its chunk and loaded back into one block."""
+
+    kv_model = "mamba"

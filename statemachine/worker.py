@@ -13,7 +13,8 @@ The per-step calls mirror vLLM's worker (W:219-329): `handle_preemptions`,
 
 Fault injection (beyond vLLM): `fail_job` makes a job's copy report failure (the kernels'
 failure hook: it copies nothing); `hang_job` makes the rank withhold a job's completion, as
-a hung worker or a lost report would, until `release_job` (or a countdown of steps).
+a hung worker or a lost report would, until `release_job` (or a countdown of steps);
+`stall` keeps every copy of the rank in flight for a few steps (a busy copy stream).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class Worker:
         self._popped: set[int] = set()
         self._hung: dict[int, int | None] = {}
         self._failing: set[int] = set()
+        self._stalled_polls = 0
+        """get_finished calls left during which no copy completes (`stall`)."""
         self._copied: list[WorkerJob] = []
         self._withheld: dict[int, CopyResult] = {}
         self._behind: dict[int, list[int]] = {}
@@ -222,7 +225,11 @@ class Worker:
         """Poll the copies' completions; report every job whose completion was observed
         (W:286-329)."""
         fresh: set[int] = set()
-        for result in self.engine.poll():
+        limit = None
+        if self._stalled_polls:
+            self._stalled_polls -= 1
+            limit = 0  # the copies stay in flight (a wait still completes them)
+        for result in self.engine.poll(limit):
             job = self.jobs.get(result.job_id)
             if job is None or job.state not in W.COPYING:
                 raise WorkerError(f"worker {self.rank}: the copy engine completed job "
@@ -312,6 +319,16 @@ class Worker:
         if release_after is not None and release_after < 1:
             raise WorkerError(f"release_after must be >= 1 or None, got {release_after}")
         self._hung[job_id] = release_after
+
+    def stall(self, polls: int) -> None:
+        """Let no copy of this rank complete for the next `polls` get_finished calls, as a
+        busy copy stream would: the forward passes go on while stores and async loads stay
+        in flight. A flush or a sync load still waits for its copy. (On CUDA a copy that
+        stays in flight is the normal case; the CPU stand-in runs copies when polled, so
+        without a stall a store always ends before the core can reuse its sources.)"""
+        if type(polls) is not int or polls < 1:
+            raise WorkerError(f"stall: polls must be an int >= 1, got {polls!r}")
+        self._stalled_polls = max(self._stalled_polls, polls)
 
     def release_job(self, job_id: int) -> None:
         """Stop withholding job `job_id`: its completion is reported at the next

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from hypothesis import settings
 
-from statemachine.testing import DataPlaneStateMachine, HybridDataPlaneStateMachine
+from statemachine.testing import (
+    DataPlaneStateMachine,
+    HybridDataPlaneStateMachine,
+    MambaDataPlaneStateMachine,
+)
 
 DataPlaneStateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
                                                    deadline=None)
@@ -14,3 +18,7 @@ TestDataPlane = DataPlaneStateMachine.TestCase
 HybridDataPlaneStateMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None)
 TestHybridDataPlane = HybridDataPlaneStateMachine.TestCase
+
+MambaDataPlaneStateMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None)
+TestMambaDataPlane = MambaDataPlaneStateMachine.TestCase

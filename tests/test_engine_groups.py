@@ -105,8 +105,6 @@ def test_engine_config_errors() -> None:
                      group_bytes_per_token=(2,))
     with pytest.raises(ConfigError, match="a sliding-window group needs sliding_window"):
         EngineConfig(groups=(KVCacheGroup("sliding"),))
-    with pytest.raises(ConfigError, match="does not run a Mamba group yet"):
-        EngineConfig(groups=(KVCacheGroup(), KVCacheGroup("mamba")))
     e = hybrid_engine()
     with pytest.raises(EngineError, match="needs up to 16 GPU blocks over its 2 KV cache groups"):
         e.add_request("long", list(range(30)), 2)

@@ -43,20 +43,42 @@ def test_a_hybrid_model_drains_clean_with_trouble_in_every_group() -> None:
     assert "group 1 (sliding window 40, page 32 B)" in text and "PASS" in text
 
 
-@pytest.mark.parametrize("name", [m.name for m in MUTANTS if m.hybrid_data_plane])
-def test_the_data_plane_catches_the_group_mutants_on_a_hybrid_run(name: str) -> None:
+@pytest.mark.parametrize("name,model", [(m.name, model) for m in MUTANTS
+                                        for model in m.data_plane_models])
+def test_the_data_plane_catches_the_group_mutants(name: str, model: str) -> None:
     """With the connector's invariant checks off, the data plane alone catches each fault:
-    the bytes (in the sliding-window group's tensor), or a store's keys that name another
-    group than its blocks'."""
+    the bytes (in the second group's tensor: the sliding window's, the Mamba state's), or a
+    store's keys that name another group than its blocks'."""
     from statemachine.mutants import by_name
 
     with by_name(name).patch():
-        result = simulate.run(SimConfig(seed=1, model="hybrid", check_invariants=False))
+        result = simulate.run(SimConfig(seed=1, model=model, check_invariants=False))
     assert result.error is not None and not result.ok
     if name == "keys-without-group-index":
         assert "blocks of group 1 are stored under key" in result.error
     else:
         assert result.corrupted and "layer 2" in result.error
+
+
+def test_a_mamba_model_drains_clean_with_trouble_in_every_group() -> None:
+    """Full attention beside a Mamba group (align mode) whose state pages are three times
+    an attention page: the core splits prefills at block edges and hands off the states it
+    commits; those at a chunk edge are stored into the last block of their chunk, and hits
+    load the state at the hit's end back. Loads, stores, failures, resets and preemptions
+    touch both groups; nothing is stuck, leaked or corrupted."""
+    result = simulate.run(SimConfig(seed=1, model="mamba"))
+    assert result.ok, (result.error, result.stuck, result.leaks)
+    assert simulate.exercised_everywhere(result) == []
+    full, mamba = result.metrics["groups"]
+    assert (full["kind"], mamba["kind"]) == ("full", "mamba")
+    assert (full["page_bytes"], mamba["page_bytes"]) == (64, 192)
+    # the core keeps one state block per request: every other one it frees as it goes
+    assert mamba["blocks_freed_before_window"] > full["blocks_freed_before_window"] == 0
+    # a Mamba load fills one block: the state at the hit's end
+    assert 0 < mamba["loaded_blocks_verified"] <= mamba["loads"] * 2  # 2 workers
+    assert result.metrics["states_handed_off"] >= mamba["stores"]
+    text = simulate.render(result)
+    assert "group 1 (Mamba state, page 192 B)" in text and "PASS" in text
 
 
 def test_the_run_is_a_function_of_the_seed() -> None:

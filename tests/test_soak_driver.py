@@ -38,12 +38,15 @@ def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> No
     assert exc is not None and soak.signature(exc) == "InvariantViolation: INV-1"
 
 
-def test_the_data_plane_soak_alternates_to_a_hybrid_model_and_finds_its_faults() -> None:
-    """Every other data-plane program runs full attention beside a sliding window: a fault
-    of the per-group copy is found there, by the bytes, and named with that machine."""
+def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults() -> None:
+    """The data-plane programs take turns over one group, a sliding window beside full
+    attention, and a Mamba group beside it: a fault of the per-group copy is found in a
+    program of two groups, by the bytes, and named with that machine."""
+    assert [m.kv_model for m in soak.DATA_PLANE_MACHINES] == ["full", "hybrid", "mamba"]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
-    assert f.program % 2 == 1 and f.bounds == "HybridDataPlaneStateMachine's engine"
+    machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
+    assert machine.kv_model != "full" and f.bounds == f"{machine.__name__}'s engine"
     assert f.error.startswith("CorruptedBytes") and "layer 1" in f.error.splitlines()[0]
     assert soak.soak_data_plane(0, 80).failures == []
 

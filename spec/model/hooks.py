@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from spec import job as J
 from spec import request as R
-from spec.groups import HANDOFF_KINDS, NULL_BLOCK, WINDOW_KINDS, cdiv, window_positions
+from spec.groups import (
+    HANDOFF_KINDS,
+    NULL_BLOCK,
+    WINDOW_KINDS,
+    cdiv,
+    committed_state_position,
+    window_positions,
+)
 from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
@@ -378,10 +385,10 @@ def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int,
     for r, n in sched.items():
         core = w.core[r]
         boundary = core.computed + n
-        if boundary % tpb:
+        position = committed_state_position(boundary, tpb)
+        if position is None:
             continue  # the block is not complete: no state committed
-        states = ((g, w.group_blocks(core.blocks, g)[(boundary - 1) // tpb])
-                  for g in b.handoff_groups())
+        states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
         entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
         if entries:
             out[r] = entries

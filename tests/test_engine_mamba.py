@@ -1,0 +1,106 @@
+"""The engine with a Mamba group in align mode beside full attention: the core splits a
+prefill at block edges, keeps one state block per request, hands off the states it commits;
+the connector stores those at a chunk edge into the last block of their chunk, fenced, and a
+hit loads the state at the hit's end back into one block. The byte oracle checks each."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec.groups import NULL_BLOCK
+from statemachine.config import KVCacheGroup
+from statemachine.engine import Engine, EngineConfig
+from statemachine.mutants import by_name
+from statemachine.oracle import CorruptedBytes
+
+BS = 4  # tokens per block; 2 blocks per chunk
+
+
+def mamba_engine(num_gpu_blocks: int = 24, check_invariants: bool = True,
+                 budget: int = 64) -> Engine:
+    return Engine(EngineConfig(
+        block_size=BS, blocks_per_chunk=2, num_gpu_blocks=num_gpu_blocks, num_cpu_chunks=32,
+        num_workers=1, num_layers=1, bytes_per_token=2, max_num_batched_tokens=budget,
+        groups=(KVCacheGroup(), KVCacheGroup("mamba")), group_bytes_per_token=(2, 6),
+        check_invariants=check_invariants, device="cpu"))
+
+
+PROMPT = list(range(200, 219))  # 19 tokens: the last block edge before the last token is 16
+
+
+def test_a_prefill_stops_at_the_last_block_edge_and_hands_the_state_off() -> None:
+    e = mamba_engine()
+    assert [t.shape[1] for t in e.workers[0].gpu] == [8, 24]  # the state page is 3x
+    e.add_request("a", PROMPT, 2)
+    first = e.step()
+    # vLLM's aligned split: 16 tokens, not 19, so the state after token 16 is committed
+    assert first.scheduled == {"a": 16}
+    a = e.requests["a"]
+    state, table = first.meta.store_jobs.values()
+    # the hand-off's own store: the state after 16 tokens into the last block of chunk 1
+    # (a first-chunk skip of one); then the table's store: full attention's 2 chunks
+    assert state.src.group_sizes == (0, 1) and state.src.block_indices == (0, 3)
+    assert state.src.block_ids == (a.tables[1][3],)
+    assert table.src.group_sizes == (4, 0) and table.src.block_ids == tuple(a.tables[0][:4])
+    assert e.stats["states_handed_off"] == 1
+    # the state block is fenced from the job's creation; the attention blocks are not
+    assert set(e.scheduler.block_fence) == {a.tables[1][3]}
+    e.step()  # the prompt's last 3 tokens
+    assert a.num_computed == 19
+    # the core holds only the block of the state after the last computed token
+    assert a.tables[1][:4] == [NULL_BLOCK] * 4 and a.tables[1][4] != NULL_BLOCK
+    e.run_until_idle()
+    assert e.group_stats[1]["stored_blocks_verified"] == 1
+    assert e.group_stats[0]["stored_blocks_verified"] == 4
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def test_a_hit_loads_the_state_at_its_end_into_one_block() -> None:
+    e = mamba_engine()
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    e.add_request("b", [*PROMPT[:16], 1, 2, 3, 4, 5], 1)
+    step = e.step()
+    (load,) = step.meta.load_jobs.values()
+    # 16 tokens hit: full attention loads 4 blocks, the Mamba group its state's one block
+    assert load.dst.group_sizes == (4, 1) and load.dst.block_indices == (0, 3)
+    b = e.requests["b"]
+    assert b.tables[1][:3] == [NULL_BLOCK] * 3 and load.dst.block_ids[4] == b.tables[1][3]
+    e.run_until_idle()
+    assert e.group_stats[1]["loaded_blocks_verified"] == 1
+    assert e.group_stats[0]["loaded_blocks_verified"] == 4
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def _reuse_the_state_block_while_its_store_is_in_flight(e: Engine) -> tuple[int, set[int]]:
+    """a's store of its 16-token state is submitted, and its worker stalls; a runs on, so
+    the core frees that state block at the step's end; b then takes it and its forward pass
+    writes there while the store is still in flight. Returns the state store's job id and
+    every job flushed."""
+    e.add_request("a", PROMPT, 4)
+    state_store = min(e.step().meta.store_jobs)  # a: 16 tokens, the state stored (queued)
+    e.workers[0].stall(6)
+    e.step()  # a: 3 tokens; the store is submitted and stays in flight; block freed
+    assert e.requests["a"].tables[1][3] == NULL_BLOCK
+    e.add_request("b", list(range(500, 520)), 1)
+    flushed: set[int] = set()
+    while e.has_pending_work():
+        flushed |= e.step().meta.jobs_to_flush
+    return state_store, flushed
+
+
+def test_the_state_store_is_flushed_before_its_block_is_reused() -> None:
+    e = mamba_engine(num_gpu_blocks=16)
+    state_store, flushed = _reuse_the_state_block_while_its_store_is_in_flight(e)
+    assert state_store in flushed  # b re-allocated the fenced state block
+    assert e.group_stats[1]["stored_blocks_verified"] >= 1
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def test_without_the_hand_off_fence_the_bytes_are_caught() -> None:
+    with by_name("handoff-store-skips-fence").patch():
+        e = mamba_engine(num_gpu_blocks=16, check_invariants=False)
+        with pytest.raises(CorruptedBytes, match="stored block of request 'a'") as caught:
+            _reuse_the_state_block_while_its_store_is_in_flight(e)
+        e.shutdown()
+    assert caught.value.layer == 1 and caught.value.block_index == 3  # the state's tensor
