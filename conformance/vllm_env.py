@@ -273,14 +273,16 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
                extra_config: Mapping[str, Any] | None = None,
                sliding_window: int | None = None,
                groups: Sequence[str] = ("full", "sliding"),
-               prefix_match_unit: int | None = None) -> VLLMSetup:
+               prefix_match_unit: int | None = None,
+               retention_interval: int | None = None) -> VLLMSetup:
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
     every job then waits for that many acks. With `sliding_window` (tokens) the model is
     hybrid: one layer per KV cache group, of the kinds `groups` names in order (default: a
-    full-attention group, then a sliding window; 0.33 only); the window's blocks are all
-    retained and offloaded (`prefix_cache_retention_interval=None`). `prefix_match_unit`
+    full-attention group, then a sliding window; 0.33 only); `retention_interval` is
+    vLLM's `prefix_cache_retention_interval` (None, the default here: every chunk's window
+    tail is retained and offloaded; vLLM's own default is 0). `prefix_match_unit`
     (tokens, dividing `block_size`) hashes requests finer than a block: with a Mamba group,
     vLLM's partial tails are on."""
     v = _v()
@@ -304,10 +306,10 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         extra["block_size"] = block_size * blocks_per_chunk
     extra.update(extra_config or {})
     cfg = v.config
-    # a sliding-window group keeps (and stores) every block, as the spec models it; vLLM's
-    # default (0) keeps only the blocks a hit at the prompt's end needs
-    dense = ({"prefix_cache_retention_interval": None} if _hybrid(sliding_window, groups)
-             else {})
+    # None: a sliding-window group keeps (and stores) every chunk's window tail; vLLM's
+    # default (0) keeps only the tail a replay of the prompt reads
+    dense = ({"prefix_cache_retention_interval": retention_interval}
+             if _hybrid(sliding_window, groups) else {})
     # a hash finer than a block (0.33; 0.25.1's CacheConfig has no such field)
     hashing = {"prefix_match_unit": prefix_match_unit} if prefix_match_unit else {}
     parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1

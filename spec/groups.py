@@ -100,6 +100,101 @@ def committed_state_position(boundary: int, tokens_per_block: int) -> int | None
     return (boundary - 1) // tokens_per_block
 
 
+def contiguous_blocks_for_hit(sliding_window: int, tokens_per_block: int) -> int:
+    """The blocks before its end that a hit of a sliding-window group needs
+    (`SlidingWindowManager._contiguous_blocks_for_hit`, without EAGLE)."""
+    return cdiv(sliding_window - 1, tokens_per_block)
+
+
+def short_hit_blocks(sliding_window: int, tokens_per_block: int) -> int:
+    """The blocks before its end that a hit of a sliding-window group needs when it ends
+    one token before a block edge, as the connector's hits do with a window group (S:872-876):
+    the window then reaches one token further back, into one more block whenever the window
+    less one token is a whole number of blocks. One more than
+    `contiguous_blocks_for_hit` then, else the same: `cdiv(window, block)`."""
+    return cdiv(sliding_window, tokens_per_block)
+
+
+def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
+                           blocks_per_chunk: int, retention_interval: int | None,
+                           replay_boundary: int, start_block: int, end_block: int,
+                           short_hits: bool = True) -> tuple[bool, ...] | None:
+    """Which of a sliding-window group's blocks `start_block <= i < end_block` the store may
+    need, because some hit at a chunk-aligned length reads them; None: every block
+    (`SlidingWindowManager.reachable_block_mask`, vLLM 0.33.0
+    `vllm/v1/core/single_type_kv_cache_manager.py`:1067-1150, as the connector calls it,
+    S:1770-1796: alignment at the full-attention chunk, no EAGLE, no decode context
+    parallelism). `retention_interval` (vLLM's `prefix_cache_retention_interval`, in tokens):
+    None keeps the window's tail of every chunk; 0 keeps only the tail that ends at the
+    replay boundary (the prompt's last token, rounded down to a chunk); a multiple of the
+    chunk keeps a tail per interval and that one. `replay_boundary` is the prompt's tokens
+    minus one (`replay_boundaries`, `vllm/v1/core/kv_cache_coordinator.py`:65-86).
+
+    The store's final segment (`final_segment_end_block`) changes nothing here: it matters
+    only with the dense policy, whose segment is a chunk, and the store's horizon is a
+    whole number of chunks.
+
+    Different from vLLM (finding F4): vLLM sizes every tail for a hit that ends on a block
+    edge (`contiguous_blocks_for_hit`), but the connector's hits with a window group end one
+    token short of one, and such a hit reads one block more (`short_hit_blocks`). A chunk
+    stored without that block (the core had freed it) then serves a load of bytes no store
+    wrote. Here the tails count that block; `short_hits=False` is vLLM's mask (the fault
+    `Fault.STORE_MASK_IGNORES_SHORT_HITS`)."""
+    need = (short_hit_blocks if short_hits else contiguous_blocks_for_hit)(
+        sliding_window, tokens_per_block)
+    tokens_per_chunk = tokens_per_block * blocks_per_chunk
+    mask = [False] * (end_block - start_block)
+    segment = tokens_per_chunk if retention_interval is None else retention_interval
+    if segment:
+        per_segment = segment // tokens_per_block
+        if need >= per_segment:
+            return None
+        for i in range(start_block, end_block):
+            if i % per_segment >= per_segment - need:
+                mask[i - start_block] = True
+    if retention_interval is not None:
+        end = replay_boundary // tokens_per_chunk * tokens_per_chunk // tokens_per_block
+        for i in range(max(start_block, end - need), min(end_block, end)):
+            mask[i - start_block] = True
+    return tuple(mask)
+
+
+def chunk_store_blocks(blocks: Sequence[int], reachable: Sequence[bool] | None
+                       ) -> tuple[int, ...] | None:
+    """The blocks a store copies of a chunk whose table blocks are `blocks` and whose
+    reachable blocks are `reachable` (None: all of them), or None when the chunk is not
+    stored: its last block is null, none of its blocks is reachable, or a reachable one is
+    null (it would leave a needed part unwritten). A stored chunk copies every block it
+    holds, reachable or not; so a chunk whose leading blocks the core already freed is
+    stored without them (S:1904-1980, S:2024-2045). A window's null blocks lead its table,
+    so the blocks copied are the chunk's last ones."""
+    if not blocks or blocks[-1] == NULL_BLOCK:
+        return None
+    if reachable is None:
+        return None if NULL_BLOCK in blocks else tuple(blocks)
+    needed_null = any(r and b == NULL_BLOCK for b, r in zip(blocks, reachable, strict=True))
+    if needed_null or not any(reachable):
+        return None
+    return tuple(b for b in blocks if b != NULL_BLOCK)
+
+
+def state_retained(position: int, tokens_per_block: int, retention_interval: int | None,
+                   replay_boundary: int) -> bool:
+    """Whether the core keeps (and so hands off) the Mamba state of block `position`
+    (`MambaManager.reachable_block_mask`, `single_type_kv_cache_manager.py`:1549-1606, at
+    the core's alignment of a block): every state with dense retention (None) or an
+    interval of a block; else the one ending each interval and the one ending at the replay
+    boundary, rounded down to a block."""
+    if retention_interval is None:
+        return True
+    per_segment = retention_interval // tokens_per_block
+    if retention_interval and per_segment <= 1:
+        return True
+    if retention_interval and (position + 1) % per_segment == 0:
+        return True
+    return position == replay_boundary // tokens_per_block - 1
+
+
 def window_chunks(sliding_window: int, tokens_per_chunk: int) -> int:
     """A sliding-window group's window in chunks (no extra retained tokens)."""
     return cdiv(sliding_window, tokens_per_chunk)

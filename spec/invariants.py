@@ -341,6 +341,12 @@ def _inv22(s: AbstractState) -> Iterator[Violation]:
                         "falls in)")
 
 
+def _inv23(s: AbstractState) -> Iterator[Violation]:
+    for k in sorted(s.unwritten_reads):
+        yield Violation("INV-23", f"a load read a block of chunk {k} that no store wrote (the "
+                        "chunk was stored without blocks the core had freed)")
+
+
 INVARIANTS: tuple[Invariant, ...] = (
     Invariant("INV-1", "jobs-in-table", "every id in any transfer_jobs is a key of _jobs",
               "implicit; broken before PR #48102", _inv1),
@@ -407,6 +413,12 @@ INVARIANTS: tuple[Invariant, ...] = (
               "stored from, and loaded into, only the block its boundary falls in (the data's "
               "truth, kept by the model; the engine checks the same on the bytes)",
               "S:1428-1442, S:1688-1737", _inv22),
+    Invariant("INV-23", "loads-read-written-blocks", "every block a load copies from a chunk "
+              "was written by the store that published the chunk: a chunk stored without "
+              "some of its blocks (a sliding window's leading blocks the core had freed, "
+              "kept out by the reachable-block mask) never serves a load that needs them "
+              "(the data's truth, kept by the model; the engine checks the same on the "
+              "bytes)", "S:1904-1980, S:2024-2045", _inv23),
 )
 
 SAFETY = tuple(i for i in INVARIANTS if not i.is_progress)

@@ -147,6 +147,23 @@ SCENARIOS: tuple[Scenario, ...] = (
                     gpu_blocks=7, resets=1, failures=0, preemptions=0,
                     groups=("full", "sliding"), sliding_window=1),
              Expect("pass", 24_515, 15)),
+    Scenario("window-partial-chunk",
+             "a full-attention and a sliding-window group (window 2) with 2-block chunks, two "
+             "5-token prompts sharing a prefix, a reset: the store after the reset finds a "
+             "chunk without the block the window left behind; the reachable-block mask keeps "
+             "it out, since the other prompt's hit ends a token short of a block and reads "
+             "that block (INV-23; vLLM 0.33.0's mask stores it: finding F4)",
+             Bounds(requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1,
+                    failures=0, preemptions=0, groups=("full", "sliding"), sliding_window=2,
+                    blocks_per_chunk=2),
+             Expect("pass", 11_809, 20)),
+    Scenario("window-retention",
+             "the same with vLLM's default retention (`prefix_cache_retention_interval` 0): "
+             "a window group stores only the chunk whose tail a replay of the prompt reads",
+             Bounds(requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1,
+                    failures=0, preemptions=0, groups=("full", "sliding"), sliding_window=2,
+                    blocks_per_chunk=2, retention_interval=0),
+             Expect("pass", 10_006, 19)),
     Scenario("hybrid-mamba",
              "a full-attention and a Mamba group (align mode), two requests of three tokens "
              "sharing a prefix, sync loads: every state the core hands off at a chunk edge "
@@ -224,6 +241,7 @@ _HUNT_OVERRIDE: dict[Fault, Bounds] = {
     Fault.RESET_KEEPS_STALE_WINDOW_BLOCKS: by_name("hybrid-reset-window").bounds,
     Fault.HANDOFF_STORE_SKIPS_FENCE: by_name("hybrid-mamba").bounds,
     Fault.TAIL_LOAD_ROUNDS_DOWN: by_name("partial-tails").bounds,
+    Fault.STORE_MASK_IGNORES_SHORT_HITS: by_name("window-partial-chunk").bounds,
 }
 
 

@@ -105,6 +105,11 @@ class AbstractState:
     own (a partial tail's key: the block its boundary falls in): the data's truth, kept by
     the model like `invalid_chunks`; an implementation's projection leaves it empty (the
     engine's byte oracle checks the same fact on the bytes)."""
+    unwritten_reads: frozenset[int] = frozenset()
+    """Chunk keys some load read a block of that no store wrote (a chunk stored without
+    the blocks the core had freed): the data's truth, kept by the model like
+    `invalid_chunks`; an implementation's projection leaves it empty (the engine's byte
+    oracle checks the same fact on the bytes)."""
     extra: tuple[tuple[str, int], ...] = field(default=())
     """Counters that do not take part in invariants (ignored reports, ...)."""
 

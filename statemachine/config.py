@@ -12,6 +12,7 @@ from spec.groups import (
     group_load_window_chunks,
     group_skipped_blocks,
     group_window_chunks,
+    reachable_store_blocks,
 )
 from statemachine.errors import ConfigError
 
@@ -76,6 +77,12 @@ class OffloadingConfig:
     `block_hashes` hold one hash per this many tokens; it divides `block_size`. None: one
     hash per block. Below the block size with a Mamba group, partial tails are on
     (`supports_partial_tail`)."""
+    retention_interval: int | None = None
+    """Which window blocks are kept for reuse (vLLM's `prefix_cache_retention_interval`,
+    tokens): None, every chunk's window tail (dense); 0, only the tail at the replay
+    boundary (vLLM's default); a multiple of the chunk, one tail per interval besides
+    (`spec.groups.reachable_store_blocks`). The core reads it too: it hands off only the
+    Mamba states it keeps (`spec.groups.state_retained`)."""
     check_invariants: bool = True
     """Check every invariant of `spec` after every hook (on in tests; off for speed)."""
 
@@ -114,6 +121,10 @@ class OffloadingConfig:
                  and self.block_size % self.tokens_per_hash == 0),
              f"tokens_per_hash must be None or an int >= 1 dividing block_size "
              f"{self.block_size}, got {self.tokens_per_hash!r}")
+        r = self.retention_interval
+        need(r is None or (type(r) is int and r >= 0 and r % self.tokens_per_chunk == 0),
+             f"retention_interval must be None, or 0 or a multiple of tokens_per_chunk "
+             f"({self.tokens_per_chunk}) (S:295-310), got {r!r}")
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
@@ -163,6 +174,20 @@ class OffloadingConfig:
         g = self.groups[group]
         return group_load_window_chunks(g.kind, g.sliding_window, self.tokens_per_chunk,
                                         end_tokens)
+
+    def reachable_blocks(self, group: int, prompt_tokens: int, start_block: int,
+                         end_block: int, short_hits: bool = True
+                         ) -> tuple[bool, ...] | None:
+        """The blocks of `group` a store may need among `start_block <= i < end_block` of a
+        request of `prompt_tokens` prompt tokens; None: all (every group but a sliding
+        window keeps every block). `short_hits=False`: vLLM's mask (finding F4)."""
+        g = self.groups[group]
+        if g.kind != "sliding":
+            return None
+        assert g.sliding_window is not None
+        return reachable_store_blocks(g.sliding_window, self.block_size,
+                                      self.blocks_per_chunk, self.retention_interval,
+                                      prompt_tokens - 1, start_block, end_block, short_hits)
 
     def skipped_blocks(self, group: int, computed: int) -> int:
         """Blocks of `group` before the window once `computed` tokens are computed (the core

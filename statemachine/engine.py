@@ -49,7 +49,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, committed_state_position, offload_key
+from spec.groups import NULL_BLOCK, committed_state_position, offload_key, state_retained
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -100,6 +100,9 @@ class EngineConfig:
     groups: tuple[KVCacheGroup, ...] = (KVCacheGroup(),)
     """The model's KV cache groups (full attention, sliding window), in vLLM's group order.
     Each group has `num_layers` KV tensors of its own; all share the GPU block pool."""
+    retention_interval: int | None = None
+    """vLLM's `prefix_cache_retention_interval` (`OffloadingConfig.retention_interval`): the
+    window blocks the connector stores, and the Mamba states the core hands off."""
     group_bytes_per_token: tuple[int, ...] = ()
     """Per group, `bytes_per_token` of that group's layers (so each group has pages of its
     own size); empty: `bytes_per_token` for every group."""
@@ -152,7 +155,7 @@ class EngineConfig:
             sync_load_budget_bytes=self.sync_load_budget_bytes,
             kv_bytes_per_token=per_token * self.num_layers * self.num_workers,
             job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants,
-            groups=self.groups)
+            groups=self.groups, retention_interval=self.retention_interval)
 
 
 @dataclass(eq=False)
@@ -480,8 +483,10 @@ class Engine:
             r = self.requests[rid]
             boundary = r.num_computed + n
             position = committed_state_position(boundary, self.config.block_size)
-            if position is None:
-                continue
+            if position is None or not state_retained(
+                    position, self.config.block_size, self.config.retention_interval,
+                    r.request.num_prompt_tokens - 1):
+                continue  # no state committed here, or not one the core keeps
             entries = tuple((g, r.tables[g][position], boundary) for g in groups
                             if r.tables[g][position] != NULL_BLOCK)
             if entries:

@@ -18,6 +18,7 @@ from typing import Any
 
 from spec import job as J
 from spec.model import Fault
+from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
 from statemachine.manager import CPUOffloadingManager
 from statemachine.models import JobStatus, RequestState
@@ -208,6 +209,14 @@ def _window_sources_unfenced(orig: Any) -> Any:
     return register_store_fences
 
 
+def _mask_for_edge_hits(orig: Any) -> Any:
+    def reachable_blocks(self: OffloadingConfig, group: int, prompt_tokens: int,
+                         start_block: int, end_block: int, short_hits: bool = True
+                         ) -> tuple[bool, ...] | None:
+        return orig(self, group, prompt_tokens, start_block, end_block, False)
+    return reachable_blocks
+
+
 def _handoff_store_unfenced(orig: Any) -> Any:
     def build(self: OffloadingScheduler, out: Any) -> None:
         fire = self._fire
@@ -360,6 +369,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "not loaded",
            _patch(OffloadingScheduler, "_load_extent", _load_extent_rounded_down),
            Fault.TAIL_LOAD_ROUNDS_DOWN),
+    Mutant("store-mask-ignores-short-hits", "groups", "finding F4 (vLLM 0.33.0, S:1770-1796 "
+           "and vllm/v1/core/single_type_kv_cache_manager.py:956-966), INV-23",
+           "the store's reachable-block mask counts the blocks a hit ending on a block edge "
+           "reads, as vLLM's does: a chunk stored without its leading blocks then serves a "
+           "hit one token short of a block edge, whose window reads one block more",
+           _patch(OffloadingConfig, "reachable_blocks", _mask_for_edge_hits),
+           Fault.STORE_MASK_IGNORES_SHORT_HITS),
     Mutant("keys-without-group-index", "groups", "B:27-42 (make_offload_key)",
            "a chunk key is made from the block hash alone, without its KV cache group: every "
            "group's chunk of a position has one key, so one group's chunk is stored and the "

@@ -24,7 +24,7 @@ from typing import Any
 import spec
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, cdiv, offload_key
+from spec.groups import NULL_BLOCK, cdiv, chunk_store_blocks, offload_key
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -599,16 +599,20 @@ class OffloadingScheduler:
         if start >= n_chunks:  # most steps of a decoding request: no new full chunk
             return
         offered: list[int] = []
-        source: dict[int, tuple[int, int]] = {}
+        source: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         for g, table in enumerate(tables):  # per group, S:1859-1982
             if g in cfg.handoff_groups:
                 continue  # not positional: stored from the core's hand-offs (S:1904-1905)
             keys = self._request_keys(req, request, g)
+            reach = cfg.reachable_blocks(g, request.num_prompt_tokens, start * bpc,
+                                         n_chunks * bpc)
             for c in range(start, n_chunks):
-                if NULL_BLOCK in table[c * bpc:(c + 1) * bpc]:
-                    continue  # a block the core freed or handed out again: nothing to store
-                offered.append(keys[c])
-                source[keys[c]] = (g, c)
+                copied = chunk_store_blocks(table[c * bpc:(c + 1) * bpc], None if reach is None
+                                            else reach[(c - start) * bpc:(c - start + 1) * bpc])
+                if copied is None:
+                    continue  # a needed block the core freed or handed out again, or none
+                offered.append(keys[c])  # needed (the reachable-block mask, S:1770-1796)
+                source[keys[c]] = (g, c, copied)
         if not offered:
             req.next_stored_chunk_idx = n_chunks
             return
@@ -624,15 +628,15 @@ class OffloadingScheduler:
         sizes = [0] * cfg.num_groups
         starts: list[int | None] = [None] * cfg.num_groups
         for k in result.keys_to_store:  # in the manager's order: group by group (S:2002-2051)
-            g, c = source[k]
-            chunk = tables[g][c * bpc:(c + 1) * bpc]
+            g, c, chunk = source[k]
             blocks += chunk
             sizes[g] += len(chunk)
-            if starts[g] is None:
-                starts[g] = c * bpc
+            if starts[g] is None:  # the first block it copies (a chunk may lack leading ones)
+                starts[g] = (c + 1) * bpc - len(chunk)
             if g in cfg.window_groups:
                 fenced += chunk
-        first = source[result.keys_to_store[0]][1] * bpc
+        _, c0, chunk0 = source[result.keys_to_store[0]]
+        first = (c0 + 1) * bpc - len(chunk0)
         self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
                    chunk_ids=tuple(result.chunk_ids), block_ids=tuple(blocks),
                    first_block_index=first, fenced_block_ids=tuple(fenced),

@@ -82,3 +82,19 @@ def test_the_checker_finds_each_fault_of_the_sliding_window_paths(fault: M.Fault
     else:  # F2: the final store after a reset reads a block the other request holds
         assert r.verdict == "invariant INV-15" and len(r.counterexample.steps) <= 8, text
         assert "reset()" in text and "re-allocated to 'r1'" in text, text
+
+
+def test_vllms_store_mask_is_found_by_inv23_alone() -> None:
+    """vLLM's reachable-block mask (finding F4) stores a window chunk without its leading
+    block, which a hit one token short of a block edge reads: INV-23 finds the load of
+    that unwritten block at its creation; with INV-23 off, nothing else does under the
+    same bounds (the tables see nothing wrong: the spec's mask is the fix)."""
+    fault = M.Fault.STORE_MASK_IGNORES_SHORT_HITS
+    bounds = hunt_bounds(fault)
+    r = check(bounds, frozenset({fault}))
+    assert r.counterexample is not None and r.verdict == "invariant INV-23", r
+    text = r.counterexample.render()
+    assert "reset()" in text and "update_state_after_alloc('r1'" in text, text
+    assert len(r.counterexample.steps) <= 11, text
+    blind = check(bounds, frozenset({fault}), without=frozenset({"INV-23"}))
+    assert blind.counterexample is None and blind.states > r.states

@@ -145,3 +145,51 @@ def test_a_finished_request_does_not_hold_load_destinations_its_window_left() ->
     taken, exc = _run_actions(list(SOAK_HYBRID_299), machine=HybridDataPlaneStateMachine)
     assert exc is None, f"{type(exc).__name__}: {exc}"
     assert len(taken) == len(SOAK_HYBRID_299)
+
+
+def _short_hit_after_a_partial_chunk(check_invariants: bool = True) -> Engine:
+    """a (20 tokens, window 5 = one block and a token) computes 16 tokens; a reset puts its
+    store cursor back, and its next store finds chunk 1 without block 2 (the window left
+    it behind). b, the same prompt, hits 15 tokens (one short of a block edge): its window
+    reads blocks 2 and 3, both from chunk 1."""
+    e = Engine(EngineConfig(
+        block_size=4, blocks_per_chunk=2, num_gpu_blocks=40, num_cpu_chunks=32,
+        num_workers=1, num_layers=1, bytes_per_token=2, max_num_batched_tokens=16,
+        groups=(KVCacheGroup(), KVCacheGroup("sliding", sliding_window=5)),
+        group_bytes_per_token=(2, 3), check_invariants=check_invariants, device="cpu"))
+    prompt = list(range(100, 120))
+    e.add_request("a", prompt, 8)
+    assert e.step().scheduled == {"a": 16}
+    e.reset_prefix_cache()
+    after = e.step()
+    ((_, store),) = after.meta.store_jobs.items()
+    e.stats["window_blocks_stored_after_reset"] = store.src.group_sizes[1]
+    for _ in range(3):
+        e.step()
+    e.add_request("b", prompt, 2)
+    return e
+
+
+def test_a_chunk_without_the_block_a_short_hit_reads_is_not_stored() -> None:
+    """The spec's mask counts the block a hit one token short of a block edge reads (need
+    2 blocks of 4 for a 5-token window): chunk 1 lacks block 2, so it is not stored, and b
+    recomputes its window instead of loading bytes nobody wrote."""
+    e = _short_hit_after_a_partial_chunk()
+    assert e.stats["window_blocks_stored_after_reset"] == 0
+    e.run_until_idle()
+    assert e.group_stats[1]["loaded_blocks_verified"] == 0
+    assert all(v == 0 for v in e.leaks().values())
+    e.shutdown()
+
+
+def test_vllms_mask_lets_a_short_hit_load_unwritten_bytes() -> None:
+    """vLLM's mask (finding F4) needs 1 block for that window: chunk 1 is stored with
+    block 3 alone, b's lookup hits it, and its load of block 2 reads a sub-block no store
+    wrote. The byte oracle catches it."""
+    with by_name("store-mask-ignores-short-hits").patch():
+        e = _short_hit_after_a_partial_chunk(check_invariants=False)
+        assert e.stats["window_blocks_stored_after_reset"] == 1
+        with pytest.raises(CorruptedBytes, match="loaded block of request 'b'") as caught:
+            e.run_until_idle()
+        e.shutdown()
+    assert caught.value.layer == 1 and caught.value.block_index == 2

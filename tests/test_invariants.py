@@ -80,6 +80,7 @@ def _break(name: str) -> AbstractState:
         "INV-21": replace(s, reset_since_last_step=True,
                           requests=(replace(r1, store_cursor=2), r2)),
         "INV-22": replace(s, misplaced_chunks=frozenset({20})),
+        "INV-23": replace(s, unwritten_reads=frozenset({20})),
     }
     return cases[name]
 
@@ -124,7 +125,7 @@ def test_the_store_cursor_counts_only_between_a_reset_and_the_next_step() -> Non
 
 
 def test_every_invariant_is_named() -> None:
-    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 23)]
+    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 24)]
     progress = {i.id for i in spec.INVARIANTS if i.is_progress}
     assert progress == {"INV-13", "INV-14"}
     covered = {inv for p in spec.PROGRESS for inv in p.invariant.split(", ")}

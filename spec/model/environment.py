@@ -96,13 +96,16 @@ def initial(bounds: Bounds) -> ModelState:
     return ModelState(bounds, free_blocks=frozenset(range(bounds.gpu_blocks)))
 
 
-def _allocation(b: Bounds, tokens: int, computed: int) -> tuple[int, ...]:
+def _allocation(b: Bounds, tokens: int, computed: int, short: bool = False
+                ) -> tuple[int, ...]:
     """The shape of the block table the core allocates for a request admitted with
     `computed` tokens already computed (the hit): a block per `tokens_per_block` tokens in
     each group, 0 for a block to allocate, NULL_BLOCK where a window group needs none (before
     the window of the first token to compute: for a Mamba group, every position before the
-    hit's state)."""
-    return tuple(NULL_BLOCK if p < b.skipped_blocks(g, computed) else 0
+    hit's state). A `short` hit ends one (vLLM) token before its last model token's end, so
+    a window reaches as far back as it does from one model token less (vLLM's core skips
+    the tokens before the window of `computed - 1`)."""
+    return tuple(NULL_BLOCK if p < b.skipped_blocks(g, max(0, computed - short)) else 0
                  for g in range(len(b.groups)) for p in range(b.blocks_of(tokens)))
 
 
@@ -177,7 +180,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 hit, is_async = lookup(w, r)
                 calls.append(Call("get_num_new_matched_tokens", (r, 0), (hit, is_async)))
                 _inside(w, calls[-1])
-                shape = _allocation(b, tokens, hit or 0)
+                shape = _allocation(b, tokens, hit or 0, w.short_hit)
                 need = sum(1 for x in shape if x != NULL_BLOCK)
                 if hit is not None and len(w.free_blocks) >= need:
                     pool = iter(sorted(w.free_blocks)[:need])

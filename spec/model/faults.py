@@ -27,6 +27,7 @@ class Fault(StrEnum):
     RESET_KEEPS_STALE_WINDOW_BLOCKS = "reset-keeps-stale-window-blocks"
     HANDOFF_STORE_SKIPS_FENCE = "handoff-store-skips-fence"
     TAIL_LOAD_ROUNDS_DOWN = "tail-load-rounds-down"
+    STORE_MASK_IGNORES_SHORT_HITS = "store-mask-ignores-short-hits"
 
 
 Faults = frozenset[Fault]

@@ -15,7 +15,9 @@ from spec.groups import (
     NULL_BLOCK,
     WINDOW_KINDS,
     cdiv,
+    chunk_store_blocks,
     committed_state_position,
+    state_retained,
     window_positions,
 )
 from spec.model import truth
@@ -90,6 +92,7 @@ def _hit(w: World, r: str, local: int) -> int | None:
     b = w.bounds
     tpc = b.tokens_per_chunk
     settings = w.template(r).settings
+    w.short_hit = False
     if settings.skip_reading_prefix_cache:
         return 0  # S:1258-1259
     order = tuple(g for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS) \
@@ -141,6 +144,7 @@ def _hit(w: World, r: str, local: int) -> int | None:
             num_hit = new
     if defer:
         return None
+    w.short_hit = short and num_hit > 0
     end = local + num_hit
     for g, kind in enumerate(b.groups):  # a hit chunk an async load still brings (S:1021-1045)
         keys = w.keys_of(r, g)[local // tpc:cdiv(end, tpc)]
@@ -198,6 +202,7 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
     keys: list[int] = []
     dst: list[int] = []
     placements: list[tuple[int, int]] = []
+    reads: list[tuple[int, frozenset[int]]] = []
     for g in range(len(b.groups)):
         table = w.group_blocks(blocks, g)
         first = next((i for i in range(b.blocks_of(local), last) if table[i] != NULL_BLOCK),
@@ -210,9 +215,14 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
             dst += table[first:last]
             placements += ((k, min(last, (first // bpc + i + 1) * bpc) - 1)
                            for i, k in enumerate(group_keys))
+            for i, k in enumerate(group_keys):  # the blocks of each chunk it reads
+                c = first // bpc + i
+                reads.append((k, frozenset(p - c * bpc for p in range(
+                    max(first, c * bpc), min(last, (c + 1) * bpc)))))
     fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
          end_chunk=end_chunk, sync=req.sync_reserved, block_table=tuple(blocks))
     truth.placed(w, placements)
+    truth.read(w, reads)
 
 
 def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tuple[int, ...]],
@@ -313,19 +323,25 @@ def _store(w: World, r: str, scheduled: int) -> None:
     offered: list[int] = []
     source: dict[int, tuple[tuple[int, ...], bool]] = {}
     position: dict[int, int] = {}
+    offsets: dict[int, frozenset[int]] = {}
     for g, kind in enumerate(b.groups):  # per group, S:1859-1982
         keys = w.keys_of(r, g)
         table = w.group_blocks(req.blocks, g)
         n = min(tokens // b.tokens_per_chunk, len(table) // bpc, len(keys))
         if kind in HANDOFF_KINDS:
             continue  # its table is not positional: stored from hand-offs (S:1904-1905)
+        reach = b.reachable_blocks(g, t.tokens, start * bpc, n * bpc,
+                                   Fault.STORE_MASK_IGNORES_SHORT_HITS not in w.faults)
         for c in range(start, n):
-            blocks = table[c * bpc:(c + 1) * bpc]
-            if NULL_BLOCK in blocks:
-                continue  # a block the core freed, or handed out again: nothing to store
+            chunk = table[c * bpc:(c + 1) * bpc]
+            copied = chunk_store_blocks(
+                chunk, None if reach is None else reach[(c - start) * bpc:(c - start + 1) * bpc])
+            if copied is None:
+                continue  # a needed block the core freed or handed out again, or none needed
             offered.append(keys[c])
-            source[keys[c]] = (blocks, kind in WINDOW_KINDS)
+            source[keys[c]] = (copied, kind in WINDOW_KINDS)
             position[keys[c]] = (c + 1) * bpc - 1
+            offsets[keys[c]] = frozenset(i for i, x in enumerate(chunk) if x != NULL_BLOCK)
     if start >= n:
         return
     candidates = _prepare_store(w, r, offered)
@@ -339,6 +355,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
     fire(w, "request", r, "store", keys=tuple(candidates), block_ids=blocks,
          fenced_block_ids=fenced, end_chunk=n)
     truth.placed(w, ((c, position[c]) for c in candidates))
+    truth.written(w, ((c, offsets[c]) for c in candidates))
 
 
 def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
@@ -386,8 +403,9 @@ def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int,
         core = w.core[r]
         boundary = core.computed + n
         position = committed_state_position(boundary, tpb)
-        if position is None:
-            continue  # the block is not complete: no state committed
+        if position is None or not state_retained(position, tpb, b.retention_interval,
+                                                  w.template(r).tokens - 1):
+            continue  # the block is not complete, or its state is not kept: no hand-off
         states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
         entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
         if entries:
@@ -414,6 +432,8 @@ def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...
                 fire(w, "request", r, "store", keys=(key,), block_ids=(block,),
                      fenced_block_ids=fenced, end_chunk=req.cursor)
                 truth.placed(w, ((key, boundary // w.bounds.tokens_per_block - 1),))
+                # the state fills the last block of its chunk
+                truth.written(w, ((key, frozenset({w.bounds.blocks_per_chunk - 1})),))
 
 
 def tail_handoffs(w: World, new: dict[str, tuple[int, ...]], sched: dict[str, int]

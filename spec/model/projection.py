@@ -55,6 +55,7 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         block_fence=s.block_fence, jobs_to_flush=s.to_flush, step_open=step_open,
         reset_since_last_step=s.reset_since_step, finished_signals=s.signals,
         invalid_chunks=s.bad_chunks, misplaced_chunks=s.misplaced,
+        unwritten_reads=s.unwritten,
         stores_after_signal=s.stores_after_signal,
     )
 

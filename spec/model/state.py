@@ -32,6 +32,7 @@ from spec.groups import (
     group_skipped_blocks,
     group_window_chunks,
     offload_key,
+    reachable_store_blocks,
     split_groups,
 )
 from spec.model.faults import NO_FAULTS, Faults
@@ -153,6 +154,13 @@ class Bounds:
     with one block per chunk, a Mamba group whose blocks are above one hash, and no sliding
     window."""
 
+    retention_interval: int | None = None
+    """Which window blocks are kept for reuse (vLLM's `prefix_cache_retention_interval`, in
+    the model's tokens): None, every chunk's window tail (dense); 0, only the tail at the
+    replay boundary (vLLM's default); a multiple of the chunk, one tail per interval besides.
+    It selects a sliding-window group's stored blocks (`spec.groups.reachable_store_blocks`)
+    and the Mamba states the core hands off (`spec.groups.state_retained`)."""
+
     def __post_init__(self) -> None:
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
             raise ValueError(f"groups must be of {GROUP_KINDS}, got {self.groups!r}")
@@ -166,6 +174,12 @@ class Bounds:
             raise ValueError("partial_tails needs blocks_per_chunk 1, tokens_per_block >= 2, "
                              "a mamba group and no sliding group (vLLM's "
                              "supports_partial_tail, S:274-292)")
+        r = self.retention_interval
+        if r is not None and (type(r) is not int or r < 0 or r % self.tokens_per_chunk
+                              or not self.window_groups()):
+            raise ValueError(f"retention_interval must be None, or 0 or a multiple of the "
+                             f"chunk ({self.tokens_per_chunk} tokens) beside a sliding or "
+                             f"mamba group (S:295-310), got {r!r}")
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -198,6 +212,18 @@ class Bounds:
     def load_window_chunks(self, g: int, end_tokens: int) -> int:
         return group_load_window_chunks(self.groups[g], self._window(g),
                                         self.tokens_per_chunk, end_tokens)
+
+    def reachable_blocks(self, g: int, prompt_tokens: int, start_block: int,
+                         end_block: int, short_hits: bool = True
+                         ) -> tuple[bool, ...] | None:
+        """The blocks of group `g` a store may need among `start_block <= i < end_block`
+        of a request of `prompt_tokens` tokens; None: all (every group but a sliding
+        window keeps every block). `short_hits=False`: vLLM's mask (finding F4)."""
+        if self.groups[g] != "sliding":
+            return None
+        return reachable_store_blocks(self.sliding_window, self.tokens_per_block,
+                                      self.blocks_per_chunk, self.retention_interval,
+                                      prompt_tokens - 1, start_block, end_block, short_hits)
 
     def skipped_blocks(self, g: int, computed: int) -> int:
         return group_skipped_blocks(self.groups[g], self._window(g), self.tokens_per_block,
@@ -324,6 +350,12 @@ class ModelState:
     misplaced: frozenset[int] = frozenset()
     """The data's truth: the chunk keys some job copied from or to a block at another
     position than the chunk's own (INV-22)."""
+    partial: tuple[tuple[int, frozenset[int]], ...] = ()
+    """The data's truth: chunks the manager holds that a store wrote only in part, with the
+    offsets (block within the chunk) it wrote."""
+    unwritten: frozenset[int] = frozenset()
+    """The data's truth: chunk keys some load read a block of that no store wrote
+    (INV-23)."""
 
 
 # ============================================================================ the world
@@ -372,6 +404,11 @@ class World:
     bad_chunks: set[int] = field(default_factory=set)
     offers: dict[int, int] = field(default_factory=dict)
     misplaced: set[int] = field(default_factory=set)
+    partial: dict[int, frozenset[int]] = field(default_factory=dict)
+    unwritten: set[int] = field(default_factory=set)
+    short_hit: bool = False
+    """The last lookup's hit ends one token short of a block (a window group's last-token
+    rule): the core then allocates a window group as if one token less were computed."""
     fired: list[tuple[str, int]] = field(default_factory=list)
     """(machine, transition index) of every row fired: the coverage."""
     moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)
@@ -387,7 +424,8 @@ class World:
                    set(s.free_blocks), list(s.budget),
                    stores_after_signal=list(s.stores_after_signal),
                    bad_chunks=set(s.bad_chunks), offers=dict(s.offers),
-                   misplaced=set(s.misplaced))
+                   misplaced=set(s.misplaced), partial=dict(s.partial),
+                   unwritten=set(s.unwritten))
 
     def freeze(self) -> ModelState:
         return ModelState(
@@ -403,7 +441,9 @@ class World:
             frozenset(self.free_blocks), (self.budget[0], self.budget[1], self.budget[2]),
             tuple(sorted(self.stores_after_signal)),
             frozenset(self.bad_chunks & self.chunks.keys()), tuple(sorted(self.offers.items())),
-            frozenset(self.misplaced))
+            frozenset(self.misplaced),
+            tuple(sorted((k, v) for k, v in self.partial.items() if k in self.chunks)),
+            frozenset(self.unwritten))
 
     # -- subjects by machine ------------------------------------------------------
     def get(self, machine: str, k: Any) -> Any:

@@ -11,7 +11,10 @@ really true of the bytes, as the engine's byte oracle does on the real tensors:
 - a chunk was copied from or to the wrong place (`ModelState.misplaced`) when a job moved it
   from or to a block at another table position than the one its key stands for (INV-22);
 - a chunk the manager holds is invalid (`ModelState.bad_chunks`) when a store whose copy was
-  invalid published it.
+  invalid published it;
+- a chunk was written only in part (`ModelState.partial`) when its store copied only some of
+  its blocks (a sliding window's leading blocks the core had freed), and a load read a block
+  no store wrote (`ModelState.unwritten`, INV-23).
 
 INV-20 (`valid-kv-published`) is stated over it: no chunk the manager holds ready is invalid.
 The tables cannot change these facts except through the data they move, so a table edit
@@ -86,3 +89,22 @@ def placed(w: World, placements: Iterable[tuple[int, int]]) -> None:
         token = key_position(chunk_key, len(b.groups))
         if position // b.blocks_per_chunk != token // b.tokens_per_chunk:
             w.misplaced.add(chunk_key)
+
+
+def written(w: World, blocks: Iterable[tuple[int, frozenset[int]]]) -> None:
+    """A store copies into each chunk `key` the blocks at `offsets` within it: all of them,
+    or (a partial chunk) only those."""
+    full = frozenset(range(w.bounds.blocks_per_chunk))
+    for key, offsets in blocks:
+        if offsets == full:
+            w.partial.pop(key, None)
+        else:
+            w.partial[key] = offsets
+
+
+def read(w: World, blocks: Iterable[tuple[int, frozenset[int]]]) -> None:
+    """A load copies from each chunk `key` the blocks at `offsets` within it: reading one
+    its store did not write is reading bytes nobody put there (INV-23)."""
+    for key, offsets in blocks:
+        if not offsets <= w.partial.get(key, offsets):
+            w.unwritten.add(key)
