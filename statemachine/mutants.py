@@ -213,7 +213,9 @@ def _mask_for_edge_hits(orig: Any) -> Any:
     def reachable_blocks(self: OffloadingConfig, group: int, prompt_tokens: int,
                          start_block: int, end_block: int, short_hits: bool = True
                          ) -> tuple[bool, ...] | None:
-        return orig(self, group, prompt_tokens, start_block, end_block, False)
+        mask: tuple[bool, ...] | None = orig(self, group, prompt_tokens, start_block,
+                                             end_block, False)
+        return mask
     return reachable_blocks
 
 
