@@ -401,24 +401,29 @@ def _flat(table: Any) -> tuple[int, ...]:
 
 def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
     """`make_setup`'s arguments for the bounds' KV cache groups (none for one full-attention
-    group). vLLM stores a window group's chunk in full only where the window covers it
-    (`need >= blocks_per_chunk`, else it stores the chunk's last blocks only): the model
-    stores whole chunks, so the window must span a chunk."""
+    group), and the retention interval in vLLM's tokens. With a sliding window the model's
+    window of W tokens is vLLM's `16 (W - 1) + 1`, where vLLM's reachable-block mask counts
+    one block less than the spec's (finding F4): the two agree where neither mask leaves a
+    block out, so under dense retention the window must span a chunk and the one before it
+    (vLLM's `W - 1` blocks cover a chunk)."""
     if bounds.groups == ("full",):
         return {}
     if len(bounds.groups) != E.NUM_LAYERS or set(bounds.groups) == {"full"}:
         raise ValueError(f"the conformance setup takes one group, or {E.NUM_LAYERS} groups "
                          f"with a sliding window or a Mamba group; got {bounds.groups}")
+    retention = bounds.retention_interval
+    kept = {} if retention is None else {
+        "retention_interval": retention * tokens_per_model_token(bounds)}
     if "sliding" not in bounds.groups:
         tails = {"prefix_match_unit": tokens_per_model_token(bounds)} \
             if bounds.partial_tails else {}
-        return {"groups": bounds.groups, **tails}
-    if bounds.sliding_window - 1 < bounds.tokens_per_chunk:
+        return {"groups": bounds.groups, **tails, **kept}
+    if retention is None and bounds.sliding_window - 1 < bounds.tokens_per_chunk:
         raise ValueError(f"a sliding window of {bounds.sliding_window} tokens does not span "
                          f"a chunk of {bounds.tokens_per_chunk} tokens and the one before it")
     return {"sliding_window": window_tokens(bounds.sliding_window,
                                             tokens_per_model_token(bounds)),
-            "groups": bounds.groups}
+            "groups": bounds.groups, **kept}
 
 
 # ============================================================================ the machine
@@ -456,10 +461,17 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
         b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
         if "sliding" in b.groups else b.sliding_window))
       for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))
-      if len(b.groups) <= E.NUM_LAYERS),  # one layer per group
+      if len(b.groups) <= E.NUM_LAYERS  # one layer per group
+      and b.retention_interval is None),  # a bound of its own below (MASK-SPAN)
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),
+    # vLLM's default retention: only the window tail a replay of the prompt reads; with a
+    # 4-token window and 2-block chunks vLLM's tail (3 blocks) and the spec's (4) take the
+    # same chunks
+    M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=14,
+             resets=1, failures=0, preemptions=1, groups=("full", "sliding"),
+             sliding_window=4, blocks_per_chunk=2, retention_interval=0),
 )
 """The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
 groups (one layer per group), without worker failures and with a window that spans a chunk

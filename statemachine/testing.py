@@ -287,12 +287,17 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
              partial_tails=True, sync_loads=True, request_settings=(
                  M.RequestSettings(), M.RequestSettings(max_load_tokens=4),
                  M.RequestSettings(max_offload_tokens=4))),
+    M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=5, gpu_blocks=14,
+             resets=1, failures=1, preemptions=1, groups=("full", "sliding", "mamba"),
+             sliding_window=2, blocks_per_chunk=2, retention_interval=0),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
-tokens over chunks of 2 blocks), blocks of several tokens (a step, a prompt, a cap that ends
-inside a block), partial tails (a boundary inside a block of 2 and of 4 tokens; a load cap
-below it, an offload cap that leaves it unstored)."""
+tokens over chunks of 2 blocks; a window of 2 whose chunks may be stored without their
+first block), blocks of several tokens (a step, a prompt, a cap that ends inside a block),
+partial tails (a boundary inside a block of 2 and of 4 tokens; a load cap below it, an
+offload cap that leaves it unstored), vLLM's default retention (only the replay boundary's
+window tail and Mamba state)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (
