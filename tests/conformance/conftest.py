@@ -32,6 +32,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             settings += f", store threshold {b.store_threshold}"
         if b.partial_tails:
             settings += f", partial tails (boundary {b.tail_boundary(b.tokens)})"
+        if b.retention_interval is not None:
+            settings += f", retention interval {b.retention_interval}"
         block = f"{b.tokens_per_block} tokens/block, " if b.tokens_per_block > 1 else ""
         return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, {block}"
                 f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s){settings}")
