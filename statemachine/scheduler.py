@@ -599,7 +599,8 @@ class OffloadingScheduler:
         if start >= n_chunks:  # most steps of a decoding request: no new full chunk
             return
         offered: list[int] = []
-        source: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+        # key -> (group, the blocks the store copies, the table position of the first)
+        source: dict[int, tuple[int, tuple[int, ...], int]] = {}
         for g, table in enumerate(tables):  # per group, S:1859-1982
             if g in cfg.handoff_groups:
                 continue  # not positional: stored from the core's hand-offs (S:1904-1905)
@@ -612,7 +613,8 @@ class OffloadingScheduler:
                 if copied is None:
                     continue  # a needed block the core freed or handed out again, or none
                 offered.append(keys[c])  # needed (the reachable-block mask, S:1770-1796)
-                source[keys[c]] = (g, c, copied)
+                # a window's null blocks lead: the copied ones end the chunk
+                source[keys[c]] = (g, copied, (c + 1) * bpc - len(copied))
         if not offered:
             req.next_stored_chunk_idx = n_chunks
             return
@@ -628,15 +630,14 @@ class OffloadingScheduler:
         sizes = [0] * cfg.num_groups
         starts: list[int | None] = [None] * cfg.num_groups
         for k in result.keys_to_store:  # in the manager's order: group by group (S:2002-2051)
-            g, c, chunk = source[k]
+            g, chunk, position = source[k]
             blocks += chunk
             sizes[g] += len(chunk)
-            if starts[g] is None:  # the first block it copies (a chunk may lack leading ones)
-                starts[g] = (c + 1) * bpc - len(chunk)
+            if starts[g] is None:
+                starts[g] = position
             if g in cfg.window_groups:
                 fenced += chunk
-        _, c0, chunk0 = source[result.keys_to_store[0]]
-        first = (c0 + 1) * bpc - len(chunk0)
+        first = source[result.keys_to_store[0]][2]
         self._fire(self._requests_life, req, "store", keys=tuple(result.keys_to_store),
                    chunk_ids=tuple(result.chunk_ids), block_ids=tuple(blocks),
                    first_block_index=first, fenced_block_ids=tuple(fenced),
