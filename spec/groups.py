@@ -100,6 +100,13 @@ def committed_state_position(boundary: int, tokens_per_block: int) -> int | None
     return (boundary - 1) // tokens_per_block
 
 
+def retention_interval_ok(retention_interval: object, tokens_per_chunk: int) -> bool:
+    """vLLM's check of `prefix_cache_retention_interval` beside a window group (S:295-310):
+    None, 0 or a positive multiple of the chunk."""
+    r = retention_interval
+    return r is None or (type(r) is int and r >= 0 and r % tokens_per_chunk == 0)
+
+
 def contiguous_blocks_for_hit(sliding_window: int, tokens_per_block: int) -> int:
     """The blocks before its end that a hit of a sliding-window group needs
     (`SlidingWindowManager._contiguous_blocks_for_hit`, without EAGLE)."""
@@ -178,6 +185,21 @@ def chunk_store_blocks(blocks: Sequence[int], reachable: Sequence[bool] | None
     return tuple(b for b in blocks if b != NULL_BLOCK)
 
 
+def storable_chunks(table: Sequence[int], start: int, end: int, blocks_per_chunk: int,
+                    reachable: Sequence[bool] | None
+                    ) -> Iterator[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """For each chunk `start <= c < end` of a group's `table` that a store takes, given the
+    reachable blocks from chunk `start` on (`reachable_store_blocks`; None: all): `c`, the
+    chunk's table blocks and the blocks the store copies (`chunk_store_blocks`)."""
+    bpc = blocks_per_chunk
+    for c in range(start, end):
+        chunk = tuple(table[c * bpc:(c + 1) * bpc])
+        mask = None if reachable is None else reachable[(c - start) * bpc:(c - start + 1) * bpc]
+        copied = chunk_store_blocks(chunk, mask)
+        if copied is not None:
+            yield c, chunk, copied
+
+
 def state_retained(position: int, tokens_per_block: int, retention_interval: int | None,
                    replay_boundary: int) -> bool:
     """Whether the core keeps (and so hands off) the Mamba state of block `position`
@@ -193,6 +215,19 @@ def state_retained(position: int, tokens_per_block: int, retention_interval: int
     if retention_interval and (position + 1) % per_segment == 0:
         return True
     return position == replay_boundary // tokens_per_block - 1
+
+
+def handoff_position(boundary: int, tokens_per_block: int, retention_interval: int | None,
+                     prompt_tokens: int) -> int | None:
+    """The block position of the Mamba state the core hands off after a step that ends at
+    `boundary` computed tokens, in a request of `prompt_tokens` prompt tokens: the state it
+    commits there (`committed_state_position`), if it keeps it (`state_retained`, the
+    replay boundary being the prompt's last token); None: no hand-off."""
+    position = committed_state_position(boundary, tokens_per_block)
+    if position is None or not state_retained(position, tokens_per_block,
+                                              retention_interval, prompt_tokens - 1):
+        return None
+    return position
 
 
 def window_chunks(sliding_window: int, tokens_per_chunk: int) -> int:

@@ -13,6 +13,7 @@ from spec.groups import (
     group_skipped_blocks,
     group_window_chunks,
     reachable_store_blocks,
+    retention_interval_ok,
 )
 from statemachine.errors import ConfigError
 
@@ -121,10 +122,9 @@ class OffloadingConfig:
                  and self.block_size % self.tokens_per_hash == 0),
              f"tokens_per_hash must be None or an int >= 1 dividing block_size "
              f"{self.block_size}, got {self.tokens_per_hash!r}")
-        r = self.retention_interval
-        need(r is None or (type(r) is int and r >= 0 and r % self.tokens_per_chunk == 0),
+        need(retention_interval_ok(self.retention_interval, self.tokens_per_chunk),
              f"retention_interval must be None, or 0 or a multiple of tokens_per_chunk "
-             f"({self.tokens_per_chunk}) (S:295-310), got {r!r}")
+             f"({self.tokens_per_chunk}) (S:295-310), got {self.retention_interval!r}")
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")

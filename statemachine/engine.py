@@ -49,7 +49,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, committed_state_position, offload_key, state_retained
+from spec.groups import NULL_BLOCK, handoff_position, offload_key
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -482,10 +482,10 @@ class Engine:
         for rid, n in num_sched.items():
             r = self.requests[rid]
             boundary = r.num_computed + n
-            position = committed_state_position(boundary, self.config.block_size)
-            if position is None or not state_retained(
-                    position, self.config.block_size, self.config.retention_interval,
-                    r.request.num_prompt_tokens - 1):
+            position = handoff_position(boundary, self.config.block_size,
+                                        self.config.retention_interval,
+                                        r.request.num_prompt_tokens)
+            if position is None:
                 continue  # no state committed here, or not one the core keeps
             entries = tuple((g, r.tables[g][position], boundary) for g in groups
                             if r.tables[g][position] != NULL_BLOCK)

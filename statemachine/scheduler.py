@@ -24,7 +24,7 @@ from typing import Any
 import spec
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, cdiv, chunk_store_blocks, offload_key
+from spec.groups import NULL_BLOCK, cdiv, offload_key, storable_chunks
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -607,12 +607,10 @@ class OffloadingScheduler:
             keys = self._request_keys(req, request, g)
             reach = cfg.reachable_blocks(g, request.num_prompt_tokens, start * bpc,
                                          n_chunks * bpc)
-            for c in range(start, n_chunks):
-                copied = chunk_store_blocks(table[c * bpc:(c + 1) * bpc], None if reach is None
-                                            else reach[(c - start) * bpc:(c - start + 1) * bpc])
-                if copied is None:
-                    continue  # a needed block the core freed or handed out again, or none
-                offered.append(keys[c])  # needed (the reachable-block mask, S:1770-1796)
+            # skipped: a chunk with a needed block the core freed or handed out again, or
+            # none needed (the reachable-block mask, S:1770-1796)
+            for c, _, copied in storable_chunks(table, start, n_chunks, bpc, reach):
+                offered.append(keys[c])
                 # a window's null blocks lead: the copied ones end the chunk
                 source[keys[c]] = (g, copied, (c + 1) * bpc - len(copied))
         if not offered:

@@ -15,9 +15,8 @@ from spec.groups import (
     NULL_BLOCK,
     WINDOW_KINDS,
     cdiv,
-    chunk_store_blocks,
-    committed_state_position,
-    state_retained,
+    handoff_position,
+    storable_chunks,
     window_positions,
 )
 from spec.model import truth
@@ -332,12 +331,8 @@ def _store(w: World, r: str, scheduled: int) -> None:
             continue  # its table is not positional: stored from hand-offs (S:1904-1905)
         reach = b.reachable_blocks(g, t.tokens, start * bpc, n * bpc,
                                    Fault.STORE_MASK_IGNORES_SHORT_HITS not in w.faults)
-        for c in range(start, n):
-            chunk = table[c * bpc:(c + 1) * bpc]
-            copied = chunk_store_blocks(
-                chunk, None if reach is None else reach[(c - start) * bpc:(c - start + 1) * bpc])
-            if copied is None:
-                continue  # a needed block the core freed or handed out again, or none needed
+        # skipped: a chunk with a needed block the core freed or handed out again, or none
+        for c, chunk, copied in storable_chunks(table, start, n, bpc, reach):
             offered.append(keys[c])
             source[keys[c]] = (copied, kind in WINDOW_KINDS)
             position[keys[c]] = (c + 1) * bpc - 1
@@ -402,9 +397,8 @@ def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int,
     for r, n in sched.items():
         core = w.core[r]
         boundary = core.computed + n
-        position = committed_state_position(boundary, tpb)
-        if position is None or not state_retained(position, tpb, b.retention_interval,
-                                                  w.template(r).tokens - 1):
+        position = handoff_position(boundary, tpb, b.retention_interval, w.template(r).tokens)
+        if position is None:
             continue  # the block is not complete, or its state is not kept: no hand-off
         states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
         entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)

@@ -33,6 +33,7 @@ from spec.groups import (
     group_window_chunks,
     offload_key,
     reachable_store_blocks,
+    retention_interval_ok,
     split_groups,
 )
 from spec.model.faults import NO_FAULTS, Faults
@@ -175,8 +176,8 @@ class Bounds:
                              "a mamba group and no sliding group (vLLM's "
                              "supports_partial_tail, S:274-292)")
         r = self.retention_interval
-        if r is not None and (type(r) is not int or r < 0 or r % self.tokens_per_chunk
-                              or not self.window_groups()):
+        if not retention_interval_ok(r, self.tokens_per_chunk) or \
+                (r is not None and not self.window_groups()):
             raise ValueError(f"retention_interval must be None, or 0 or a multiple of the "
                              f"chunk ({self.tokens_per_chunk} tokens) beside a sliding or "
                              f"mamba group (S:295-310), got {r!r}")
