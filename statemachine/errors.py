@@ -86,3 +86,15 @@ class OutOfStep(KVSpecError):
 
 class ConfigError(KVSpecError):
     """A configuration value outside its documented range."""
+
+
+class UnknownTierJob(KVSpecError):
+    """A secondary tier reported a result for a job id that is neither in the tiering
+    manager's job table nor quarantined (vLLM asserts, TM:527-535)."""
+
+    def __init__(self, tier: int, job_id: int, detail: str, more: int = 0) -> None:
+        self.tier = tier
+        self.job_id = job_id
+        others = f" (and {more} more unknown result(s) in this poll)" if more else ""
+        super().__init__(f"tier {tier} reported job {job_id}, which is not one of its jobs in "
+                         f"flight: {detail}{others}; the poll applied every other result")

@@ -150,7 +150,7 @@ class _Access:
 _STAT_NAMES = ("lookups", "hits", "hits_pending", "misses", "store_calls", "stores",
                "store_reuses", "stores_completed", "stores_failed", "loads", "loads_completed",
                "evictions", "allocation_failures", "quarantined", "released", "resets",
-               "stores_skipped")
+               "stores_skipped", "reads", "reads_completed")
 
 
 class CPUOffloadingManager:
@@ -298,11 +298,26 @@ class CPUOffloadingManager:
 
     def prepare_load(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, ...]:
         """Pin every key (ref_cnt += 1) and return their slots in key order."""
+        out = self._pin("prepare_load", keys, ctx)
+        if (rec := self._access_of(ctx)) is not None:
+            self._record_access(rec, ctx, keys, reused=keys)
+        self.stats["loads"] += len(keys)
+        return out
+
+    def prepare_read(self, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, ...]:
+        """Pin every key for a copy from the CPU tier to a secondary tier (a tiering
+        cascade): `prepare_load` without the access record, as vLLM's tiering primary tier
+        pins with ``_prepare_load(record_access=False)`` (TM:150-158, M:221-241)."""
+        out = self._pin("prepare_read", keys, ctx)
+        self.stats["reads"] += len(keys)
+        return out
+
+    def _pin(self, op: str, keys: Sequence[OffloadKey], ctx: ReqContext) -> tuple[int, ...]:
         bad = {k: self.describe(k) for k in keys
                if k not in self._index or self._index[k].ref_cnt < 0}
         if bad:
-            raise ManagerError("prepare_load", "every key must be stored and ready",
-                               req_id=ctx.req_id, states=bad)
+            raise ManagerError(op, "every key must be stored and ready", req_id=ctx.req_id,
+                               states=bad)
         out: list[int] = []
         for key in keys:
             chunk = self._index[key]
@@ -311,9 +326,6 @@ class CPUOffloadingManager:
                 self._policy.on_evictable(key, False)
             chunk.ref_cnt += 1
             out.append(chunk.chunk_id)
-        if (rec := self._access_of(ctx)) is not None:
-            self._record_access(rec, ctx, keys, reused=keys)
-        self.stats["loads"] += len(keys)
         return tuple(out)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: ReqContext | None = None) -> None:
@@ -324,11 +336,21 @@ class CPUOffloadingManager:
 
     def complete_load(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         """Unpin every key (ref_cnt -= 1); a key listed twice is unpinned twice."""
+        self._unpin("complete_load", keys, ctx)
+        self.stats["loads_completed"] += len(keys)
+
+    def complete_read(self, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
+        """Unpin the keys of a finished `prepare_read` (vLLM's alias of complete_load,
+        TM:144)."""
+        self._unpin("complete_read", keys, ctx)
+        self.stats["reads_completed"] += len(keys)
+
+    def _unpin(self, op: str, keys: Sequence[OffloadKey], ctx: ReqContext | None) -> None:
         counts = Counter(keys)
         bad = {k: self.describe(k) for k, n in counts.items()
                if k not in self._index or self._index[k].ref_cnt < n}
         if bad:
-            raise ManagerError("complete_load", "every key must be pinned by a load",
+            raise ManagerError(op, "every key must be pinned by a load",
                                req_id=None if ctx is None else ctx.req_id, states=bad)
         for key in keys:
             chunk = self._index[key]
@@ -336,7 +358,6 @@ class CPUOffloadingManager:
             if chunk.ref_cnt == 0:
                 self._num_evictable += 1
                 self._policy.on_evictable(key, True)
-        self.stats["loads_completed"] += len(keys)
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[OffloadKey],
@@ -501,13 +522,26 @@ class CPUOffloadingManager:
         self.stats["released"] += len(chunk_ids)
 
     # ------------------------------------------------------------------ resets, events
-    def reset_cache(self) -> None:
-        """Forget every chunk; every slot, quarantined ones included, is reusable at once."""
+    def reset_cache(self, quarantine: Iterable[int] = ()) -> None:
+        """Forget every chunk; every slot, quarantined ones included, is reusable at once,
+        except the slots in `quarantine`, which stay quarantined until `release_slots` (a
+        secondary tier that may still copy into them: beyond vLLM, whose tiering reset waits
+        for every tier, TM:1164-1169). Without `quarantine` the bump allocator restarts at
+        slot 0, as vLLM's (M:462-463); with it, every other slot goes on the free list, lowest
+        handed out first."""
+        held = set(quarantine)
+        bad = [s for s in held if not 0 <= s < self.num_chunks]
+        if bad:
+            raise ManagerError("reset_cache", f"cannot quarantine slots outside [0, "
+                               f"{self.num_chunks})", slots=sorted(bad))
         self._index.clear()
         self._policy.clear()
         self._free.clear()
-        self._quarantined.clear()
+        self._quarantined = held
         self._num_allocated = 0
+        if held:
+            self._num_allocated = self.num_chunks
+            self._free.extend(s for s in reversed(range(self.num_chunks)) if s not in held)
         self._num_evictable = 0
         self._num_write_pending = 0
         self._access.clear()
