@@ -6,8 +6,15 @@ secondary tiers, each "memory" (`MemoryTier`) or "fs" (`FilesystemTier` under a 
 directory, removed by `close`). Keys are strings; each maps to an `OffloadKey` (an int) by a
 stable hash, so a filesystem tier's file names do not depend on the order keys appear in.
 
-Tier I/O runs only inside `run_tier_io` (the inline executor), unless ``threads`` asks for
-real I/O threads, where `run_tier_io` waits for them.
+Tier I/O runs only inside `run_tier_io` (the inline executor), as the protocol's
+determinism asks. ``threads > 0`` gives each tier real I/O threads instead, which start a
+task as soon as it is submitted, `run_tier_io` only waiting for them: the same code, run
+concurrently, but the state between two calls then depends on the threads' timing, so the
+model-based tests use the default.
+
+``async_lookup`` makes the tiers answer lookups as vLLM's filesystem tier does (RETRY until
+the key's existence probe, sent at the end of the step and run with the tier's I/O, resolved);
+the default answers HIT or MISS at once, as the tiering model (`spec.tiering.model`) does.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ EIO ``OSError`` after ``after`` copies; `hang` / `unhang` hold every task not ye
 Lookups answer HIT or MISS at once by default (the in-memory example tier, TEX:109-121).
 With ``async_lookup`` they are existence probes answered a step later, as vLLM's filesystem
 tier does (TAL:144-243, TF:215-220): the first lookup of a key answers RETRY and queues a
-probe; `on_schedule_end` sends the step's probes to the lookup thread (TAL:167-189), which
-here is `run_io`; the next lookup applies the verdicts (TAL:191-218). A failed promotion
+probe; `on_schedule_end` sends the step's probes as one batch (TAL:167-189), which here is a
+task of the tier's executor, so probes and jobs run in the order they were sent (a hung tier
+answers no probe either); the next lookup applies the verdicts (TAL:191-218). A failed promotion
 turns its failed keys' cached verdicts into misses (TAL:220-230, TF:297-306);
 `on_request_finished` drops the request's probes (TAL:232-242).
 """
@@ -112,7 +113,6 @@ class SecondaryTier(ABC):
         self._probes: dict[OffloadKey, _Probe] = {}
         self._probe_keys: dict[str, set[OffloadKey]] = {}
         self._probe_batch: list[tuple[OffloadKey, int]] = []
-        self._probes_in_flight: list[tuple[OffloadKey, int]] = []
         self._probe_results: list[tuple[OffloadKey, int, bool]] = []
         self._need_to_apply = False
         self._next_generation = 0
@@ -250,12 +250,8 @@ class SecondaryTier(ABC):
 
     def run_io(self) -> int:
         """Let every task that can run finish (inline: run them here; threads: wait for
-        them), and answer the probes sent to the lookup thread. Returns the tasks run here."""
-        ran = self._executor.run()
-        for key, generation in self._probes_in_flight:
-            self._probe_results.append((key, generation, self.has_copy(key)))
-        self._probes_in_flight.clear()
-        return ran
+        them). Returns the tasks run here."""
+        return self._executor.run()
 
     def drain(self, timeout_s: float = 0.0) -> bool:
         """vLLM's drain_jobs (TB:373-388), with a deadline: True once no task is queued or
@@ -271,15 +267,27 @@ class SecondaryTier(ABC):
         """Recency hint (TB:305-313); these tiers keep no recency."""
 
     def on_schedule_end(self) -> None:
-        """Send this step's probes to the lookup thread (TAL:167-189, TF:341-343)."""
+        """Send this step's probes, one batch (TAL:167-189, TF:341-343)."""
         self._apply_probe_results()
         self._need_to_apply = True
+        batch: list[tuple[OffloadKey, int]] = []
         for key, generation in self._probe_batch:
             probe = self._probes.get(key)
             if probe is not None and probe.generation == generation:
                 probe.phase = "IN_FLIGHT"
-                self._probes_in_flight.append((key, generation))
+                batch.append((key, generation))
         self._probe_batch.clear()
+        if batch:
+            self._executor.submit(lambda: self._probe_task(batch))
+
+    def _probe_task(self, batch: Sequence[tuple[OffloadKey, int]]) -> None:
+        """The lookup thread's existence checks (TAL:254-290)."""
+        try:
+            found = [(key, generation, self.has_copy(key)) for key, generation in batch]
+        except Exception:
+            found = [(key, generation, False) for key, generation in batch]
+        with self._mu:
+            self._probe_results.extend(found)
 
     def on_request_finished(self, req_id: str) -> None:
         """Drop the request's probes, keeping the ones in flight (TAL:232-242)."""
@@ -316,7 +324,9 @@ class SecondaryTier(ABC):
 
     def _apply_probe_results(self) -> None:
         """(TAL:191-218)"""
-        for key, generation, found in self._probe_results:
+        with self._mu:
+            results, self._probe_results = self._probe_results, []
+        for key, generation, found in results:
             probe = self._probes.get(key)
             if probe is None or probe.generation != generation:
                 continue
@@ -325,7 +335,6 @@ class SecondaryTier(ABC):
                 continue
             probe.found = found
             probe.phase = "RESOLVED"
-        self._probe_results.clear()
 
     def _mark_miss(self, keys: Iterable[OffloadKey]) -> None:
         """(TAL:220-230)"""
