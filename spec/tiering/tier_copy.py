@@ -32,16 +32,16 @@ STATES = (
     State(WRITING, "a cascade writes the copy; lookups do not see it yet",
           "fs: a store task of the pool writes <name>_<suffix>.tmp"),
     State(STORED, "a complete copy: lookups hit it", "fs: the file exists (renamed into place)"),
-    State(READING, "a complete copy that promotions read", "fs: a load task of the pool reads "
-          "the file"),
+    State(READING, "a complete copy that a promotion reads", "fs: a load task of the pool "
+          "reads the file"),
 )
 
 VISIBLE = StateGroup("visible", "a lookup of the tier hits it (TF:215-220)", (STORED, READING))
 GROUPS = (VISIBLE,)
 
 GUARDS = (
-    Guard("last_copy_reader", "no other promotion reads the copy"),
-    Guard("tier_full", "the tier holds its capacity of copies (beyond vLLM: a full disk)"),
+    Guard("tier_full", "the tier holds its capacity of copies (beyond vLLM: a full disk; "
+          "vLLM's filesystem tier never deletes a copy)"),
 )
 
 EFFECTS = (
@@ -49,7 +49,7 @@ EFFECTS = (
     Effect("rename_into_place", "atomically publish the copy (TIO:124-132)"),
     Effect("remove_temporary", "delete the temporary file (TIO:133-138)"),
     Effect("read_into_slot", "copy the file into the CPU slot (TIO:141-171)"),
-    Effect("drop_copy", "delete the copy"),
+    Effect("drop_copy", "delete the short file (TIO:158-168)"),
 )
 
 _META = "build_connector_meta"
@@ -65,24 +65,25 @@ TRANSITIONS = (
     Transition("write_started", (WRITING, STORED, READING), SAME, _META, "TIO:98-100, "
                "TIO:124-132", note="a copy exists or is being written: content-addressed, the "
                "first rename wins and the store is done"),
-    Transition("write_landed", (WRITING,), STORED, _LOOKUP, "TIO:124-125, TP:162-194",
+    Transition("write_landed", (WRITING,), STORED, "tier I/O", "TIO:124-125, TP:162-194",
                effects=("rename_into_place",)),
-    Transition("write_failed", (WRITING,), ABSENT, _LOOKUP, "TIO:133-138",
+    Transition("write_failed", (WRITING,), ABSENT, "tier I/O", "TIO:133-138",
                effects=("remove_temporary",), path=Path.FAILURE,
                note="an I/O error: the temporary file is removed, nothing is published"),
     Transition("crashed", (WRITING,), ABSENT, "kill -9", "TIO:102-125",
                effects=("remove_temporary",), path=Path.FAILURE,
                note="the process died mid-write: the temporary file is never published, and "
                "a new process ignores it"),
-    Transition("read_started", (STORED, READING), READING, _META, "TF:238-276",
-               effects=("read_into_slot",), note="submit_load of a promotion"),
-    Transition("read_ended", (READING,), STORED, _LOOKUP, "TF:278-325",
-               requires=("last_copy_reader",), note="the promotion reported, done or failed"),
-    Transition("read_ended", (READING,), SAME, _LOOKUP, "TF:278-325",
-               unless=("last_copy_reader",)),
-    Transition("evicted", (STORED,), ABSENT, _META, BEYOND_VLLM,
-               effects=("drop_copy",), path=Path.HAPPY,
-               note="a bounded tier makes room (vLLM's filesystem tier never deletes)"),
+    Transition("read_started", (STORED,), READING, _META, "TF:238-276",
+               effects=("read_into_slot",), note="submit_load of a promotion (a second "
+               "lookup of the key finds it promoting in the CPU tier and defers, so one "
+               "promotion reads a copy at a time)"),
+    Transition("read_ended", (READING,), STORED, "tier I/O", "TF:249-276, TP:162-194",
+               note="the promotion's I/O finished (or failed with the file left in place, "
+               "TIO:148-150)"),
+    Transition("short_read", (READING,), ABSENT, "tier I/O", "TIO:155-168",
+               effects=("drop_copy",), path=Path.FAILURE,
+               note="the file is shorter than a block: it is removed, the promotion fails"),
 )
 
 TIER_COPY_MACHINE = MachineSpec(

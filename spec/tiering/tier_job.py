@@ -83,6 +83,9 @@ EFFECTS = (
            "complete_write (TM:525-549)"),
     Effect("count_failure", "count the failed job; a cascade feeds back-pressure (TM:559-587)"),
     Effect("quarantine_job", "out of _jobs; its slots and pins kept until the late result"),
+    Effect("suspect_tier", "lookups skip the tier while it holds a timed-out or stale job, "
+           "so a hung tier cannot start promotion after promotion, each swallowing a CPU "
+           "slot into quarantine"),
     Effect("release_quarantine", "free the job's quarantined slots, drop its pins; count the "
            "discarded late result"),
     Effect("drop_reservation", "clear _pending_load_submissions (TM:1171-1174)"),
@@ -110,12 +113,13 @@ TRANSITIONS = (
                note="lookup, prepare_store, on_schedule_end and reset_cache poll"),
     Transition("polled", (REPORTED,), FAILED, _POLL, "TM:460-549", unless=("io_ok",),
                effects=("apply_result", "count_failure"), path=Path.FAILURE),
-    Transition("time_out", (SUBMITTED, REPORTED), TIMED_OUT, _META, BEYOND_VLLM,
-               effects=("quarantine_job",), path=Path.TIMEOUT,
-               note="older than the tier job timeout; a REPORTED one only if its tier is "
-               "never polled again"),
+    Transition("time_out", (SUBMITTED,), TIMED_OUT, _META, BEYOND_VLLM,
+               effects=("quarantine_job", "suspect_tier"), path=Path.TIMEOUT,
+               note="older than the tier job timeout: the tier is suspect (no promotion "
+               "from it) until the late result arrives"),
     Transition("stale", (SUBMITTED,), STALE, "reset_cache", BEYOND_VLLM,
-               requires=("tier_hung",), effects=("quarantine_job",), path=Path.RESET,
+               requires=("tier_hung",), effects=("quarantine_job", "suspect_tier"),
+               path=Path.RESET,
                note="the reset's drain deadline passed (vLLM blocks in drain_jobs, "
                "TM:1164-1165)"),
     Transition("late_result", (TIMED_OUT, STALE), LATE_DRAINED, _POLL, BEYOND_VLLM,

@@ -79,8 +79,9 @@ class TieringEffects:
             self.m._drop_load_sources(job.req_id, job.keys, job.tier)
 
     def suspect_tier(self, job: TierJob, **_: Any) -> None:
-        """Lookups skip the tier until it reports again (beyond vLLM)."""
-        self.m._suspect.add(job.tier)
+        """Lookups skip the tier while it holds a quarantined job (beyond vLLM): the
+        quarantine itself makes it suspect; counted here."""
+        self.m.stats["tiers_suspected"] += 1
 
     def release_quarantine(self, job: TierJob, **_: Any) -> None:
         """The late result is discarded: the job's pins dropped (if the CPU tier still has
@@ -91,7 +92,6 @@ class TieringEffects:
             self.m.primary.complete_read(job.keys, job.ctx)
             job.pins_held = False
         self.m._release_slots(job)
-        self.m._suspect.discard(job.tier)
         self.m.stats["late_results"] += 1
 
     def drop_reservation(self, job: TierJob, **_: Any) -> None:

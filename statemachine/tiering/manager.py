@@ -75,7 +75,7 @@ _STAT_NAMES = ("lookups", "primary_hits", "tier_hits", "polls", "promotions_queu
                "promotions", "promoted_keys", "promotion_failures", "promotion_failed_keys",
                "promotion_allocation_failures", "cascades", "cascaded_keys",
                "cascade_failures", "io_reports", "timeouts", "stale", "late_results",
-               "dropped_promotions", "evictions", "resets")
+               "dropped_promotions", "evictions", "resets", "tiers_suspected")
 
 
 class TieringManager:
@@ -119,7 +119,6 @@ class TieringManager:
         """TIMED_OUT and STALE jobs, until their late results."""
         self._slot_holds: dict[int, set[int]] = {}
         """Quarantined CPU slot -> the quarantined jobs whose I/O may still touch it."""
-        self._suspect: set[int] = set()
         self._promotions_held = False
         self._processed_jobs_this_step = False
         self._requests: dict[str, TierRequest] = {}
@@ -149,7 +148,9 @@ class TieringManager:
 
     @property
     def suspect_tiers(self) -> frozenset[int]:
-        return frozenset(self._suspect)
+        """The tiers that hold a timed-out or stale job: lookups skip them until its late
+        result arrives (the tier_job table's `suspect_tier`)."""
+        return frozenset(j.tier for j in self._quarantined.values())
 
     def jobs(self) -> list[TierJob]:
         """Queued promotions, the job table, and the quarantined jobs."""
@@ -219,7 +220,7 @@ class TieringManager:
             return LookupResult.MISS
         any_retry = False
         for i, tier in enumerate(self.tiers):
-            if i in self._suspect:
+            if i in self.suspect_tiers:
                 continue
             found = tier.lookup(key, ctx.req_id)
             if found is LookupResult.HIT:
@@ -377,8 +378,6 @@ class TieringManager:
         if job.state == TJ.SUBMITTED:
             self._jobs_life.fire(job, "io_finished")
         self._jobs_life.fire(job, "polled")
-        if result.success or job.is_promotion:
-            self._suspect.discard(tier)
         return ""
 
     def _complete_promotion(self, job: TierJob, result: JobResult) -> None:
