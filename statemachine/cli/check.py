@@ -14,6 +14,7 @@ from spec.checker import CheckResult, Counterexample
 from spec.invariants import INVARIANTS
 from spec.progress import FAIRNESS, PROGRESS, UNFAIR
 from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds, parse_bounds
+from spec.tiering.faults import TIER_FAULT_NAMES
 from statemachine.cli.common import (
     EXIT_FAIL,
     EXIT_OK,
@@ -117,6 +118,10 @@ def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.tiering or (args.mutant and args.mutant in TIER_FAULT_NAMES):
+        from statemachine.cli.tiering import cmd_check_tiering
+
+        return cmd_check_tiering(args)
     if args.mutate:
         from statemachine.cli.mutate import cmd_mutate
 
@@ -213,6 +218,10 @@ def register(sub: Any) -> None:
         "check", help="exhaustive model check of the spec (or of a mutant): safety, "
         "table legality, liveness under fairness")
     c.add_argument("--mutant", help="switch on a catalogued fault (kvspec mutants)")
+    c.add_argument("--tiering", action="store_true",
+                   help="check the tiering model (the CPU tier and secondary tiers) instead: "
+                   "its scenarios, or with --mutant one of its faults: "
+                   + ", ".join(TIER_FAULT_NAMES))
     c.add_argument("--mutate", action="store_true",
                    help="mutate the tables themselves (an effect removed, a guard negated) "
                    "and print which check kills each mutant")
