@@ -83,6 +83,27 @@ def progress_table() -> str:
     return "\n".join(rows)
 
 
+def tiering_invariants_table() -> str:
+    from spec.tiering.invariants import DATA_INVARIANTS, TIER_INVARIANTS
+
+    rows = ["| id | name | statement | checked on |", "|---|---|---|---|"]
+    rows += [f"| {i.id} | `{i.name}` | {_cell(i.meaning)} | every projected `TieringState`: "
+             "the model, the reference, vLLM |" for i in TIER_INVARIANTS]
+    rows += [f"| {i} | `{n}` | {_cell(m)} | the model's byte truth; real bytes in the tests "
+             "and the data plane |" for i, n, m in DATA_INVARIANTS]
+    return "\n".join(rows)
+
+
+def tiering_progress_table() -> str:
+    from spec.tiering.progress import TIER_PROGRESS
+
+    rows = ["| id | name | property | for |", "|---|---|---|---|"]
+    rows += [f"| {p.id} | `{p.name}` | {_cell(p.statement)} | "
+             f"{'each request' if p.scope == 'request' else 'the system'} |"
+             for p in TIER_PROGRESS]
+    return "\n".join(rows)
+
+
 def fairness_table() -> str:
     rows = ["| class | one per | events | weak fairness because |", "|---|---|---|---|"]
     rows += [f"| `{f.name}` | {f.per} | {_cell(f.events)} | {_cell(f.reason)} |"

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from spec import MACHINES, REQUEST_MACHINE, vllm
 from spec import render as md
+from spec.schema import MachineSpec
+from spec.tiering import TIERING_MACHINES
 from statemachine.diagrams import have_dot, source_hash, svg_source_hash, to_graphviz, to_mermaid
 from statemachine.diagrams import sources as diagram_sources
 from statemachine.diagrams import svg as render_svg
@@ -23,6 +25,17 @@ if TYPE_CHECKING:
     from statemachine.mutants import Mutant
 
 Blocks = dict[str, Callable[[], str]]
+
+DIAGRAM_SETS: tuple[tuple[tuple[MachineSpec, ...], str], ...] = (
+    (MACHINES, "diagrams"),
+    (TIERING_MACHINES, "diagrams/tiering"),
+)
+"""Each group of tables and the folder its diagrams go to: the connector's lifecycles, and
+the tiering ones (the CPU tier and the secondary tiers) apart."""
+
+
+def _drawn() -> list[tuple[MachineSpec, str]]:
+    return [(m, folder) for machines, folder in DIAGRAM_SETS for m in machines]
 
 
 def _spec_md_blocks() -> Blocks:
@@ -33,8 +46,10 @@ def _spec_md_blocks() -> Blocks:
         "fairness": md.fairness_table,
         "equivalents": md.equivalents_table,
         "mutants": mutants_table,
+        "tiering.invariants": md.tiering_invariants_table,
+        "tiering.progress": md.tiering_progress_table,
     }
-    for m in MACHINES:
+    for m, _ in _drawn():
         blocks[f"{m.name}.states"] = partial(md.states_table, m)
         blocks[f"{m.name}.transitions"] = partial(md.transitions_table, m)
         blocks[f"{m.name}.guards"] = partial(md.guards_effects_table, m)
@@ -91,8 +106,8 @@ def derived(root: Path) -> dict[Path, bytes]:
     """Every text file derived from the tables: DOT and Mermaid sources, and the documents
     with their generated blocks spliced in."""
     out: dict[Path, bytes] = {}
-    for m in MACHINES:
-        for r in diagram_sources(m, root / "diagrams"):
+    for m, folder in _drawn():
+        for r in diagram_sources(m, root / folder):
             out[r.path] = r.content
     for doc, blocks in ((root / "spec" / "SPEC.md", _spec_md_blocks()),
                         (root / "README.md", _readme_blocks())):
@@ -105,8 +120,8 @@ def derived(root: Path) -> dict[Path, bytes]:
 def stale_svgs(root: Path) -> list[Path]:
     """SVGs missing, or rendered from another DOT source than the tables give now."""
     out = []
-    for m in MACHINES:
-        path = root / "diagrams" / f"{m.name}.svg"
+    for m, folder in _drawn():
+        path = root / folder / f"{m.name}.svg"
         dot = to_graphviz(m).source
         if not path.exists() or svg_source_hash(path.read_bytes()) != source_hash(dot):
             out.append(path)
@@ -125,7 +140,8 @@ def write(root: Path) -> tuple[list[Path], list[Path]]:
     if not have_dot():
         return changed, stale
     for path in stale:
-        machine = next(m for m in MACHINES if path.name == f"{m.name}.svg")
+        machine = next(m for m, folder in _drawn()
+                       if path == root / folder / f"{m.name}.svg")
         r = render_svg(machine, path.parent)
         r.path.write_bytes(r.content)
         changed.append(r.path)

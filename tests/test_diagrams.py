@@ -9,10 +9,12 @@ import pytest
 
 import spec
 from spec import render
+from spec.tiering import TIERING_MACHINES
 from statemachine import artifacts, cli, diagrams
 from statemachine.diagrams import EDGE_STYLE, to_graphviz, to_mermaid
 
 ROOT = Path(__file__).resolve().parents[1]
+ALL_MACHINES = (*spec.MACHINES, *TIERING_MACHINES)
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' missing")
 
@@ -67,7 +69,7 @@ def test_without_dot_the_commands_say_so_in_one_line(
     assert "stale: diagrams/job.svg" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("m", spec.MACHINES, ids=lambda m: m.name)
+@pytest.mark.parametrize("m", ALL_MACHINES, ids=lambda m: m.name)
 def test_dot_has_every_state_guarded_edges_styles_and_a_legend(m: spec.MachineSpec) -> None:
     dot = to_graphviz(m).source
     for s in m.state_names:
@@ -89,13 +91,14 @@ def test_beyond_vllm_states_are_drawn_apart() -> None:
 
 
 @needs_dot
-@pytest.mark.parametrize("m", spec.MACHINES, ids=lambda m: m.name)
+@pytest.mark.parametrize("m", ALL_MACHINES, ids=lambda m: m.name)
 def test_every_diagram_renders_as_svg(m: spec.MachineSpec) -> None:
     """Where `dot` is installed (CI installs it): each SVG parses, shows every state and
     the legend, and carries the hash of the DOT source it was drawn from."""
     import xml.etree.ElementTree as ET
 
-    rendered = diagrams.svg(m, ROOT / "diagrams")
+    folder = ROOT / ("diagrams/tiering" if m in TIERING_MACHINES else "diagrams")
+    rendered = diagrams.svg(m, folder)
     root = ET.fromstring(rendered.content)
     assert root.tag.endswith("svg")
     texts = {t.text for t in root.iter() if t.tag.endswith("text")}
@@ -117,10 +120,10 @@ def test_mermaid_lists_every_state_and_edge() -> None:
 
 def test_spec_md_holds_every_generated_block() -> None:
     names = render.block_names((ROOT / "spec" / "SPEC.md").read_text())
-    for m in spec.MACHINES:
+    for m in ALL_MACHINES:
         for part in ("states", "transitions", "guards", *(("groups",) if m.groups else ())):
             assert f"{m.name}.{part}" in names
-    assert {"invariants", "progress"} <= set(names)
+    assert {"invariants", "progress", "tiering.invariants", "tiering.progress"} <= set(names)
 
 
 def test_splice_replaces_only_block_bodies() -> None:

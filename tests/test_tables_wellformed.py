@@ -12,8 +12,9 @@ from spec import request as R
 from spec import wellformed as wf
 from spec.hooks import LIFECYCLE_HOOKS
 from spec.schema import BEYOND_VLLM, SAME, MachineSpec, Transition
+from spec.tiering import TIERING_MACHINES
 
-MACHINES = {m.name: m for m in spec.MACHINES}
+MACHINES = {m.name: m for m in (*spec.MACHINES, *TIERING_MACHINES)}
 
 
 @pytest.mark.parametrize("name", sorted(MACHINES))
@@ -44,6 +45,17 @@ def test_every_name_resolves_and_every_declaration_is_used(name: str) -> None:
 
 def test_effect_names_are_unique_across_machines() -> None:
     assert wf.shared_effect_names(spec.MACHINES) == []
+    assert wf.shared_effect_names(TIERING_MACHINES) == []
+
+
+_TIER_REF = re.compile(r"^((TM|TB|TF|TIO|TP|TAL|TEX|M):\d+(-\d+)?)"
+                       r"(, (TM|TB|TF|TIO|TP|TAL|TEX|M):\d+(-\d+)?)*$")
+
+
+def test_every_tiering_transition_cites_vllm_tiering_code_or_says_beyond_vllm() -> None:
+    for m in TIERING_MACHINES:
+        for t in m.transitions:
+            assert t.vllm_ref == BEYOND_VLLM or _TIER_REF.match(t.vllm_ref), (m.name, t)
 
 
 def test_every_lifecycle_hook_of_reference_section_2_has_a_transition() -> None:
@@ -62,7 +74,7 @@ def test_every_transition_cites_vllm_code_or_says_beyond_vllm() -> None:
 
 
 def test_beyond_vllm_states_are_only_entered_by_beyond_vllm_transitions() -> None:
-    for m in spec.MACHINES:
+    for m in MACHINES.values():
         beyond = {s.name for s in m.states if s.beyond_vllm}
         for src, dst, t in m.edges():
             if dst in beyond and src not in beyond:
