@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(BIN)/kvspec demo
 	$(BIN)/kvspec simulate --seed 1
 	$(BIN)/kvspec check
+	$(BIN)/kvspec check --tiering
 
 # the tests run one file per worker over every core (a module's fixtures are built once); the
 # exhaustive searches in a run of their own, without the line tracer (it doubles their time)
@@ -46,6 +47,7 @@ soak: $(STAMP)
 
 check: $(STAMP)
 	$(BIN)/kvspec check
+	$(BIN)/kvspec check --tiering
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py)
 mutate: $(STAMP)
