@@ -201,9 +201,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
+    from statemachine.tiering.mutants import TIER_MUTANTS
+
     rows = [{"mutant": m.name, "area": m.area, "stands for": m.stands_for,
              "abstract": "yes" if m.abstract else "no", "what": m.description}
             for m in MUTANTS]
+    rows += [{"mutant": m.name, "area": "tiering", "stands for": m.stands_for,
+              "abstract": "yes", "what": m.description} for m in TIER_MUTANTS]
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
