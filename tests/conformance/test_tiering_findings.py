@@ -1,0 +1,151 @@
+"""Findings of the tiering conformance work on vLLM 0.33.0's `TieringOffloadingManager` with
+its filesystem tier (`conformance.tiering_adapter`), each a minimal reproducer that asserts
+the behaviour is there. When vLLM changes it, the test fails and says so: move the finding to
+the fixed ones in CONFORMANCE.md.
+
+The reference tiering system (`statemachine.tiering.reference`) mirrors vLLM on both traces
+(the model-based machine compares them call for call), so neither is a divergence between
+vLLM and the reference: both are vLLM behaviours the tiering spec should decide on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+# isort: split
+from conformance.tiering_adapter import VllmTieringSystem
+from spec.tiering import cpu_chunk as CC
+from spec.tiering import tier_copy as TC
+from tests.conformance.test_tiering_vllm import Checked
+
+pytestmark = pytest.mark.conformance
+
+
+@pytest.fixture
+def make() -> Iterator[Any]:
+    systems: list[VllmTieringSystem] = []
+
+    def build(num_slots: int) -> Checked:
+        systems.append(VllmTieringSystem(num_slots=num_slots, num_tiers=1))
+        return Checked(systems[-1])
+
+    yield build
+    for s in systems:
+        s.close()
+
+FIXED = "vLLM no longer behaves so: move the finding to the fixed ones in CONFORMANCE.md"
+
+
+def _scan(v: Checked, req_id: str, keys: list[str]) -> list[str]:
+    """The scheduler's prefix lookup (S:773-803): on through HIT, HIT_PENDING and RETRY,
+    stop at the first MISS."""
+    out = []
+    for k in keys:
+        out.append(v.lookup(req_id, k))
+        if out[-1] == "MISS":
+            break
+    return out
+
+
+def _store_to_tier(v: Checked, req_id: str, keys: list[str]) -> None:
+    """A GPU store of `keys` that lands, cascades, and is polled (the cascade's pins gone)."""
+    v.store(req_id, keys)
+    v.end_step()
+    v.run_tier_io()
+    v.end_step()
+
+
+def test_tiering_finding_t1_a_prefix_longer_than_the_cpu_tier_is_deferred_forever(
+        make: Any) -> None:
+    """T1 (vLLM 0.33.0): a request whose hit prefix lives in a secondary tier and has more
+    chunks than the CPU tier can hold is deferred forever, and thrashes the CPU tier.
+
+    The scheduler looks up the whole prefix each step (S:773-803): a chunk the CPU tier
+    misses and the tier holds is promoted, and the promotion's slot is taken by evicting the
+    least recent evictable chunk, which here is a chunk of the same prefix that an earlier
+    round promoted (TM:686-738, M:320-345: only the promoted key is protected). Each round
+    therefore answers HIT_PENDING for some chunk, so the lookup defers (S:1014-1019) and the
+    request is never scheduled; nothing bounds the rounds. Here: 3 chunks on disk, 2 CPU
+    slots; after the first promotions the CPU tier's contents repeat with period 2 (a
+    livelock, not slow progress), and every round reads two chunks from disk again.
+    """
+    v = make(num_slots=2)
+    v.new_request("w")
+    _store_to_tier(v, "w", ["a0", "a1"])
+    _store_to_tier(v, "w", ["a2"])
+    _store_to_tier(v, "w", ["x0", "x1"])            # evicts the prefix from the CPU tier
+    v.request_finished("w")
+    assert {c.key for c in v.state.copies} >= {"a0", "a1", "a2"}
+    v.new_request("r")
+    rounds = []
+    for _ in range(8):
+        answers = _scan(v, "r", ["a0", "a1", "a2"])
+        rounds.append((tuple(answers), v.state.cpu))
+        v.end_step()
+        v.run_tier_io()
+    deferred = [any(a in ("HIT_PENDING", "RETRY") for a in ans) for ans, _ in rounds]
+    assert all(deferred), (FIXED, rounds)
+    promoted = [tuple(sorted(c.key for c in cpu if c.state == CC.PROMOTION_QUEUED))
+                for _, cpu in rounds]
+    assert promoted[3:] == promoted[3:5] * 2 + promoted[3:4], (FIXED, promoted)
+    # with a CPU slot per chunk the same prefix is served
+    w = make(num_slots=3)
+    w.new_request("w")
+    _store_to_tier(w, "w", ["a0", "a1", "a2"])
+    _store_to_tier(w, "w", ["x0", "x1", "x2"])
+    w.request_finished("w")
+    w.new_request("r")
+    for _ in range(3):
+        _scan(w, "r", ["a0", "a1", "a2"])
+        w.end_step()
+        w.run_tier_io()
+        w.end_step()
+    assert _scan(w, "r", ["a0", "a1", "a2"]) == ["HIT", "HIT", "HIT"]
+
+
+def test_tiering_finding_t2_a_miss_verdict_outlives_the_copy_it_missed(make: Any) -> None:
+    """T2 (vLLM 0.33.0): the filesystem tier keeps a key's negative existence verdict while
+    any request that looked the key up is alive, and every new request that looks it up
+    joins that verdict; a chunk cascaded to the tier after the probe is a MISS for all of
+    them, so each recomputes it although it is on disk.
+
+    `AsyncLookupManager` caches one verdict per key, shared by the requests that asked
+    (TAL:144-165), dropped only when the last of them finishes (TAL:232-242); a cascade
+    that writes the key does not touch it (TF:222-236, TF:278-325; only a failed promotion
+    rewrites a verdict, to False, TAL:220-230). With overlapping requests sharing a prefix
+    (a common system prompt) the verdict can stay stale indefinitely. Here A looks k up
+    (MISS: nowhere yet), stores it (cascaded to disk), the CPU tier evicts it; B, then C
+    (after A finished) get MISS though k's copy is on disk; only D, after every one of them
+    finished, probes again and promotes it.
+    """
+    v = make(num_slots=2)
+    v.new_request("A")
+    assert v.lookup("A", "k") == "RETRY"
+    v.end_step()
+    v.run_tier_io()
+    assert v.lookup("A", "k") == "MISS"
+    _store_to_tier(v, "A", ["k"])
+    _store_to_tier(v, "A", ["x0", "x1"])            # evicts k from the CPU tier
+    assert v.chunk("k") is None and v.state.copy_state(0, "k") == TC.STORED
+    v.new_request("B")
+    assert v.lookup("B", "k") == "MISS", FIXED
+    v.request_finished("A")
+    v.end_step()
+    assert v.lookup("B", "k") == "MISS", FIXED
+    v.new_request("C")
+    assert v.lookup("C", "k") == "MISS", FIXED     # C joins B's stale verdict
+    v.request_finished("B")
+    v.end_step()
+    assert v.lookup("C", "k") == "MISS", FIXED
+    assert v.probe_verdict(0, "k") is False
+    v.request_finished("C")
+    v.new_request("D")
+    assert v.lookup("D", "k") == "RETRY"            # a fresh probe
+    v.end_step()
+    v.run_tier_io()
+    assert v.lookup("D", "k") == "HIT_PENDING"
