@@ -98,8 +98,9 @@ def tiering_progress_table() -> str:
     from spec.tiering.progress import TIER_PROGRESS
 
     rows = ["| id | name | property | for |", "|---|---|---|---|"]
-    rows += [f"| {p.id} | `{p.name}` | {_cell(p.statement)} | "
-             f"{'each request' if p.scope == 'request' else 'the system'} |"
+    scope = {"request": "each request", "request-key": "each key of each request",
+             "system": "the system"}
+    rows += [f"| {p.id} | `{p.name}` | {_cell(p.statement)} | {scope[p.scope]} |"
              for p in TIER_PROGRESS]
     return "\n".join(rows)
 

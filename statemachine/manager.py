@@ -360,12 +360,14 @@ class CPUOffloadingManager:
                 self._policy.on_evictable(key, True)
 
     # ------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[OffloadKey],
-                      ctx: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], ctx: ReqContext,
+                      protect: Iterable[OffloadKey] = ()) -> PrepareStoreOutput | None:
         """Reserve slots for the offered keys that are not held yet.
 
         Returns None (allocating and evicting nothing) when the free slots plus the evictable
-        chunks outside the offer cannot cover them. The store-miss report and the access
+        chunks outside the offer (and outside `protect`, keys the caller needs kept: the
+        tiering manager's promotions pass the keys their request's lookup just hit) cannot
+        cover them. The store-miss report and the access
         record (absent and ready offered keys; write-pending ones are not accesses) happen
         before that check, as in vLLM.
         """
@@ -404,12 +406,13 @@ class CPUOffloadingManager:
         evicted: list[OffloadKey] = []
         if need > 0:
             victims = None
+            kept = set(offered) | set(protect)
             if need <= self._num_evictable:
-                victims = self._policy.evict(need, set(offered), self._ref_cnt)
+                victims = self._policy.evict(need, kept, self._ref_cnt)
             if victims is None:
                 self.stats["allocation_failures"] += 1
                 return None
-            self._check_victims(victims, need, set(offered))
+            self._check_victims(victims, need, kept)
             for key, chunk_id in victims:
                 del self._index[key]
                 self._free.append(chunk_id)

@@ -52,7 +52,7 @@ def test_each_tiering_fault_is_found_with_a_short_trace(sc) -> None:  # type: ig
     ce = r.counterexample
     assert ce is not None, f"{sc.name} survived: {r.summary()}"
     assert TierExpect(r.verdict, r.states, r.depth) == sc.expect, ce.render()
-    assert len(ce) <= 20
+    assert len(ce) <= 25
     # the same bounds without the fault pass: the counterexample is the fault's
     assert _check(sc.bounds).ok
 

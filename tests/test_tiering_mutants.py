@@ -6,6 +6,8 @@ direct test of the reference here."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -15,7 +17,7 @@ from spec.tiering.faults import TIER_FAULT_NAMES
 from spec.tiering.scenarios import tier_scenario
 from statemachine.tiering.mutants import TIER_MUTANTS, tier_mutant
 from statemachine.tiering.reference import ReferenceTieringSystem
-from statemachine.tiering.testing import TierSetup, TieringStateMachine
+from statemachine.tiering.testing import TieringStateMachine, TierSetup
 
 HUNT = settings(max_examples=400, stateful_step_count=40, derandomize=True, deadline=None,
                 database=None, phases=(Phase.generate,),
@@ -49,7 +51,7 @@ def test_the_reference_passes_the_hunt_without_a_mutant() -> None:
 @pytest.mark.parametrize("m", [m for m in TIER_MUTANTS if m.caught_by_tests],
                          ids=lambda m: m.name)
 def test_the_model_based_tests_find_each_mutant(m) -> None:  # type: ignore[no-untyped-def]
-    with m.patch(), pytest.raises(Exception) as caught:  # noqa: PT011 - any check may fire
+    with m.patch(), pytest.raises(Exception) as caught:
         run_state_machine_as_test(ReferenceMachine, settings=HUNT)
     assert not isinstance(caught.value, (KeyboardInterrupt, SystemExit))
 
@@ -60,7 +62,7 @@ def test_without_a_timeout_a_hung_tier_keeps_its_promotion_forever() -> None:
     for patched in (False, True):
         sys_ = ReferenceTieringSystem(1, ("memory",), tier_job_timeout_steps=3)
         sys_.new_request("r0")
-        (keys, slots) = sys_.prepare_store("r0", ["k0"]) or ((), ())
+        (_keys, slots) = sys_.prepare_store("r0", ["k0"]) or ((), ())
         sys_.write_slot(slots[0], b"k0" * 8)
         sys_.complete_store("r0", ["k0"], True)
         sys_.run_tier_io()
@@ -74,7 +76,7 @@ def test_without_a_timeout_a_hung_tier_keeps_its_promotion_forever() -> None:
         sys_.new_request("r2")
         assert sys_.lookup("r2", "k0") == "HIT_PENDING"
         sys_.hang(0)
-        ctx = tier_mutant("no-tier-timeout").patch() if patched else _nothing()
+        ctx = tier_mutant("no-tier-timeout").patch() if patched else contextlib.nullcontext()
         with ctx:
             for _ in range(10):
                 sys_.end_step()
@@ -88,9 +90,49 @@ def test_without_a_timeout_a_hung_tier_keeps_its_promotion_forever() -> None:
         sys_.close()
 
 
-class _nothing:  # noqa: N801 - a null context manager, like contextlib.nullcontext
-    def __enter__(self) -> None:
-        return None
+def _scan(sys_: ReferenceTieringSystem, req: str, keys: list[str]) -> list[str]:
+    """The scheduler's prefix scan (S:773-803): on through HIT, HIT_PENDING, RETRY."""
+    out = []
+    for k in keys:
+        out.append(sys_.lookup(req, k))
+        if out[-1] == "MISS":
+            break
+    return out
 
-    def __exit__(self, *exc: object) -> None:
-        return None
+
+def _stored_then_evicted(prefix: list[str], others: list[str]) -> ReferenceTieringSystem:
+    """Two CPU slots; `prefix` stored and cascaded to the tier, then evicted by `others`."""
+    sys_ = ReferenceTieringSystem(2, ("memory",))
+    sys_.new_request("w")
+    for k in prefix + others:
+        out = sys_.prepare_store("w", [k])
+        assert out is not None
+        for key, slot in zip(*out, strict=True):
+            sys_.write_slot(slot, key.encode() * 8)
+        sys_.complete_store("w", list(out[0]), True)
+        sys_.end_step()
+        sys_.run_tier_io()
+        sys_.end_step()
+    sys_.request_finished("w")
+    return sys_
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["spec", "vllm"])
+def test_a_prefix_longer_than_the_cpu_tier_loads_what_fits(patched: bool) -> None:
+    """promotion-evicts-own-prefix (T1): the spec's lookup keeps the chunks its scan hit, so
+    a 3-chunk prefix over 2 CPU slots ends HIT, HIT, MISS (two load, one is computed); with
+    vLLM's rule every round evicts an earlier chunk of the prefix, and it defers forever."""
+    sys_ = _stored_then_evicted(["a0", "a1", "a2"], ["x0", "x1"])
+    sys_.new_request("r")
+    ctx = tier_mutant("promotion-evicts-own-prefix").patch() if patched else contextlib.nullcontext()
+    rounds = []
+    with ctx:
+        for _ in range(8):
+            rounds.append(_scan(sys_, "r", ["a0", "a1", "a2"]))
+            sys_.end_step()
+            sys_.run_tier_io()
+    if patched:
+        assert all("HIT_PENDING" in r for r in rounds), rounds
+    else:
+        assert rounds[-1] == ["HIT", "HIT", "MISS"], rounds
+    sys_.close()

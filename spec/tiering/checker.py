@@ -163,8 +163,10 @@ def check_tiering_model(bounds: TierBounds, faults: TierFaults = NO_TIER_FAULTS,
         labels.append(evs)
     if liveness:
         for prop in TIER_PROGRESS:
-            subjects: list[int | None] = (list(range(len(bounds.requests)))
-                                          if prop.scope == "request" else [None])
+            subjects: list[object] = (
+                list(range(len(bounds.requests))) if prop.scope == "request" else
+                [(r, k) for r, keys in enumerate(bounds.requests) for k in sorted(set(keys))]
+                if prop.scope == "request-key" else [None])
             for r in subjects:
                 ce = _liveness(prop, r, states, out, labels, depth, parent, faults)
                 if ce is not None:
@@ -193,7 +195,7 @@ def _trace(states: list[TierModelState],
     return out
 
 
-def _liveness(prop: TierProgress, r: int | None, states: list[TierModelState],
+def _liveness(prop: TierProgress, r: object, states: list[TierModelState],
               out: list[list[Edge]], labels: list[list[TierEvent]], depth: list[int],
               parent: list[tuple[int, TierEvent, tuple[Move, ...]] | None],
               faults: TierFaults) -> TierCounterexample | None:
@@ -215,7 +217,8 @@ def _liveness(prop: TierProgress, r: int | None, states: list[TierModelState],
         moves = next(m for succ, m in step(states[v], ev, faults)
                      if canonical(succ) == states[dest])
         cycle.append(TierStep(ev, states[dest], moves))
-    subject = "" if r is None else f" for r{r}"
+    subject = ("" if r is None else f" for r{r}" if isinstance(r, int) else
+               f" for r{r[0]}'s k{r[1]}")  # type: ignore[index]
     owed = sorted(str(c) for c in cyc.owed)
     fairness = ([f"{c} is taken in the cycle" for c in owed] or
                 ["no weakly fair event is enabled all along the cycle"])

@@ -21,6 +21,11 @@ class TierFaults:
     reset_without_drain: bool = False
     """reset_cache forgets the CPU tier without draining the tiers (TM:1164-1169): tier I/O
     in flight writes slots that were freed and reused."""
+    promotion_evicts_own_prefix: bool = False
+    """vLLM 0.33.0 (finding T1): a promotion's slot may come from evicting a chunk the same
+    lookup scan just hit (only the promoted key is protected, TM:713): a prefix longer than
+    the CPU tier is promoted round after round, each round evicting an earlier chunk of it,
+    and its request is deferred forever."""
     no_tier_timeout: bool = False
     """vLLM 0.33.0: no tier job timeout and a drain without deadline; a hung tier defers its
     promotions' requests forever and blocks reset_cache forever (TM:1146-1148)."""

@@ -553,20 +553,20 @@ def _content_name(c: int) -> str:
 
 
 def _lookup(tx: _Tx, r: int) -> None:
-    """The scheduler's lookup of request r's keys in order (S:744-840 over TM:589-675):
-    HIT continues; HIT_PENDING or RETRY defers; MISS ends the hit prefix."""
-    q = tx.reqs[r]
+    """The scheduler's prefix lookup of request r's keys (S:773-803 over TM:589-675): HIT
+    and HIT_PENDING count as hits and the scan goes on, RETRY goes on too, MISS stops it;
+    any HIT_PENDING or RETRY defers the request (S:1014-1019), else the hit prefix loads."""
     keys = tx.s.bounds.requests[r]
     hits: list[int] = []
-    answer = "MISS"
+    defer = False
     for k in keys:
-        answer = _lookup_key(tx, r, k)
-        if answer != "HIT":
+        answer = _lookup_key(tx, r, k, frozenset(hits))
+        if answer == "MISS":
             break
-        hits.append(k)
-    else:
-        answer = "HIT"
-    if answer in ("HIT_PENDING", "RETRY"):
+        if answer != "RETRY":
+            hits.append(k)
+        defer |= answer != "HIT"
+    if defer:
         tx.reqs[r] = replace(tx.reqs[r], deferred=True)
         return
     todo = tuple(keys[len(hits):])
@@ -575,10 +575,13 @@ def _lookup(tx: _Tx, r: int) -> None:
     phase = LOADING if hits else (COMPUTE if todo else DONE)
     tx.reqs[r] = replace(tx.reqs[r], phase=phase, deferred=False, loads=tuple(hits),
                          todo=todo)
-    del q
 
 
-def _lookup_key(tx: _Tx, r: int, k: int) -> str:
+def _lookup_key(tx: _Tx, r: int, k: int, scanned: frozenset[int]) -> str:
+    """One key's lookup; a secondary-tier hit reserves a CPU slot for its promotion. The
+    slot may come from evicting a READY key, but not one this scan already hit (the spec;
+    vLLM protects the promoted key alone, TM:713, which livelocks a prefix longer than the
+    CPU tier: fault `promotion-evicts-own-prefix`)."""
     answer = CC.LOOKUP_ANSWER[tx.chunks[k].state]
     if answer is not None:
         return answer
@@ -590,7 +593,8 @@ def _lookup_key(tx: _Tx, r: int, k: int) -> str:
         if tx.copies[t][k].state not in TC.VISIBLE:
             continue
         # a hit in tier t: reserve a CPU slot and queue the promotion (TM:686-738)
-        if not tx.allocate(k, frozenset({k})):
+        protected = frozenset({k}) if tx.f.promotion_evicts_own_prefix else scanned | {k}
+        if not tx.allocate(k, protected):
             return "MISS"
         tx.chunk(k, "promotion_reserved")
         for i, j in enumerate(tx.jobs):

@@ -27,13 +27,16 @@ class TierProgress:
     id: str
     name: str
     statement: str
-    scope: Literal["system", "request"]
+    scope: Literal["system", "request", "request-key"]
     waiting: Callable[..., bool]
-    """`waiting(s)` or `waiting(s, r)`: the condition that must not hold forever."""
+    """`waiting(s)`, `waiting(s, r)` or `waiting(s, (r, k))`: the condition that must not
+    hold forever (for each request, or each key of each request's prompt)."""
 
 
-def _promotion_unfinished(s: TierModelState) -> bool:
-    return any(j.kind == "promotion" and j.state in (TJ.QUEUED, *TJ.IN_TABLE) for j in s.jobs)
+def _promotion_unfinished(s: TierModelState, rk: tuple[int, int]) -> bool:
+    r, k = rk
+    return any(j.kind == "promotion" and j.req == r and k in j.keys
+               and j.state in (TJ.QUEUED, *TJ.IN_TABLE) for j in s.jobs)
 
 
 def _deferred(s: TierModelState, r: int) -> bool:
@@ -54,11 +57,13 @@ def _held(s: TierModelState) -> bool:
 
 
 TIER_PROGRESS: tuple[TierProgress, ...] = (
-    TierProgress("TP-1", "promotions-end", "every promotion ends: it lands, fails, is "
-                 "dropped by a reset, or times out", "system", _promotion_unfinished),
-    TierProgress("TP-2", "deferred-lookups-resolve", "a request whose lookup was deferred "
+    TierProgress("TP-1", "deferred-lookups-resolve", "a request whose lookup was deferred "
                  "(HIT_PENDING or RETRY) is eventually answered HIT or MISS", "request",
                  _deferred),
+    TierProgress("TP-2", "promotions-end", "a key a request waits on is not promoted "
+                 "forever: its promotion ends (lands, fails, is dropped by a reset, times out) "
+                 "and is not followed by another one, forever", "request-key",
+                 _promotion_unfinished),
     TierProgress("TP-3", "drain-ends", "reset_cache's drain of the tiers ends", "system",
                  _draining),
     TierProgress("TP-4", "finished-requests-finalized", "a finished request is eventually "

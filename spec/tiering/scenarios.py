@@ -44,12 +44,19 @@ TIER_SCENARIOS: tuple[TierScenario, ...] = (
         "another scheduling policy)",
         TierBounds(requests=((0,), (1,), (0,), (1,)), cpu_slots=1, tiers=1,
                    lookup_order="any"),
-        TierExpect("liveness TP-2", 10_736, 22),
+        TierExpect("liveness TP-1", 10_736, 22),
         finding="two deferred requests whose promotions compete for one CPU slot evict each "
         "other's landed promotion before its requester looks it up, forever. A landed "
         "promotion is READY (ref_cnt 0, TM:488-499) and nothing reserves it for its "
         "requester; vLLM's scheduler avoids the cycle only because one poll per step "
         "precedes every lookup and the waiting queue is looked up in a fixed order"),
+    TierScenario(
+        "tier-prefix-longer-than-cpu-tier",
+        "a three-chunk prefix in the tier, two CPU slots: the spec's lookup does not evict "
+        "a chunk its own scan hit, so the prefix loads two chunks and computes the third "
+        "(vLLM 0.33.0 livelocks: finding T1, fault promotion-evicts-own-prefix)",
+        TierBounds(requests=((0, 1, 2), (0, 1, 2)), cpu_slots=2, tiers=1),
+        TierExpect("pass", 4_317, 26)),
     TierScenario(
         "tier-reset-during-cascade-and-promotion",
         "a reset while a GPU store, a cascade and a promotion are in flight; the reset "
@@ -100,6 +107,12 @@ TIER_FAULT_HUNTS: tuple[TierScenario, ...] = (
     TierScenario("reset-without-drain", "reset_cache forgets the CPU tier with tier I/O in "
                  "flight", TierBounds(requests=((0,), (0,)), cpu_slots=1, tiers=1, resets=1),
                  TierExpect("invariant", 65, 5), tier_fault("reset-without-drain")),
+    TierScenario("promotion-evicts-own-prefix", "vLLM 0.33.0 (T1): a promotion evicts a "
+                 "chunk its request's scan just hit; a prefix longer than the CPU tier is "
+                 "deferred forever",
+                 TierBounds(requests=((0, 1, 2), (0, 1, 2)), cpu_slots=2, tiers=1),
+                 TierExpect("liveness TP-1", 9_501, 33),
+                 tier_fault("promotion-evicts-own-prefix")),
     TierScenario("no-tier-timeout", "vLLM 0.33.0: a hung tier keeps its promotion, and its "
                  "requester deferred, forever",
                  TierBounds(requests=((0,), (1,), (0,)), cpu_slots=1, tiers=1, hangs=1),

@@ -63,7 +63,7 @@ QUARANTINED = StateGroup(
 UNFINISHED = StateGroup(
     "unfinished", "has not ended: queued, in the table, or quarantined",
     (QUEUED, SUBMITTED, REPORTED, TIMED_OUT, STALE))
-ENDED = StateGroup("ended", "a progress property's goal: the job ended (TP-1)",
+ENDED = StateGroup("ended", "a progress property's goal: the job ended (TP-2)",
                    (DONE, FAILED, DROPPED, TIMED_OUT, STALE, LATE_DRAINED))
 GROUPS = (IN_TABLE, QUARANTINED, UNFINISHED, ENDED)
 

@@ -85,6 +85,7 @@ class TieringManager:
     def __init__(self, num_slots: int, tiers: Sequence[SecondaryTier] = (), *,
                  eviction_policy: PolicyName = "lru",
                  tier_job_timeout_steps: int | None = None,
+                 protect_scanned_keys: bool = True,
                  reset_drain_timeout_s: float = 0.0,
                  backpressure: bool = False) -> None:
         if tier_job_timeout_steps is not None and (
@@ -107,6 +108,9 @@ class TieringManager:
         """The CPU tier (vLLM's CPUPrimaryTierOffloadingManager, TM:114-173)."""
         self.tiers: list[SecondaryTier] = list(tiers)
         self.tier_job_timeout_steps = tier_job_timeout_steps
+        self.protect_scanned_keys = protect_scanned_keys
+        self._scanned: dict[str, set[OffloadKey]] = {}
+        """Per request, the keys its lookups answered HIT or HIT_PENDING this step."""
         self.reset_drain_timeout_s = reset_drain_timeout_s
         self.step = 0
         """Steps ended (on_schedule_end calls)."""
@@ -212,6 +216,12 @@ class TieringManager:
         hits starts a promotion (HIT_PENDING; MISS when no CPU slot can be had)."""
         self.stats["lookups"] += 1
         self._maybe_process_finished_jobs()
+        answer = self._lookup(key, ctx)
+        if answer in (LookupResult.HIT, LookupResult.HIT_PENDING):
+            self._scanned.setdefault(ctx.req_id, set()).add(key)
+        return answer
+
+    def _lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         answer = self.primary.lookup(key, ctx)
         if answer is not LookupResult.MISS:
             self.stats["primary_hits"] += 1
@@ -230,10 +240,20 @@ class TieringManager:
             any_retry |= found is LookupResult.RETRY
         return LookupResult.RETRY if any_retry else LookupResult.MISS
 
+    def _promotion_protects(self, ctx: ReqContext) -> set[OffloadKey]:
+        """The keys a promotion's slot must not be taken from: those the request's lookup
+        hit this step (the tiering model's scan rule). vLLM protects the promoted key alone
+        (TM:713), so a prefix longer than the CPU tier evicts itself round after round and
+        its request is deferred forever (finding T1); `protect_scanned_keys=False` is
+        vLLM's behaviour, for the conformance tests."""
+        if not self.protect_scanned_keys:
+            return set()
+        return self._scanned.get(ctx.req_id, set())
+
     def _initiate_promotion(self, tier: int, key: OffloadKey, ctx: ReqContext) -> bool:
         """Reserve a CPU slot now (the key is HIT_PENDING from here on) and add it to the
         (tier, request) promotion submitted at the end of the step (TM:686-738)."""
-        out = self.primary.prepare_store([key], ctx)
+        out = self.primary.prepare_store([key], ctx, protect=self._promotion_protects(ctx))
         if out is None or not out.keys_to_store:
             self.stats["promotion_allocation_failures"] += 1
             return False
@@ -446,6 +466,7 @@ class TieringManager:
         the tiers send their lookup probes."""
         self._maybe_process_finished_jobs()
         self._processed_jobs_this_step = False
+        self._scanned.clear()
         self.sync_io_reports()
         self._check_timeouts()
         self._flush_pending_promotions()
@@ -496,6 +517,7 @@ class TieringManager:
                 job.pins_held = False
         self.primary.reset_cache(quarantine=set(self._slot_holds))
         self._load_pins.clear()
+        self._scanned.clear()
         self._processed_jobs_this_step = False
         self._promotions_held = bool(self.tiers)
         self.stats["resets"] += 1

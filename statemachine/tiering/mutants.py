@@ -74,6 +74,12 @@ def _drain_returns_at_once(orig: Any) -> Any:
     return drain
 
 
+def _protect_nothing(orig: Any) -> Any:
+    def promotion_protects(self: TieringManager, ctx: ReqContext) -> set[OffloadKey]:
+        return set()
+    return promotion_protects
+
+
 def _no_timeout(orig: Any) -> Any:
     def check_timeouts(self: TieringManager) -> None:
         return None
@@ -93,6 +99,11 @@ TIER_MUTANTS: tuple[TierMutant, ...] = (
     TierMutant("reset-without-drain", "vLLM PR #44541 (drain_jobs, TM:1164-1169)",
                "reset_cache does not wait for the tiers' I/O before forgetting the CPU tier",
                _patch(SecondaryTier, "drain", _drain_returns_at_once)),
+    TierMutant("promotion-evicts-own-prefix", "vLLM 0.33.0, finding T1 (TM:713)",
+               "a promotion's CPU slot may come from evicting a chunk its request's lookup "
+               "just hit: a prefix longer than the CPU tier is deferred forever",
+               _patch(TieringManager, "_promotion_protects", _protect_nothing),
+               caught_by_tests=False),
     TierMutant("no-tier-timeout", "vLLM 0.33.0 (no tier timeout, TM:1146-1148)",
                "no tier job times out: a hung tier keeps its promotion forever",
                _patch(TieringManager, "_check_timeouts", _no_timeout),

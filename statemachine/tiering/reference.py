@@ -58,6 +58,7 @@ class ReferenceTieringSystem:
     def __init__(self, num_slots: int = 4, tiers: Sequence[TierKind] = ("memory",), *,
                  slot_bytes: int = 16, tier_capacity: int | None = None,
                  tier_job_timeout_steps: int | None = None, async_lookup: bool = False,
+                 protect_scanned_keys: bool = True,
                  threads: int = 0, root: str | Path | None = None,
                  eviction_policy: PolicyName = "lru") -> None:
         bad = [k for k in tiers if k not in ("memory", "fs")]
@@ -83,7 +84,8 @@ class ReferenceTieringSystem:
                                         async_lookup=async_lookup, name=f"memory{i}"))
         self.tiers = built
         self.manager = TieringManager(num_slots, built, eviction_policy=eviction_policy,
-                                      tier_job_timeout_steps=tier_job_timeout_steps)
+                                      tier_job_timeout_steps=tier_job_timeout_steps,
+                                      protect_scanned_keys=protect_scanned_keys)
         self._ctx: dict[str, ReqContext] = {}
         self._names: dict[OffloadKey, str] = {}
 
