@@ -124,7 +124,8 @@ def test_a_prefix_longer_than_the_cpu_tier_loads_what_fits(patched: bool) -> Non
     vLLM's rule every round evicts an earlier chunk of the prefix, and it defers forever."""
     sys_ = _stored_then_evicted(["a0", "a1", "a2"], ["x0", "x1"])
     sys_.new_request("r")
-    ctx = tier_mutant("promotion-evicts-own-prefix").patch() if patched else contextlib.nullcontext()
+    mutant = tier_mutant("promotion-evicts-own-prefix")
+    ctx = mutant.patch() if patched else contextlib.nullcontext()
     rounds = []
     with ctx:
         for _ in range(8):
