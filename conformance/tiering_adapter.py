@@ -335,6 +335,13 @@ class VllmTieringSystem:
     keys: dict[bytes, str] = field(default_factory=dict, init=False, repr=False)
     """vLLM's key -> the machine's key, for every key the adapter made."""
     faults_supported: bool = field(default=False, init=False)
+    _load_keys: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """Promotion job id -> its key count."""
+    free_order_unspecified: bool = field(default=False, init=False)
+    """True once vLLM freed the slots of a partly failed promotion: it frees them in the
+    iteration order of a Python set of keys (TM:469-476, M:393-400), which depends on
+    PYTHONHASHSEED, so from then on the slot a later allocation takes is not a function of
+    the calls (translation FREE-ORDER: the machine compares slots up to renaming)."""
 
     def __post_init__(self) -> None:
         v = _v()
@@ -409,11 +416,27 @@ class VllmTieringSystem:
                 lookups._lookup_queue, functools.partial(self._hold_probe, t))
             root = os.path.join(self.root, f"tier{t}")
             self.tiers.append(_Tier(t, tier, root, results))
+            tier.get_finished_jobs = functools.partial(self._observe_results,
+                                                       tier.get_finished_jobs)
 
     # --- holding and releasing the tiers' work ----------------------------------------
     def _hold_job(self, tier: int, kind: str, enqueue: Callable[..., None], job_id: int,
                   n_tasks: int, tasks: Any) -> None:
+        if kind == "load":
+            self._load_keys[int(job_id)] = len(self.manager._jobs[int(job_id)]
+                                               .transfer_job.keys)
         self.held.append(_HeldJob(tier, kind, int(job_id), int(n_tasks), list(tasks), enqueue))
+
+    def _observe_results(self, get_finished_jobs: Callable[[], Any]) -> Any:
+        """The tier's own `get_finished_jobs`, called through; notes a partly failed
+        promotion that frees two slots or more (their order is a set's)."""
+        results = list(get_finished_jobs())
+        for r in results:
+            n = self._load_keys.pop(int(r.job_id), None)
+            if n is not None and not r.success and r.successful_keys \
+                    and n - len(r.successful_keys) >= 2:
+                self.free_order_unspecified = True
+        return results
 
     def _hold_probe(self, tier: int, batch: Any) -> None:
         self.held.append(_HeldProbe(tier, batch))

@@ -57,9 +57,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, cast
 
 from hypothesis import event
 from hypothesis import strategies as st
@@ -179,13 +180,22 @@ class PositionedReference(ReferenceTieringSystem):
         return False
 
 
-def reference_system(setup: TierSetup, tier_kind: str = "fs", *, async_lookup: bool = True
-                     ) -> PositionedReference:
+def reference_system(setup: TierSetup, tier_kind: str = "fs", *, async_lookup: bool = True,
+                     protect_scanned_keys: bool = True) -> PositionedReference:
     """The reference over `setup`: tiers of `tier_kind` ("fs" or "memory"), with vLLM's
-    asynchronous existence probes unless `async_lookup` is False."""
+    asynchronous existence probes unless `async_lookup` is False. `protect_scanned_keys`
+    False is vLLM's promotion (only the promoted key is kept from eviction, finding T1), for
+    the conformance tests; True is the spec's rule."""
     kind: Any = tier_kind
     return PositionedReference(setup.num_slots, (kind,) * setup.num_tiers,
-                               async_lookup=async_lookup)
+                               async_lookup=async_lookup,
+                               protect_scanned_keys=protect_scanned_keys)
+
+
+def vllm_like_reference(setup: TierSetup) -> PositionedReference:
+    """The reference as vLLM 0.33.0 behaves, for the conformance tests: filesystem tiers,
+    asynchronous probes, a promotion protects the promoted key alone (TM:713)."""
+    return reference_system(setup, "fs", protect_scanned_keys=False)
 
 
 # ----------------------------------------------------------------------------- table moves
@@ -268,6 +278,27 @@ def tiering_violations(state: TieringState) -> list[str]:
     return [] if check is None else [str(v) for v in check(state)]
 
 
+def without_slots(state: TieringState) -> TieringState:
+    """`state` with every slot number erased (the chunks' and the jobs'; the quarantine kept
+    as a count): equal states up to a renaming of the CPU slots, since within one state each
+    key has one slot (TINV-1) and a job's slots are its keys' (TINV-2)."""
+    return replace(
+        state, cpu=tuple(replace(c, slot=-1) for c in state.cpu),
+        jobs=tuple(sorted((replace(j, slots=(-1,) * len(j.slots)) for j in state.jobs),
+                          key=lambda j: (j.job_id is None, j.job_id or 0, j.kind, j.tier,
+                                         j.req_id, j.keys))),
+        quarantined_slots=frozenset(range(-len(state.quarantined_slots), 0)))
+
+
+def _without_slots(name: str, answer: Any) -> Any:
+    """A call's answer with its slot numbers erased (see `without_slots`)."""
+    if name == "prepare_load":
+        return len(answer)
+    if name == "prepare_store" and answer is not None:
+        return answer[0]
+    return answer
+
+
 def state_diff(a: TieringState, b: TieringState) -> list[str]:
     """The fields where `a` and `b` differ."""
     out = []
@@ -316,12 +347,13 @@ class _Req:
     keys: tuple[str, ...]
     phase: str = LOOKUP
     finished: bool = False
-    load: tuple[tuple[str, ...], tuple[int, ...]] | None = None
-    """The GPU load in flight: keys and CPU slots."""
+    load: tuple[tuple[str, ...], tuple[tuple[int, ...], ...]] | None = None
+    """The GPU load in flight: keys, and their CPU slots in each system."""
     todo: tuple[str, ...] = ()
     """Keys computed and not yet offered to a store."""
-    stores: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
-    """GPU stores in flight: keys and slots."""
+    stores: list[tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]] = field(
+        default_factory=list)
+    """GPU stores in flight: keys, and their slots in each system."""
     defers: int = 0
     """Lookups that deferred it."""
     deferred_at: int = -1
@@ -353,8 +385,10 @@ class TieringStateMachine(RuleBasedStateMachine):
         self.system: TieringSystem | None = None
         self.reference: TieringSystem | None = None
         self.reqs: dict[str, _Req] = {}
-        self.fence: list[tuple[int, str]] = []
-        """Late GPU copies of a reset: (slot, key)."""
+        self.fence: list[tuple[tuple[int, ...], str]] = []
+        """Late GPU copies of a reset: (the slot in each system, key)."""
+        self.answers: list[Any] = []
+        """Every system's answer to the last call."""
         self.held = False
         self.steps_since_reset = 0
         self.steps = 0
@@ -425,6 +459,12 @@ class TieringStateMachine(RuleBasedStateMachine):
                 return f
         return None
 
+    def _slots_renamed(self) -> bool:
+        """Whether refinement compares slots up to renaming: once a system says it freed
+        slots in an order the calls do not fix (``free_order_unspecified``, vLLM after a
+        partly failed promotion); exact before."""
+        return any(getattr(s, "free_order_unspecified", False) for s in self._systems())
+
     def _systems(self) -> list[TieringSystem]:
         assert self.system is not None
         return [self.system] if self.reference is None else [self.system, self.reference]
@@ -433,8 +473,11 @@ class TieringStateMachine(RuleBasedStateMachine):
         return "after " + " ; ".join(self.trace)
 
     def _call(self, name: str, *args: Any) -> Any:
-        """Call `name` on the system and on the reference; their answers must be equal."""
-        answers = []
+        """Call `name` on the system and on the reference; their answers must be equal (up
+        to slot renaming, see `_slots_renamed`). Returns the system's; `self.answers` keeps
+        every system's."""
+        answers: list[Any] = []
+        self.answers = answers
         for s in self._systems():
             try:
                 answers.append(getattr(s, name)(*args))
@@ -442,7 +485,11 @@ class TieringStateMachine(RuleBasedStateMachine):
                 self.failed = True
                 exc.add_note(f"{s.name}.{name}{args} raised it; {self._where()}")
                 raise
-        if len(answers) == 2 and answers[0] != answers[1]:
+        if len(answers) == 2 and self._slots_renamed():
+            same = _without_slots(name, answers[0]) == _without_slots(name, answers[1])
+        else:
+            same = len(answers) == 1 or answers[0] == answers[1]
+        if not same:
             self.failed = True
             raise RefinementError(f"{name}{args}: {self._systems()[0].name} answered "
                                   f"{answers[0]!r}, {self._systems()[1].name} {answers[1]!r}; "
@@ -462,9 +509,14 @@ class TieringStateMachine(RuleBasedStateMachine):
         try:
             if self.reference is not None:
                 ref = self.reference.project()
-                if state != ref:
+                if self._slots_renamed():
+                    _event("slots compared up to renaming (FREE-ORDER)")
+                    state_cmp, ref_cmp = without_slots(state), without_slots(ref)
+                else:
+                    state_cmp, ref_cmp = state, ref
+                if state_cmp != ref_cmp:
                     raise RefinementError(f"{self._where()}: the states differ:\n"
-                                          + "\n".join(state_diff(state, ref)))
+                                          + "\n".join(state_diff(state_cmp, ref_cmp)))
             bad = tiering_violations(state)
             if bad:
                 raise AssertionError(f"{self._where()}: invariants broken:\n"
@@ -496,9 +548,10 @@ class TieringStateMachine(RuleBasedStateMachine):
     def new_request(self, family: int, offset: int, length: int) -> None:
         self._new_request(family, offset, length)
 
-    def _new_request(self, family: int, offset: int, length: int) -> _Req:
+    def _new_request(self, family: int, offset: int, length: int,
+                     keys: tuple[str, ...] | None = None) -> _Req:
         req_id = f"r{len(self.reqs)}"
-        keys = FAMILIES[family][offset:offset + length]
+        keys = keys or FAMILIES[family][offset:offset + length]
         self._step(f"new_request({req_id}: {','.join(keys)})")
         q = self.reqs[req_id] = _Req(req_id, keys)
         self._call("new_request", req_id)
@@ -536,7 +589,7 @@ class TieringStateMachine(RuleBasedStateMachine):
         q.todo = q.keys[len(hits):]
         if hits:
             slots = self._call("prepare_load", req_id, hits)
-            q.load = (hits, tuple(slots))
+            q.load = (hits, tuple(tuple(a) for a in self.answers))
             q.phase = LOADING
             self.trace[-1] += f", load {','.join(hits)} from slots {tuple(slots)}"
             _event("hit prefix loaded")
@@ -555,8 +608,8 @@ class TieringStateMachine(RuleBasedStateMachine):
 
     def _finish_load(self, q: _Req) -> None:
         assert q.load is not None
-        keys, slots = q.load
-        for s in self._systems():
+        keys, per_system = q.load
+        for s, slots in zip(self._systems(), per_system, strict=True):
             for k, slot in zip(keys, slots, strict=True):
                 got = s.read_slot(slot)
                 if got != key_bytes(k, s.slot_bytes):
@@ -587,10 +640,10 @@ class TieringStateMachine(RuleBasedStateMachine):
         self._step(f"store({req_id}: {','.join(offer)}) -> {out}")
         _event("store: no room" if out is None else "store prepared")
         if out is not None:
-            keys, slots = out
+            keys = out[0]
             q.todo = q.todo[n:]
             if keys:
-                q.stores.append((tuple(keys), tuple(slots)))
+                q.stores.append((tuple(keys), tuple(tuple(a[1]) for a in self.answers)))
             if not q.todo:
                 q.phase = DONE
 
@@ -607,12 +660,12 @@ class TieringStateMachine(RuleBasedStateMachine):
         self._check()
 
     def _land_store(self, q: _Req, i: int, ok: bool) -> None:
-        keys, slots = q.stores.pop(i)
+        keys, per_system = q.stores.pop(i)
         self._step(f"store_done({q.req_id}: {','.join(keys)}, {'ok' if ok else 'failed'})")
         _event("GPU store " + ("landed" if ok else "failed")
                + (" after its request finished" if q.finished else ""))
         if ok:
-            for s in self._systems():
+            for s, slots in zip(self._systems(), per_system, strict=True):
                 for k, slot in zip(keys, slots, strict=True):
                     s.write_slot(slot, key_bytes(k, s.slot_bytes))
         self._call("complete_store", q.req_id, keys, ok)
@@ -688,7 +741,7 @@ class TieringStateMachine(RuleBasedStateMachine):
         tier, key = data.draw(st.sampled_from(self._copies()), label="copy")
         self.faults += 1
         self._step(f"truncate_copy(t{tier}/{key})")
-        done = [s.truncate_copy(tier, key) for s in self._systems()]  # type: ignore[attr-defined]
+        done = [cast(Any, s).truncate_copy(tier, key) for s in self._systems()]
         if len(set(done)) > 1:
             self.failed = True
             raise RefinementError(f"truncate_copy(t{tier}/{key}) found a copy in one system "
@@ -709,8 +762,8 @@ class TieringStateMachine(RuleBasedStateMachine):
         self._call("reset")
         for q in self.reqs.values():
             q.load = None
-            for keys, slots in q.stores:
-                self.fence.extend(zip(slots, keys, strict=True))
+            for keys, per_system in q.stores:
+                self.fence.extend(zip(zip(*per_system, strict=True), keys, strict=True))
                 if not q.finished:
                     q.todo = tuple(k for k in q.keys if k in keys or k in q.todo)
             q.stores = []
@@ -729,9 +782,9 @@ class TieringStateMachine(RuleBasedStateMachine):
         self._check()
 
     def _late_dma(self, n: int) -> None:
-        slot, key = self.fence.pop(n)
-        self._step(f"late_dma({key} -> slot {slot})")
-        for s in self._systems():
+        slots, key = self.fence.pop(n)
+        self._step(f"late_dma({key} -> slot {slots[0]})")
+        for s, slot in zip(self._systems(), slots, strict=True):
             s.write_slot(slot, key_bytes(key, s.slot_bytes))
 
     @precondition(lambda self: self.held and not self.fence and self.steps_since_reset > 0)
@@ -869,6 +922,79 @@ class TieringStateMachine(RuleBasedStateMachine):
             raise DrainError(f"{self._where()}: left after the drain:\n" + "\n".join(left))
 
 
+_TRACE_STEP = re.compile(r"^(?P<op>[a-z_]+)(?:\((?P<args>[^)]*)\))?")
+
+
+def replay(machine: type[TieringStateMachine], trace: str | Sequence[str],
+           setup: TierSetup | None = None) -> TieringStateMachine:
+    """Run a machine's trace again (the text its errors print, ``op(args) ; op ; ...``; the
+    answers after ``->`` are ignored, the checks all run), then the drain. ``setup(...)``
+    in the trace gives the setup, else `setup`. Returns the machine; raises what the run
+    raises."""
+    steps = [t.strip() for t in (trace.split(" ; ") if isinstance(trace, str) else trace)]
+    if steps and steps[0].startswith("after "):
+        steps[0] = steps[0][len("after "):]
+    if steps and steps[0].startswith("setup("):
+        slots, tiers = (int(x) for x in re.findall(r"\d+", steps.pop(0)))
+        setup = TierSetup(slots, tiers)
+    m: TieringStateMachine = type("Replay", (machine,), {"setups": (setup or TierSetup(),)})()
+    m.start(0, [])
+    try:
+        for text in steps:
+            if text.startswith("--"):
+                break
+            match = _TRACE_STEP.match(text)
+            assert match is not None, text
+            op, args = match["op"], (match["args"] or "")
+            req, _, rest = args.partition(":")
+            if op == "new_request":
+                m._new_request(0, 0, 0, tuple(k.strip() for k in rest.split(",")))
+            elif op == "lookup":
+                m._lookup(req)
+            elif op == "load_done":
+                m._step(f"load_done({req})")
+                m._finish_load(m.reqs[req])
+            elif op == "store":
+                m._store(req, len([k for k in rest.split(",") if k.strip()]))
+            elif op == "store_done":
+                keys = tuple(k.strip() for k in rest.rsplit(",", 1)[0].split(","))
+                q = m.reqs[req]
+                i = next(i for i, (ks, _) in enumerate(q.stores) if ks == keys)
+                m._land_store(q, i, rest.strip().endswith("ok"))
+            elif op == "finish":
+                m._finish(m.reqs[req])
+            elif op == "end_step":
+                m._end_step()
+            elif op == "run_tier_io":
+                m._run_tier_io()
+            elif op in ("reset", "reset_flushed", "step"):
+                getattr(m, op)()
+            elif op == "fail_io":
+                tier = int(args.strip().lstrip("t"))
+                for s in m._systems():
+                    s.fail_next_io(tier)
+                m.faults += 1
+                m._step(f"fail_io(t{tier})")
+            elif op == "truncate_copy":
+                tier_text, key = args.split("/")
+                for s in m._systems():
+                    cast(Any, s).truncate_copy(int(tier_text.lstrip("t")), key)
+                m._step(f"truncate_copy({args})")
+            elif op == "late_dma":
+                key = args.split("->")[0].strip()
+                m._late_dma(next(i for i, (_, k) in enumerate(m.fence) if k == key))
+            else:
+                raise ValueError(f"unknown step {text!r}")
+            m._check()
+    except BaseException:
+        m.failed = True
+        raise
+    finally:
+        m.teardown()
+    return m
+
+
 __all__ = ["FAMILIES", "SETUPS", "BadLoad", "DrainError", "PositionedReference",
            "RefinementError", "SystemFactory", "TierSetup", "TieringStateMachine", "key_bytes",
-           "reference_system", "state_diff", "table_moves", "tiering_violations"]
+           "reference_system", "replay", "state_diff", "table_moves", "tiering_violations",
+           "vllm_like_reference", "without_slots"]

@@ -3,14 +3,19 @@ its filesystem tier (`conformance.tiering_adapter`), each a minimal reproducer t
 the behaviour is there. When vLLM changes it, the test fails and says so: move the finding to
 the fixed ones in CONFORMANCE.md.
 
-The reference tiering system (`statemachine.tiering.reference`) mirrors vLLM on both traces
-(the model-based machine compares them call for call), so neither is a divergence between
-vLLM and the reference: both are vLLM behaviours the tiering spec should decide on.
+T1 and T2 are vLLM behaviours the tiering spec decides on, not divergences the machine sees:
+the reference mirrors vLLM on both when built as `vllm_like_reference` (the conformance
+machine's, call for call); by default it keeps a request's scanned keys out of a promotion's
+eviction (the spec's fix of T1). T3 is a divergence the machine translates (FREE-ORDER).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,3 +154,59 @@ def test_tiering_finding_t2_a_miss_verdict_outlives_the_copy_it_missed(make: Any
     v.end_step()
     v.run_tier_io()
     assert v.lookup("D", "k") == "HIT_PENDING"
+
+
+_FREE_ORDER = """
+import sys
+sys.path.insert(0, ".")
+from conformance.tiering_adapter import VllmTieringSystem
+from statemachine.tiering.testing import key_bytes
+
+v = VllmTieringSystem(num_slots=4, num_tiers=1)
+try:
+    def store(r, keys):
+        out = v.prepare_store(r, keys)
+        for k, s in zip(*out):
+            v.write_slot(s, key_bytes(k, v.slot_bytes))
+        v.complete_store(r, keys, True)
+        v.end_step(); v.run_tier_io(); v.end_step()
+    v.new_request("w")
+    store("w", ["a0", "a1", "a2", "a3"])
+    store("w", ["x0", "x1", "x2", "x3"])
+    v.request_finished("w")
+    v.new_request("r")
+    for k in ["a0", "a1", "a2", "a3"]:
+        v.lookup("r", k)
+    v.end_step(); v.run_tier_io()
+    for k in ["a0", "a1", "a2", "a3"]:
+        v.lookup("r", k)
+    v.end_step()
+    v.truncate_copy(0, "a1")
+    v.run_tier_io(); v.end_step()
+    assert v.free_order_unspecified
+    v.new_request("s")
+    print(v.prepare_store("s", ["y"])[1][0])
+finally:
+    v.close()
+"""
+
+
+def test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order() -> None:
+    """T3 (vLLM 0.33.0, harmless): a promotion that fails part way (a short read of its
+    second key) frees the slots of its failed keys in the iteration order of a Python set of
+    keys (TM:469-476, M:393-400); the free list is a stack, so the slot the next allocation
+    takes depends on PYTHONHASHSEED, from one process to the next. Slots are
+    interchangeable, so nothing breaks, but the manager is not a function of its calls; the
+    reference frees in job order. Translation FREE-ORDER: once a system reports such frees
+    (`free_order_unspecified`), the machine compares slots up to renaming.
+
+    Four keys promoted in one job, the second one's copy cut short: the slot of the next
+    store under PYTHONHASHSEED 0 and 1 (each in a fresh process)."""
+    root = Path(__file__).resolve().parents[2]
+    slots = set()
+    for seed in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", _FREE_ORDER], cwd=root, check=True,
+                             capture_output=True, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        slots.add(int(out.stdout.strip().splitlines()[-1]))
+    assert len(slots) == 2, (FIXED, slots)

@@ -3,8 +3,9 @@ directory, under the tiering model-based machine (`statemachine.tiering.testing`
 pinned scenarios.
 
 The machine compares vLLM with the reference tiering system (`statemachine.tiering.reference`,
-filesystem tiers, asynchronous existence probes) call for call and state for state, and checks
-the tiering invariants, the table moves and the drain. The scenarios check vLLM's
+filesystem tiers, asynchronous existence probes, vLLM's promotion eviction rule:
+`vllm_like_reference`) call for call and state for state, and checks the tiering invariants,
+the table moves and the drain. The scenarios check vLLM's
 projected state at each step against what the tables say, and the bytes every load reads.
 How vLLM's threads are made deterministic: `conformance.tiering_adapter`.
 """
@@ -32,9 +33,9 @@ from statemachine.tiering.testing import (
     TieringStateMachine,
     TierSetup,
     key_bytes,
-    reference_system,
     table_moves,
     tiering_violations,
+    vllm_like_reference,
 )
 
 pytestmark = pytest.mark.conformance
@@ -48,7 +49,7 @@ def vllm_system(setup: TierSetup) -> VllmTieringSystem:
 
 class VllmTieringMachine(TieringStateMachine):
     system_factory = staticmethod(vllm_system)
-    reference_factory = staticmethod(reference_system)
+    reference_factory = staticmethod(vllm_like_reference)
 
 
 TestVllmTieringMachine = VllmTieringMachine.TestCase
@@ -341,6 +342,7 @@ def test_a_truncated_copy_fails_its_promotion_from_that_key_on(make: Any) -> Non
     v.end_step()
     assert v.chunk("a") == (CC.READY, 1)
     assert v.chunk("b") is None and v.state.free_slots == 1
+    assert not v.s.free_order_unspecified           # one failed key: no order to choose
     assert v.probe_verdict(0, "b") is False
     assert [v.lookup("r", k) for k in "ab"] == ["HIT", "MISS"]
     v.load("r", ["a"])
