@@ -573,12 +573,13 @@ class TieringStateMachine(RuleBasedStateMachine):
     def _lookup(self, req_id: str) -> None:
         q = self.reqs[req_id]
         answers: list[str] = []
+        self._step(f"lookup({req_id}: {','.join(q.keys)})")
         for k in q.keys:
             answers.append(self._call("lookup", req_id, k))
             _event(f"lookup answered {answers[-1]}")
             if answers[-1] == "MISS":
                 break
-        self._step(f"lookup({req_id}: {','.join(q.keys)}) -> {'/'.join(answers)}")
+        self.trace[-1] += f" -> {'/'.join(answers)}"
         if any(a in ("HIT_PENDING", "RETRY") for a in answers):
             q.defers += 1
             q.deferred_at = self.steps
@@ -636,8 +637,9 @@ class TieringStateMachine(RuleBasedStateMachine):
     def _store(self, req_id: str, n: int) -> None:
         q = self.reqs[req_id]
         offer = q.todo[:n]
+        self._step(f"store({req_id}: {','.join(offer)})")
         out = self._call("prepare_store", req_id, offer)
-        self._step(f"store({req_id}: {','.join(offer)}) -> {out}")
+        self.trace[-1] += f" -> {out}"
         _event("store: no room" if out is None else "store prepared")
         if out is not None:
             keys = out[0]
