@@ -8,13 +8,16 @@ slots and secondary tiers):
 
     class VllmTieringMachine(TieringStateMachine):
         system_factory = staticmethod(lambda s: VllmTieringSystem(s.num_slots, s.num_tiers))
-        reference_factory = staticmethod(make_reference)
+        reference_factory = staticmethod(vllm_like_reference)
 
     TestVllmTiering = VllmTieringMachine.TestCase
 
+`replay(VllmTieringMachine, trace)` runs a trace an error printed again, with every check.
+
 The rules are the environment of a tiering manager:
-- a request arrives (`new_request`): a prefix of one of two key families, so requests share
-  chunk keys;
+- a request arrives (`new_request`): consecutive keys of one of two key families, so requests
+  share chunk keys (some runs start with a request that stores a whole family, `warm_up`,
+  so the tiers hold copies no probe has cached a verdict for);
 - a request's lookup (`lookup`): its keys in order as vLLM's scheduler looks them up
   (`_maximal_prefix_lookup`, S:773-803): HIT and HIT_PENDING count as hits and the scan goes
   on, RETRY goes on too (so the manager starts every probe), MISS stops it; any HIT_PENDING
@@ -29,18 +32,24 @@ The rules are the environment of a tiering manager:
   rule, also after the request finished;
 - the request finishes (`finish`), possibly before its last store completed;
 - the step ends (`end_step`: `on_schedule_end`);
-- the tiers' I/O runs (`run_tier_io`), or the next I/O of a tier is set to fail (`fail_io`);
+- the tiers' I/O runs (`run_tier_io`), the next I/O of a tier is set to fail (`fail_io`), or
+  a tier's copy is cut short (`truncate_copy`, where both systems can);
 - a cache reset (`reset`): the GPU loads in flight are dropped (their completions never
   come, as the scheduler drops a stale job's report) and the GPU stores in flight become late
   copies (`late_dma` lands each into its slot; no new store starts before they all landed,
   the scheduler's ordering); `reset_flushed` (`on_reset_flushed`) comes a step or more
-  later, once they all landed.
+  later, once they all landed;
+- composite rules take the common paths, so that short programs get somewhere: `step`
+  (`end_step` then `run_tier_io`) and `advance` (a few requests take their next natural
+  move; a deferred request looks up again only after a step).
 
 After every call (so several times in a rule: a lookup scan calls `lookup` once per key) the
 machine checks:
 - every answer (lookup results, load slots, `prepare_store`'s keys and slots) of the system
   equals the reference's;
-- refinement: the system's `project()` equals the reference's;
+- refinement: the system's `project()` equals the reference's (slot numbers up to renaming
+  once a system reports ``free_order_unspecified``: translation FREE-ORDER, see
+  `conformance.tiering_adapter`);
 - the tiering invariants of `spec.tiering.invariants` (when that module is present) on the
   system's state;
 - `table_moves`: each subject's move between the projected state before the call and after
@@ -498,6 +507,20 @@ class TieringStateMachine(RuleBasedStateMachine):
         self._check()
         return answers[0]
 
+    def _unwritten_loadable(self, state: TieringState) -> list[str]:
+        """TINV-7 loadable-after-write over the real bytes: every key the CPU tier would
+        answer HIT for holds its own bytes in its slot (a late GPU copy of a reset, or a
+        cascade's source reused, shows here at once, before any load reads it)."""
+        assert self.system is not None
+        out = []
+        for c in state.cpu:
+            if c.state in CC.LOADABLE:
+                got = self.system.read_slot(c.slot)
+                if got != key_bytes(c.key, len(got)):
+                    out.append(f"TINV-7 loadable-after-write ({c.key}): {c.state} in slot "
+                               f"{c.slot}, whose bytes are not the key's")
+        return out
+
     def _check(self) -> None:
         """Refinement, the invariants and the table moves: after every call (and at the end
         of each rule, where it finds nothing new)."""
@@ -517,7 +540,7 @@ class TieringStateMachine(RuleBasedStateMachine):
                 if state_cmp != ref_cmp:
                     raise RefinementError(f"{self._where()}: the states differ:\n"
                                           + "\n".join(state_diff(state_cmp, ref_cmp)))
-            bad = tiering_violations(state)
+            bad = tiering_violations(state) + self._unwritten_loadable(state)
             if bad:
                 raise AssertionError(f"{self._where()}: invariants broken:\n"
                                      + "\n".join(bad) + f"\nstate: {state}")
