@@ -74,6 +74,16 @@ read (a load: nothing is loaded, TF:249-274) fails, and vLLM's pool reports the 
 CPU-only machine (`_HAS_FSIO_C` is False: the pure-Python path runs), and `fail_next_io`
 refuses to arm where it does.
 
+A second fault, `truncate_copy(tier, key)`, cuts a copy's file to half a slot (disk
+corruption): vLLM's next read of it is short, removes the file and fails the read, keeping the
+keys the job read before it (TIO:141-168, TF:297-316).
+
+One observation, no change: each tier's ``get_finished_jobs`` is wrapped (called through, its
+results returned unchanged) to notice a promotion that failed part way with two failed keys or
+more. vLLM frees their slots in the iteration order of a Python set (TM:469-476), which
+depends on PYTHONHASHSEED; `free_order_unspecified` then turns True and the machine compares
+slots up to renaming (translation FREE-ORDER, finding T3).
+
 `project()` reads vLLM's fields onto `spec.tiering.TieringState`, each state by the
 ``vllm_predicate`` of its table (``spec/tiering/*.py``):
 - cpu_chunk: the keys of ``primary_tier._policy.chunks``; ``ref_cnt == -1`` is
