@@ -12,6 +12,12 @@ equally likely), every check of the machines on. Unlike a hypothesis campaign, a
   removed, keeping each removal that still fails the same way), then prints the seed, the
   shrunk program and the command that reruns the seed.
 
+The tiering soak runs `statemachine.tiering.testing.TieringStateMachine` (the reference
+tiering manager on filesystem tiers against itself on memory tiers, the spec's invariants,
+table moves, real bytes and the drain after every program) through hypothesis itself, seeded,
+for a budget of rule calls; hypothesis shrinks a failure, and it is reported with the
+machine's numbered trace.
+
 `make soak` splits the seeds over every core with pytest-xdist (`tests/test_soak.py`) and
 prints the totals; `python -m statemachine.soak --seed N` reruns one seed in one process.
 """
@@ -37,7 +43,7 @@ from statemachine.testing import (
     OffloadingStateMachine,
 )
 
-MACHINES = ("model", "data-plane")
+MACHINES = ("model", "data-plane", "tiering")
 
 Action = tuple[str, dict[str, Any]]
 """One data-plane rule call: its method name and arguments."""
@@ -303,6 +309,53 @@ def _soak_data_plane(seed: int, steps: int, program_length: int, shrink_seconds:
     return out
 
 
+# ============================================================================ tiering
+def soak_tiering(seed: int, steps: int, program_length: int = 40,
+                 shrink_seconds: float = 60.0, mutant: str | None = None) -> SoakResult:
+    """Tiering-machine programs from hypothesis seeded with `seed` until `steps` rule calls
+    ran or one failed; `mutant` names a fault of `statemachine.tiering.mutants`."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.stateful import get_state_machine_test
+
+    from statemachine.tiering.mutants import tier_mutant
+    from statemachine.tiering.testing import TieringStateMachine, reference_system
+
+    out = SoakResult("tiering", seed)
+    counted = {"steps": 0, "programs": 0}
+
+    class Soaked(TieringStateMachine):
+        system_factory = staticmethod(lambda setup: reference_system(setup, "fs"))
+        reference_factory = staticmethod(lambda setup: reference_system(setup, "memory"))
+
+        def teardown(self) -> None:
+            counted["steps"] += len(self.trace)
+            counted["programs"] += 1
+            super().teardown()
+
+    phases = (Phase.generate, Phase.shrink) if shrink_seconds > 0 else (Phase.generate,)
+    budget = settings(max_examples=max(1, -(-steps // program_length)),
+                      stateful_step_count=program_length, deadline=None, database=None,
+                      derandomize=False, phases=phases,
+                      suppress_health_check=list(HealthCheck))
+    test = hypothesis_seed(seed)(get_state_machine_test(Soaked, settings=budget))
+    ctx = tier_mutant(mutant).patch() if mutant else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    with ctx:
+        try:
+            test()
+        except Exception as exc:  # the first broken check, shrunk by hypothesis
+            notes = "\n".join(getattr(exc, "__notes__", []))
+            out.failures.append(Failure(
+                "tiering", seed, counted["programs"] - 1, describe(exc),
+                " ; ".join(line.strip() for line in notes.splitlines() if line.strip()),
+                "reference on filesystem tiers against memory tiers", counted["steps"],
+                notes.count("\n") + 1, time.perf_counter() - t0, mutant))
+    out.steps, out.programs = counted["steps"], counted["programs"]
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
 # ============================================================================ reporting
 def summary(results: Sequence[SoakResult]) -> str:
     lines = [f"{'machine':12} {'seeds':>5} {'programs':>9} {'steps':>10} {'seconds':>9} "
@@ -348,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.machine == "model":
         r = soak_model(args.seed, args.steps, shrink_seconds=args.shrink_seconds,
                        mutant=args.mutant)
+    elif args.machine == "tiering":
+        r = soak_tiering(args.seed, args.steps, shrink_seconds=args.shrink_seconds,
+                         mutant=args.mutant)
     else:
         r = soak_data_plane(args.seed, args.steps, shrink_seconds=args.shrink_seconds,
                             mutant=args.mutant)
