@@ -48,7 +48,7 @@ class TieringEffects:
             self.m.stats["cascades"] += 1
 
     def queue_result(self, job: TierJob, **_: Any) -> None:
-        """The tier queued the job's result (TP:416-420); the manager only notes it."""
+        """The tier queued the job's result (TP:190-194); the manager only notes it."""
         self.m.stats["io_reports"] += 1
 
     def apply_result(self, job: TierJob, **_: Any) -> None:

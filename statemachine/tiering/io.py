@@ -10,12 +10,12 @@ filesystem tier enqueues one task per job (TF:222-236, TF:238-276). Two executor
 contract:
 
 * `InlineExecutor` (the default) runs nothing on its own: the queued tasks run, in order, on
-  the caller's thread, when `run` is called. This is vLLM's thread pool (TP:286-420) with
+  the caller's thread, when `run` is called. This is vLLM's thread pool (TP:60-194) with
   the scheduling made explicit: "a pool thread finished the task" is "`run` ran it", so a
   test decides exactly when I/O happens and every run is reproducible.
 * `ThreadedExecutor(threads)` runs the same tasks on real threads as soon as they are
-  submitted (TP:388-420); `run` waits until every task that can run has run, and
-  `wait_idle` waits, up to a deadline, until none is queued or running (TP:364-373).
+  submitted (TP:162-194); `run` waits until every task that can run has run, and
+  `wait_idle` waits, up to a deadline, until none is queued or running (TP:138-147).
 
 Both can be *hung* (beyond vLLM, for tests): tasks not yet started stay queued until
 `unhang`; a started task always finishes (a copy is never cut in half, TB:383-386).

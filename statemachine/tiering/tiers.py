@@ -5,7 +5,7 @@ A tier copies whole CPU slots: a *cascade* job (`submit_store`, TB:226-252) copi
 the CPU tier into the tier, a *promotion* job (`submit_load`, TB:254-277) copies the tier's
 copies into reserved CPU slots. Both only queue one task on the tier's executor
 (`statemachine.tiering.io`); the task does the copies; its `JobResult` waits in the tier's
-finished queue until the tiering manager polls `get_finished_jobs` (TB:279-291, TP:356-362).
+finished queue until the tiering manager polls `get_finished_jobs` (TB:279-291, TP:130-136).
 
 A job's copies run in order and stop at the first error (TIO:174-226): a cascade publishes
 the copies before it, a promotion reports them as its `successful_keys` (TF:297-316).
