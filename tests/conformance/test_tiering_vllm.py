@@ -19,6 +19,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm")
+if pytest.importorskip("conformance.vllm_env").vllm_version() < (0, 33, 0):
+    pytest.skip("the tiering adapter drives vLLM 0.33.0's TieringOffloadingManager",
+                allow_module_level=True)
 
 # isort: split
 from hypothesis import HealthCheck, settings
