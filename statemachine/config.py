@@ -51,6 +51,66 @@ in align mode, whose state page is three times an attention page (a Mamba group'
 last block of their chunk."""
 
 
+TIER_KINDS = ("memory", "fs")
+"""The secondary tiers a `TieringConfig` may stack below the CPU tier."""
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    """Secondary tiers below the CPU tier (vLLM's `TieringOffloadingManager`, TM:207-1305):
+    with one, the connector's manager is a `statemachine.tiering.connector`
+    `ConnectorTieringManager` in place of the CPU manager. GPU stores cascade from the CPU
+    tier to every tier; a lookup that misses the CPU tier promotes from the first tier
+    that holds the chunk."""
+
+    tiers: tuple[str, ...] = ("fs",)
+    """The tiers, in lookup order: "memory" (vLLM's example tier, TEX:51-205) or "fs" (its
+    filesystem tier, TF:86-353)."""
+    root: str | None = None
+    """The directory the "fs" tiers write under (tier i in ``<root>/tier<i>``); None: a
+    temporary directory the manager removes when it shuts down."""
+    capacity: int | None = None
+    """Copies each tier holds at most (beyond vLLM: a full disk); None: unbounded."""
+    job_timeout_steps: int | None = None
+    """Beyond vLLM: a tier job still running this many steps after it was submitted times
+    out (`TieringManager.tier_job_timeout_steps`); None: no timeout."""
+    threads: int = 0
+    """I/O threads per tier; 0: the deterministic executor (a tier's I/O runs when the
+    engine lets it, once per step)."""
+    async_lookup: bool | None = None
+    """Tier lookups as existence probes answered a step later (RETRY until then), as vLLM's
+    filesystem tier does (TF:215-220); None: on for "fs" tiers, off for "memory" ones."""
+    protect_scanned_keys: bool = True
+    """A promotion does not evict the chunks its request's lookup hit in the same step
+    (`TieringManager.protect_scanned_keys`); False: vLLM's promotions, which protect only
+    the promoted chunk (TM:713) and can defer a request forever (finding T1)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"TieringConfig: {what}")
+
+        need(type(self.tiers) is tuple and len(self.tiers) >= 1
+             and all(k in TIER_KINDS for k in self.tiers),
+             f"tiers must be a non-empty tuple of {TIER_KINDS}, got {self.tiers!r}")
+        need(self.root is None or isinstance(self.root, str),
+             f"root must be None or a path string, got {self.root!r}")
+        need(self.capacity is None or (type(self.capacity) is int and self.capacity >= 0),
+             f"capacity must be None or an int >= 0, got {self.capacity!r}")
+        need(self.job_timeout_steps is None
+             or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
+             f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
+        need(type(self.threads) is int and self.threads >= 0,
+             f"threads must be an int >= 0, got {self.threads!r}")
+        need(self.async_lookup is None or type(self.async_lookup) is bool,
+             f"async_lookup must be None or a bool, got {self.async_lookup!r}")
+        need(type(self.protect_scanned_keys) is bool,
+             f"protect_scanned_keys must be a bool, got {self.protect_scanned_keys!r}")
+
+    def async_lookup_of(self, kind: str) -> bool:
+        return self.async_lookup if self.async_lookup is not None else kind == "fs"
+
+
 @dataclass(frozen=True)
 class OffloadingConfig:
     block_size: int = 16
@@ -86,6 +146,8 @@ class OffloadingConfig:
     Mamba states it keeps (`spec.groups.state_retained`)."""
     check_invariants: bool = True
     """Check every invariant of `spec` after every hook (on in tests; off for speed)."""
+    tiering: TieringConfig | None = None
+    """Secondary tiers below the CPU tier; None: the CPU tier alone (the CPU manager)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -128,6 +190,8 @@ class OffloadingConfig:
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
+        need(self.tiering is None or isinstance(self.tiering, TieringConfig),
+             f"tiering must be None or a TieringConfig, got {self.tiering!r}")
 
     @property
     def tokens_per_chunk(self) -> int:

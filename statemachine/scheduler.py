@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import spec
 from spec import job as J
@@ -52,17 +52,31 @@ from statemachine.messages import (
 )
 from statemachine.models import JobStatus, RequestState, ResetFence
 
+if TYPE_CHECKING:
+    from statemachine.tiering.connector import ConnectorTieringManager
+
 
 class OffloadingScheduler:
     effects_cls: type[SchedulerEffects] = SchedulerEffects
     """The host of the tables' effects (a subclass may substitute a faulty one in tests)."""
 
     def __init__(self, config: OffloadingConfig,
-                 manager: CPUOffloadingManager | None = None) -> None:
+                 manager: CPUOffloadingManager | ConnectorTieringManager | None = None
+                 ) -> None:
         self.config = config
-        self.manager = manager or CPUOffloadingManager(
-            config.num_cpu_chunks, config.eviction_policy,  # type: ignore[arg-type]
-            store_threshold=config.store_threshold)
+        self.manager: CPUOffloadingManager | ConnectorTieringManager
+        if manager is not None:
+            self.manager = manager
+        elif config.tiering is not None:
+            # secondary tiers below the CPU tier (TM:207-1305): the engine builds this one
+            # over its workers' CPU tensors; alone, the connector moves no bytes
+            from statemachine.tiering.connector import build
+
+            self.manager = build(config)
+        else:
+            self.manager = CPUOffloadingManager(
+                config.num_cpu_chunks, config.eviction_policy,  # type: ignore[arg-type]
+                store_threshold=config.store_threshold)
         self.jobs = JobTable()
         self.fence = ResetFence()
         self._req_status: dict[str, RequestState] = {}
@@ -918,6 +932,9 @@ class OffloadingScheduler:
 
     def shutdown(self) -> None:
         self.stats["shutdown"] += 1
+        stop = getattr(self.manager, "shutdown", None)  # a tiering manager's I/O threads
+        if stop is not None:
+            stop()
 
     @property
     def requests(self) -> dict[str, RequestState]:
