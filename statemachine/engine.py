@@ -30,6 +30,11 @@ failed on some rank is recomputed when its finished_recving arrives, not trusted
 reports only drain the reset fence, so the connector cannot tell; the ranks' failed_jobs
 can).
 
+With tiers (`EngineConfig.tiering`), the connector's manager is a tiering manager over the
+workers' CPU tensors (`statemachine.tiering.connector`); after update from output, the
+tiers' I/O runs (4.: cascades and promotions, see `Engine._run_tier_io`) and a byte oracle
+checks every copy they publish or promote (`statemachine.tiering.copy_oracle`).
+
 The forward stand-in writes into every GPU block it computes tokens of, in every layer of
 every rank, the bytes `oracle.kv_pattern` gives for the block's prefix hash. Every load (and,
 with `check_stores`, every store) is checked against them as soon as its copy is known
@@ -44,13 +49,14 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK, handoff_position, offload_key
-from statemachine.config import KVCacheGroup, OffloadingConfig
+from statemachine.config import KVCacheGroup, OffloadingConfig, TieringConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
 from statemachine.messages import (
@@ -60,6 +66,7 @@ from statemachine.messages import (
     Request,
     RequestStatus,
     SchedulerOutput,
+    TransferJob,
 )
 from statemachine.models import JobStatus
 from statemachine.oracle import CorruptedBytes, first_mismatch, first_mismatch_rows, pattern_for
@@ -67,6 +74,10 @@ from statemachine.scheduler import OffloadingScheduler
 from statemachine.worker import Worker, WorkerJob, WorkerReport, aggregate, make_workers
 
 from kernels import KVLayout  # isort: skip
+
+if TYPE_CHECKING:
+    from statemachine.tiering.connector import ConnectorTieringManager
+    from statemachine.tiering.copy_oracle import CopyOracle
 
 
 
@@ -106,6 +117,10 @@ class EngineConfig:
     group_bytes_per_token: tuple[int, ...] = ()
     """Per group, `bytes_per_token` of that group's layers (so each group has pages of its
     own size); empty: `bytes_per_token` for every group."""
+    tiering: TieringConfig | None = None
+    """Secondary tiers below the CPU tier (`OffloadingConfig.tiering`): the connector's
+    manager is then a tiering manager over the workers' CPU tensors, and the tiers' I/O
+    runs at the end of every step (see `Engine.step`)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "blocks_per_chunk", "num_gpu_blocks", "num_cpu_chunks",
@@ -155,7 +170,8 @@ class EngineConfig:
             sync_load_budget_bytes=self.sync_load_budget_bytes,
             kv_bytes_per_token=per_token * self.num_layers * self.num_workers,
             job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants,
-            groups=self.groups, retention_interval=self.retention_interval)
+            groups=self.groups, retention_interval=self.retention_interval,
+            tiering=self.tiering)
 
 
 @dataclass(eq=False)
@@ -228,9 +244,21 @@ class Engine:
                  scheduler: OffloadingScheduler | None = None,
                  workers: Sequence[Worker] | None = None) -> None:
         self.config = cfg = config or EngineConfig()
-        self.scheduler = scheduler or OffloadingScheduler(cfg.offloading_config())
         self.workers = list(workers) if workers is not None else make_workers(
             cfg.num_workers, cfg.layout, cfg.num_gpu_blocks, cfg.num_cpu_chunks, cfg.device)
+        self.tiering: ConnectorTieringManager | None = None
+        """The connector's tiering manager, when tiers are configured."""
+        self.copy_oracle: CopyOracle | None = None
+        """Checks every tier copy's bytes (when the engine built the tiering manager)."""
+        if scheduler is None and cfg.tiering is not None:
+            scheduler = OffloadingScheduler(cfg.offloading_config(),
+                                            self._build_tiering(cfg.offloading_config()))
+        self.scheduler = scheduler or OffloadingScheduler(cfg.offloading_config())
+        if self.tiering is None and self.scheduler.config.tiering is not None:
+            from statemachine.tiering.connector import ConnectorTieringManager
+
+            if isinstance(self.scheduler.manager, ConnectorTieringManager):
+                self.tiering = self.scheduler.manager
         if len(self.workers) != self.scheduler.config.num_workers:
             raise ConfigError(f"{len(self.workers)} workers, but the connector expects "
                               f"{self.scheduler.config.num_workers} reports per job")
@@ -268,12 +296,33 @@ class Engine:
         """Store job -> the request's logical block index of each block it copies, from the
         chunk keys the connector put it under: a group's chunks of one store need not be
         consecutive (chunks already in the CPU tier are not stored again)."""
+        self._promoted_slots: dict[int, frozenset[int]] = {}
+        """Load job -> its CPU slots whose chunks a promotion brought back for its request
+        (`TieringManager.get_load_source`, TM:677-684)."""
         self._seq = 0
         self.step_index = 0
         self.stats: Counter[str] = Counter()
         self.seconds: dict[str, float] = {"load": 0.0, "store": 0.0}
         self.fault_hooks: list[FaultHook] = []
         """Called with each step's metadata before the workers run it (fault injection)."""
+        self.tier_io_hooks: list[Callable[[Engine], None]] = []
+        """With tiers: called every step right before the tiers' I/O runs (fault
+        injection: the tasks queued now are the step's, in submission order)."""
+
+    def _build_tiering(self, config: OffloadingConfig) -> ConnectorTieringManager:
+        """The tiering manager over the workers' CPU tensors (one slot: every rank's rows of
+        one chunk, `statemachine.tiering.torch_buffer`), its copies checked by a
+        `CopyOracle`."""
+        from statemachine.tiering.connector import build
+        from statemachine.tiering.copy_oracle import CopyOracle
+        from statemachine.tiering.torch_buffer import WorkerCPUBuffer
+
+        cfg = self.config
+        buffer = WorkerCPUBuffer.of_workers(self.workers)
+        self.copy_oracle = CopyOracle(buffer, cfg.tensors_of, cfg.layout.page_bytes,
+                                      cfg.blocks_per_chunk)
+        self.tiering = build(config, buffer, observer=self.copy_oracle)
+        return self.tiering
 
     # ================================================================ requests
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
@@ -408,10 +457,40 @@ class Engine:
             self._check_copies(w)
         finished = self._update_from_output(out.num_scheduled_tokens, reports)
         self._free_before_window()
+        self._run_tier_io()
         self.step_index += 1
         self.stats["steps"] += 1
         return StepResult(self.step_index - 1, dict(out.num_scheduled_tokens), meta, finished,
                           out.preempted_req_ids)
+
+    def _run_tier_io(self) -> None:
+        """The tiers' I/O, once per step, after the step's last connector call: the cascades
+        this step's completed stores started and the promotions its lookups queued (submitted
+        by `on_schedule_end`) run now, as vLLM's tier pool threads (TP:60-194) finish the
+        tasks they were given between two steps; their results wait for the next poll (the
+        next step's first lookup, prepare_store or on_schedule_end, TM:448-458). With tier
+        threads the tasks started when they were submitted; this waits for them. A hung
+        tier runs nothing. Then the tiers' copies are judged (`CopyOracle`) and, with
+        `check_invariants`, the tiering manager's consistency."""
+        if self.tiering is None:
+            return
+        for hook in self.tier_io_hooks:
+            hook(self)
+        self.tiering.run_tier_io()
+        if self.copy_oracle is not None:
+            problems = self.copy_oracle.take_problems()
+            if problems:
+                from statemachine.tiering.copy_oracle import CorruptedCopy
+
+                self.stats["corrupted_blocks"] += len(problems)
+                self.stats["corrupted_copies"] += len(problems)
+                raise CorruptedCopy(problems)
+        if self.config.check_invariants:
+            problems = self.tiering.check_consistency()
+            if problems:
+                from statemachine.tiering.connector import TieringInconsistency
+
+                raise TieringInconsistency(problems, f"step {self.step_index}'s tier I/O")
 
     def _schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -658,6 +737,8 @@ class Engine:
                 g for g, n in enumerate(gpu.group_sizes or (len(gpu.block_ids),)) if n)
             for g in self._job_groups[job_id]:
                 self.group_stats[g]["stores" if job.is_store else "loads"] += 1
+        if self.tiering is not None:
+            self._note_promoted_loads(meta)
         for job_id, job in sorted(meta.store_jobs.items()):
             status = self.scheduler.job_status(job_id)
             r = self.requests.get(job.req_id) or self.done.get(job.req_id)
@@ -691,6 +772,8 @@ class Engine:
                 raise EngineError(f"store job {job_id}: its keys cover {len(positions)} "
                                   f"blocks, its source {len(block_groups)}")
             self._store_positions[job_id] = tuple(positions)
+            if self.copy_oracle is not None:
+                self._note_slot_truths(job_id, job, status.keys, r)
             if any(block_groups[i] == block_groups[i - 1] and positions[i] != positions[i - 1] + 1
                    for i in range(1, len(positions))):
                 self.stats["stores_with_gaps"] += 1  # a group's chunks not consecutive
@@ -698,6 +781,46 @@ class Engine:
                        and not any(j in w.jobs for w in self.workers)]:
             del self._job_groups[job_id]
             self._store_positions.pop(job_id, None)
+            self._promoted_slots.pop(job_id, None)
+
+    def _note_promoted_loads(self, meta: OffloadingConnectorMetadata) -> None:
+        """The CPU slots of each new load whose chunks were promoted for its request."""
+        assert self.tiering is not None
+        for job_id in sorted(meta.load_jobs):
+            status = self.scheduler.job_status(job_id)
+            if status is None:
+                continue
+            promoted = frozenset(
+                slot for key, slot in zip(status.keys, status.cpu_chunk_ids, strict=True)
+                if self.tiering.get_load_source(key, status.owner.ctx) is not None)
+            if promoted:
+                self._promoted_slots[job_id] = promoted
+                self.stats["tier_promoted_loads"] += 1
+
+    def _note_slot_truths(self, job_id: int, job: TransferJob, keys: Sequence[int],
+                          r: EngineRequest) -> None:
+        """Tell the copy oracle which blocks (prefix hashes) the store writes into which
+        rows of which CPU slot, under which key."""
+        from statemachine.tiering.copy_oracle import SlotTruth
+        from statemachine.worker import transfer_spec
+
+        assert self.copy_oracle is not None
+        spec = transfer_spec(job)
+        bpc = self.config.blocks_per_chunk
+        positions = self._store_positions[job_id]
+        slot_keys = dict(zip(spec.cpu_chunks, keys, strict=True))
+        rows: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        for seg in spec.segments:
+            skip = seg.skip(bpc)
+            for i in range(seg.size):
+                slot = spec.cpu_chunks[spec.chunk_position(seg.start + i, bpc)]
+                block_hash = r.request.block_hashes[positions[seg.start + i]]
+                rows.setdefault(slot, (seg.group, []))[1].append(((skip + i) % bpc,
+                                                                   block_hash))
+        for slot, (group, written) in rows.items():
+            self.copy_oracle.note_store(slot, SlotTruth(
+                slot_keys[slot], group, tuple(written),
+                f"store job {job_id} of request {r.id!r}"))
 
     def _check_load(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
         spec = job.transfer
@@ -721,6 +844,11 @@ class Engine:
                     writer=w.chunk_writer.get(chunk), bad_blocks=m.bad_blocks)
             self.group_stats[seg.group]["loaded_blocks_verified"] += seg.size
         self.stats["loaded_blocks_verified"] += spec.num_blocks
+        promoted = self._promoted_slots.get(job.job_id)
+        if promoted:
+            self.stats["tier_promoted_blocks_verified"] += sum(
+                1 for seg in spec.segments for i in range(seg.start, seg.start + seg.size)
+                if spec.cpu_chunks[spec.chunk_position(i, bpc)] in promoted)
 
     def _check_store(self, w: Worker, job: WorkerJob, r: EngineRequest) -> None:
         spec = job.transfer
@@ -987,8 +1115,11 @@ class Engine:
             "reset_fence_entries": len(self.scheduler.fence.entries),
             "tracked_requests": len(self.scheduler.requests),
             "worker_jobs": sum(len(w.jobs) for w in self.workers),
+            **(self.tiering.tier_leaks() if self.tiering is not None else {}),
         }
 
     def shutdown(self) -> None:
         for w in self.workers:
             w.shutdown()
+        if self.tiering is not None:
+            self.tiering.shutdown()
