@@ -11,18 +11,38 @@ The result says what happened, and the three numbers that must be zero: requests
 finished when the run drained), resources leaked (pinned or write-pending chunks, GPU blocks
 not back in the pool, quarantined slots or blocks, jobs or tracked requests left) and
 corrupted bytes (the oracle's verdict on every load and every finished request).
+
+With tiers (`SimConfig.tiers`, `kvspec simulate --tiers cpu,fs`), secondary tiers stack below
+a CPU tier small enough (`TIER_CPU_CHUNKS` slots) that chunks are evicted from it and come
+back later by promotions from a tier: GPU -> CPU -> tiers on every store, tier -> CPU -> GPU
+on a lookup that misses the CPU tier (statemachine.tiering.connector). The tiers' I/O runs
+once per step (`Engine._run_tier_io`; or on threads, `tier_threads`); the "fs" tiers write
+files under a temporary directory, removed at the end unless `keep_tier_dir`. Every copy a
+cascade publishes and every copy a promotion reads is checked against its key's blocks
+(`statemachine.tiering.copy_oracle`), and so is every block loaded from a promoted chunk (as
+every load). Tier faults join the others (`TierFaults`): I/O errors in cascades and in
+promotions (the first one after some copies: a partial promotion), the first tier full for a
+while (every cascade refused), a tier hung for longer than the tier job timeout (its jobs
+time out, their late results come after it resumes), the last time across the first reset
+(its jobs in flight become stale). Leaked then also counts tier jobs, cascade pins,
+quarantined slots, open tiering requests, pending tier I/O, temporary files and the tiering
+manager's inconsistencies.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from statemachine.config import KV_CACHE_MODELS
+from spec.tiering import tier_job as TJ
+from statemachine.config import KV_CACHE_MODELS, TieringConfig
 from statemachine.engine import Engine, EngineConfig
 from statemachine.errors import KVSpecError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
@@ -47,22 +67,47 @@ class SimConfig:
     device: str = "cpu"
     """Where the GPU KV lives. The CPU stand-in (copies run when polled or waited for) makes
     a run a function of its seed; on "cuda" copies complete when the GPU is done."""
+    tiers: tuple[str, ...] = ()
+    """Secondary tiers below the CPU tier, in lookup order ("memory", "fs"); empty: the CPU
+    tier alone, of 64 chunks."""
+    tier_threads: int = 0
+    """I/O threads per tier; 0: the tiers' I/O runs once per step, deterministically."""
+    tier_job_timeout_steps: int = 4
+    tier_root: str | None = None
+    """Where the "fs" tiers write; None: a temporary directory."""
+    keep_tier_dir: bool = False
+    """Keep the tiers' directory after the run (else it is removed)."""
+    tier_protect_scanned_keys: bool = True
+    """False: vLLM's promotions, which may evict the chunks their own lookup just hit
+    (`TieringConfig.protect_scanned_keys`, finding T1)."""
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, tier_root: str | None = None) -> EngineConfig:
         model = KV_CACHE_MODELS[self.model]
+        tiering = None
+        if self.tiers:
+            tiering = TieringConfig(self.tiers, root=tier_root or self.tier_root,
+                                    job_timeout_steps=self.tier_job_timeout_steps,
+                                    threads=self.tier_threads,
+                                    protect_scanned_keys=self.tier_protect_scanned_keys)
         return EngineConfig(
             groups=model.groups, group_bytes_per_token=model.bytes_per_token,
-            block_size=16, blocks_per_chunk=2, num_gpu_blocks=64, num_cpu_chunks=64,
+            block_size=16, blocks_per_chunk=2, num_gpu_blocks=64,
+            num_cpu_chunks=TIER_CPU_CHUNKS if self.tiers else 64,
             num_workers=self.workers, num_layers=2, bytes_per_token=4,
             max_num_batched_tokens=160, max_num_running=12,
             sync_load_budget_bytes=96 * 4 * 2 * self.workers,
             job_timeout_steps=self.job_timeout_steps,
             check_invariants=self.check_invariants, verify_on_finish=True,
-            device=self.device)
+            device=self.device, tiering=tiering)
 
     @property
     def num_requests(self) -> int:
         return self.requests if self.requests is not None else max(4, self.steps // 2)
+
+
+TIER_CPU_CHUNKS = 16
+"""CPU tier slots of a run with tiers: a quarter of the default, so chunks the workload
+shares are evicted between their uses and promoted back from a tier."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +137,17 @@ class Workload:
     """(step, worker, steps): from that step, no copy of that worker completes for that many
     steps (a busy copy stream): stores stay in flight while the core frees and reuses
     blocks, so only the fences keep their sources intact."""
+    tier_fails: list[tuple[int, int, str]] = field(default_factory=list)
+    """(step, tier, "cascade" or "promotion"): from that step, the next job of that kind on
+    that tier fails with an I/O error (a promotion of several keys after its first copy)."""
+    tier_full: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, tier, steps): the tier is full (holds no more copies than now) for that many
+    steps: its cascades are refused."""
+    tier_hangs: list[tuple[int, int, int]] = field(default_factory=list)
+    """(step, tier, steps): the tier runs no I/O for that many steps."""
+    tier_resets: list[int] = field(default_factory=list)
+    """From that step, reset the cache (not the running requests) as soon as a hung tier
+    has a job in flight (dropped if no tier is hung any more)."""
 
 
 def make_workload(cfg: SimConfig) -> Workload:
@@ -111,6 +167,16 @@ def make_workload(cfg: SimConfig) -> Workload:
         arrivals.append(Arrival(step, f"req-{i:04d}", prompt, rng.randrange(4, 32)))
     arrivals.sort(key=lambda a: a.step)
     w = workers = cfg.workers
+    last = len(cfg.tiers) - 1
+    tier_faults: dict[str, Any] = {} if not cfg.tiers else {
+        "tier_fails": [(k * steps // 12, (k // 2) % len(cfg.tiers),
+                        "cascade" if k % 2 else "promotion") for k in range(2, 11)],
+        "tier_full": [(steps // 10, 0, max(4, steps // 8))],
+        "tier_hangs": [((5 * steps) // 16, last, cfg.tier_job_timeout_steps + 4),
+                       ((7 * steps) // 12, last, max(cfg.tier_job_timeout_steps + 4,
+                                                     steps // 8))],
+        "tier_resets": [(7 * steps) // 12 + 1],
+    }
     return Workload(
         arrivals=arrivals,
         resets={steps // 2: True, (3 * steps) // 4: False},
@@ -120,6 +186,7 @@ def make_workload(cfg: SimConfig) -> Workload:
         hangs=[(steps // 8, 0, False), ((3 * steps) // 5, (w - 1), True)],
         fail_and_hang=[max(0, steps // 2 - 4)] if w > 1 else [],
         stalls=[(steps // 6, 0, 4), ((5 * steps) // 12, w - 1, 4), ((7 * steps) // 8, 0, 4)],
+        **tier_faults,
     )
 
 
@@ -166,6 +233,85 @@ class Faults:
             else:
                 engine.workers[worker].fail_job(jobs[0])
                 self.injected_failures += 1
+        self._armed = still
+
+
+@dataclass
+class TierFaults:
+    """The tiers' faults: `between_steps` hangs and resumes tiers, fills one and frees it
+    again, and arms I/O errors; called right before each step's tier I/O (an engine
+    `tier_io_hooks` entry), it makes an armed error fail the next job of its kind: the
+    queued tasks then are the step's, in submission order, so the tier's first submitted
+    job is the one its next task runs (only while the tier is neither hung nor has a
+    timed-out job whose task may still be queued ahead)."""
+
+    workload: Workload
+    injected: Counter[str] = field(default_factory=Counter)
+    """I/O errors armed, by the kind of job they were armed for."""
+    hangs: int = 0
+    full_windows: int = 0
+    resets: int = 0
+    """Resets done while a hung tier had jobs in flight."""
+    _reset_armed: int = 0
+    _hung_until: dict[int, int] = field(default_factory=dict)
+    _full_until: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    _armed: list[tuple[int, str]] = field(default_factory=list)
+
+    def between_steps(self, engine: Engine, step: int) -> None:
+        assert engine.tiering is not None
+        tiers = engine.tiering.tiers
+        for t, until in sorted(self._hung_until.items()):
+            if step >= until:
+                tiers[t].unhang()
+                del self._hung_until[t]
+        for t, (until, capacity) in sorted(self._full_until.items()):
+            if step >= until:
+                tiers[t].capacity = capacity
+                del self._full_until[t]
+        wl = self.workload
+        for s, t, steps in wl.tier_hangs:
+            if s == step and t not in self._hung_until:
+                tiers[t].hang()
+                self._hung_until[t] = step + steps
+                self.hangs += 1
+        for s, t, steps in wl.tier_full:
+            if s == step and t not in self._full_until:
+                self._full_until[t] = (step + steps, tiers[t].capacity)
+                tiers[t].capacity = len(tiers[t].copy_states())  # stored and being written
+                self.full_windows += 1
+        self._armed += [(t, kind) for s, t, kind in wl.tier_fails if s == step]
+        self._reset_armed += sum(1 for s in wl.tier_resets if s == step)
+
+    def reset_now(self, engine: Engine) -> bool:
+        """Whether an armed reset is due: a hung tier has a job in flight (one is dropped
+        when no tier is hung)."""
+        m = engine.tiering
+        assert m is not None
+        if not self._reset_armed:
+            return False
+        if not self._hung_until:
+            self._reset_armed -= 1
+            return False
+        if any(j.state == TJ.SUBMITTED and m.tiers[j.tier].hung for j in m.jobs()):
+            self._reset_armed -= 1
+            self.resets += 1
+            return True
+        return False
+
+    def __call__(self, engine: Engine) -> None:
+        m = engine.tiering
+        assert m is not None
+        still: list[tuple[int, str]] = []
+        for t, kind in self._armed:
+            tier = m.tiers[t]
+            first = min((j for j in m.jobs() if j.tier == t and j.state == TJ.SUBMITTED
+                         and j.job_id is not None),
+                        key=lambda j: j.job_id or 0, default=None)
+            if tier.hung or t in m.suspect_tiers or first is None or first.kind != kind:
+                still.append((t, kind))
+                continue
+            tier.fail_next(1, after=1 if first.is_promotion and len(first.keys) > 1 else 0)
+            self.injected[kind] += 1
         self._armed = still
 
 
@@ -243,23 +389,41 @@ def progress_bar(stream: TextIO = sys.stderr) -> ProgressBar:
 
 
 def run(cfg: SimConfig, progress: Progress | None = None) -> SimResult:
+    tier_dir: str | None = None
+    if cfg.tiers and cfg.tier_root is None:
+        tier_dir = tempfile.mkdtemp(prefix="kvspec_simulate_tiers_")
+    try:
+        return _run(cfg, progress, tier_dir)
+    finally:
+        if tier_dir is not None and not cfg.keep_tier_dir:
+            shutil.rmtree(tier_dir, ignore_errors=True)
+
+
+def _run(cfg: SimConfig, progress: Progress | None, tier_dir: str | None) -> SimResult:
     result = SimResult(cfg)
     workload = make_workload(cfg)
-    engine = Engine(cfg.engine_config())
+    engine = Engine(cfg.engine_config(tier_dir))
     faults = Faults(workload, release_after=cfg.job_timeout_steps + 3)
     engine.fault_hooks.append(faults)
+    tier_faults = TierFaults(workload) if engine.tiering is not None else None
+    if tier_faults is not None:
+        engine.tier_io_hooks.append(tier_faults)
     rng = random.Random(cfg.seed * 7919 + 1)
     arrivals = list(workload.arrivals)
     aborts = list(workload.aborts)
     t0 = time.perf_counter()
     try:
         for step in range(cfg.steps):
+            if tier_faults is not None:
+                tier_faults.between_steps(engine, step)
             while arrivals and arrivals[0].step <= step:
                 a = arrivals.pop(0)
                 engine.add_request(a.req_id, a.prompt, a.max_tokens)
             if step in workload.resets:
                 engine.reset_prefix_cache(reset_running_requests=workload.resets[step],
                                           reset_connector=True)
+            if tier_faults is not None and tier_faults.reset_now(engine):
+                engine.reset_prefix_cache(reset_running_requests=False, reset_connector=True)
             while aborts and aborts[0] <= step:
                 aborts.pop(0)
                 _abort_one(engine, rng)
@@ -270,6 +434,8 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> SimResult:
         for a in arrivals:  # a late arrival after the window: still served
             engine.add_request(a.req_id, a.prompt, a.max_tokens)
         while engine.has_pending_work() and result.drain_steps < cfg.max_drain_steps:
+            if tier_faults is not None:  # a tier hung near the end resumes
+                tier_faults.between_steps(engine, cfg.steps + result.drain_steps)
             engine.step()
             result.drain_steps += 1
             if progress is not None:
@@ -284,6 +450,8 @@ def run(cfg: SimConfig, progress: Progress | None = None) -> SimResult:
         result.stuck = sorted(engine.requests)
         result.leaks = dict(engine.leaks())
     result.metrics = _metrics(engine, faults, result.seconds)
+    if tier_faults is not None:
+        result.metrics["tiering"] = _tier_metrics(engine, tier_faults, tier_dir or cfg.tier_root)
     engine.shutdown()
     return result
 
@@ -336,6 +504,50 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
     }
 
 
+def _tier_metrics(engine: Engine, faults: TierFaults, tier_dir: str | None) -> dict[str, Any]:
+    m, oracle, st = engine.tiering, engine.copy_oracle, engine.stats
+    assert m is not None
+    tm = m.stats
+
+    def tiers_sum(name: str) -> int:
+        return sum(t.stats[name] for t in m.tiers)
+
+    return {
+        "tiers": ",".join(("cpu", *(t.kind for t in m.tiers))),
+        "cpu_tier_chunks": m.num_slots,
+        "tier_threads": engine.config.tiering.threads if engine.config.tiering else 0,
+        "promotions": tm["promotions"],
+        "promoted_keys": tm["promoted_keys"],
+        "promotion_failures": tm["promotion_failures"],
+        "promotion_failed_keys": tm["promotion_failed_keys"],
+        "promoted_loads": st["tier_promoted_loads"],
+        "promoted_blocks_verified": st["tier_promoted_blocks_verified"],
+        "promoted_copies_verified": oracle.stats["promoted_copies_verified"] if oracle else 0,
+        "cascades": tm["cascades"],
+        "cascaded_keys": tm["cascaded_keys"],
+        "cascade_failures": tm["cascade_failures"],
+        "copies_written": tiers_sum("copies_written"),
+        "copies_written_verified": oracle.stats["copies_written_verified"] if oracle else 0,
+        "tier_evictions": tm["tier_evictions"],
+        "evictions_without_copy": tm["evictions_without_copy"],
+        "tier_lookup_hits": tm["tier_hits"],
+        "lookups_deferred": engine.scheduler.stats["lookups_deferred"],
+        "tier_resets": tm["resets"],
+        "resets_with_a_hung_tier": faults.resets,
+        "stale_tier_jobs": tm["stale"],
+        "injected_tier_failures": sum(faults.injected.values()),
+        "injected_cascade_failures": faults.injected["cascade"],
+        "injected_promotion_failures": faults.injected["promotion"],
+        "full_tier_windows": faults.full_windows,
+        "copies_refused_by_a_full_tier": tiers_sum("refused"),
+        "tier_hangs": faults.hangs,
+        "tier_timeouts": tm["timeouts"],
+        "late_tier_results": tm["late_results"],
+        "connector_store_timeouts": tm["connector_quarantined_stores"],
+        "tier_dir": tier_dir if any(t.kind == "fs" for t in m.tiers) else None,
+    }
+
+
 GROUP_METRICS = ("loads", "stores", "jobs_failed", "jobs_made_stale_by_reset",
                  "blocks_freed_by_preemption", "blocks_freed_before_window",
                  "loaded_blocks_verified", "stored_blocks_verified", "computed_blocks_verified")
@@ -377,6 +589,38 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
+def _tier_rows(t: dict[str, Any], cfg: SimConfig) -> list[tuple[str, str]]:
+    where = "deterministic, once per step" if not t["tier_threads"] else \
+        f"{t['tier_threads']} I/O thread(s) per tier"
+    kept = ("" if t["tier_dir"] is None else
+            f"; files in {t['tier_dir']}" + (" (kept)" if cfg.keep_tier_dir else " (removed)"))
+    return [
+        ("tiers", f"{t['tiers']}: a CPU tier of {t['cpu_tier_chunks']} chunks; tier I/O "
+                  f"{where}{kept}"),
+        ("promotions", f"{t['promotions']} jobs, {t['promoted_keys']} chunks promoted "
+                       f"({t['tier_lookup_hits']} tier hits, {t['lookups_deferred']} lookups "
+                       f"deferred); {t['promotion_failures']} failed "
+                       f"({t['promotion_failed_keys']} chunks)"),
+        ("promoted loads", f"{t['promoted_loads']} loads of promoted chunks, "
+                           f"{t['promoted_blocks_verified']} blocks checked"),
+        ("cascades", f"{t['cascades']} jobs, {t['cascaded_keys']} chunks, "
+                     f"{t['copies_written']} copies written; {t['cascade_failures']} failed"),
+        ("tier evictions", f"{t['tier_evictions']} CPU evictions of chunks a tier holds "
+                           f"({t['evictions_without_copy']} of chunks no tier holds)"),
+        ("tier resets", f"{t['tier_resets']}, {t['resets_with_a_hung_tier']} while a tier hung "
+                        f"({t['stale_tier_jobs']} tier jobs in flight made stale)"),
+        ("tier failures", f"{t['injected_tier_failures']} injected I/O errors "
+                          f"({t['injected_cascade_failures']} cascades, "
+                          f"{t['injected_promotion_failures']} promotions); "
+                          f"{t['copies_refused_by_a_full_tier']} copies refused by a full "
+                          f"tier ({t['full_tier_windows']} window(s))"),
+        ("tier timeouts", f"{t['tier_timeouts']} tier jobs timed out ({t['tier_hangs']} tier "
+                          f"hangs), {t['late_tier_results']} late results drained"),
+        ("copies checked", f"{t['copies_written_verified']} written, "
+                           f"{t['promoted_copies_verified']} promoted"),
+    ]
+
+
 def render(result: SimResult) -> str:
     m = result.metrics
     cfg = result.config
@@ -414,8 +658,12 @@ def render(result: SimResult) -> str:
         rows[-3:-1] = [(name, f"not measured: the run stopped at step "
                               f"{result.steps + result.drain_steps}")
                        for name in ("stuck requests", "leaked")]
+    if "tiering" in m:
+        rows[-3:-3] = _tier_rows(m["tiering"], cfg)
     width = max(len(k) for k, _ in rows)
-    head = (f"kvspec simulate --seed {cfg.seed} --model {cfg.model}: {cfg.workers} workers, "
+    tiers = f" --tiers {m['tiering']['tiers']}" if "tiering" in m else ""
+    head = (f"kvspec simulate --seed {cfg.seed} --model {cfg.model}{tiers}: {cfg.workers} "
+            "workers, "
             f"{result.steps} steps "
             f"+ {result.drain_steps} to drain, {result.seconds:.1f} s")
     lines = [head, "", f"{'metric'.ljust(width)}  value", f"{'-' * width}  {'-' * 5}"]

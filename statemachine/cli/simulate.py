@@ -9,7 +9,16 @@ import sys
 from typing import Any
 
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, note, usage_error
-from statemachine.config import KV_CACHE_MODELS
+from statemachine.config import KV_CACHE_MODELS, TIER_KINDS
+
+
+def parse_tiers(text: str) -> tuple[str, ...] | None:
+    """``cpu,fs`` -> ``("fs",)``: the tiers below the CPU tier, in order; None if `text` is
+    not "cpu" followed by tier kinds."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or parts[0] != "cpu" or not all(p in TIER_KINDS for p in parts[1:]):
+        return None
+    return tuple(parts[1:])
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -17,6 +26,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.workers < 1 or (args.requests is not None and args.requests < 1):
         return usage_error("simulate", "--steps, --workers and --requests must be >= 1")
+    tiers = parse_tiers(args.tiers)
+    if tiers is None:
+        return usage_error("simulate", f"--tiers {args.tiers!r}: expected 'cpu' followed by "
+                           f"tiers among {', '.join(TIER_KINDS)}, comma-separated (e.g. "
+                           "cpu,fs or cpu,memory,fs)")
+    if args.tier_threads < 0:
+        return usage_error("simulate", "--tier-threads must be >= 0")
+    if (args.tier_threads or args.keep_tier_dir) and not tiers:
+        return usage_error("simulate", "--tier-threads and --keep-tier-dir need secondary "
+                           "tiers (e.g. --tiers cpu,fs)")
     if args.device == "cuda":
         import torch
 
@@ -25,7 +44,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = simulate.SimConfig(seed=args.seed, model=args.model, steps=args.steps,
                              workers=args.workers,
                              requests=args.requests, device=args.device,
-                             check_invariants=not args.no_invariants)
+                             check_invariants=not args.no_invariants, tiers=tiers,
+                             tier_threads=args.tier_threads,
+                             keep_tier_dir=args.keep_tier_dir)
     show = None if args.no_progress else simulate.progress_bar(sys.stderr)
     result = simulate.run(cfg, show)
     if show is not None:
@@ -60,6 +81,16 @@ def register(sub: Any) -> None:
     sim.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the GPU KV lives (default cpu: the CPU stand-in, whose "
                      "runs are a function of the seed)")
+    sim.add_argument("--tiers", default="cpu", metavar="cpu[,TIER...]",
+                     help="the offloading tiers, top down: cpu alone (default), or cpu over "
+                     "secondary tiers (memory, fs), e.g. cpu,fs or cpu,memory,fs: a small CPU "
+                     "tier whose evicted chunks come back from a tier by promotions; fs "
+                     "tiers write files under a temporary directory")
+    sim.add_argument("--tier-threads", type=int, default=0, metavar="N",
+                     help="I/O threads per tier (default 0: the tiers' I/O runs once per "
+                     "step, so a run is a function of its seed)")
+    sim.add_argument("--keep-tier-dir", action="store_true",
+                     help="keep the fs tiers' directory after the run (its path is printed)")
     sim.add_argument("--json", action="store_true", help="the result as JSON on stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sim.add_argument("--no-invariants", action="store_true",
