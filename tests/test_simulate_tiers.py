@@ -268,13 +268,12 @@ def test_finding_t1_in_the_data_plane() -> None:
     assert vllm.error is None and vllm.corrupted == 0 and vllm.stuck == ["req-0028"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "finding (beyond T1): two deferred requests whose chunks must come back from a tier "
-    "evict each other's promoted chunks every step: protect_scanned_keys protects only the "
-    "promoting request's own hits, and a promoted chunk carries its deferred request's old "
-    "LRU rank, so it is the first victim of the other's promotions; both stay "
-    "LOOKUP_DEFERRED forever"))
 def test_two_deferred_requests_over_a_small_cpu_tier_drain() -> None:
+    """Finding beyond T1 (the data plane found it): with only the promoting request's own
+    hits protected, two deferred requests whose chunks come back from a tier evicted each
+    other's promoted chunks every step (a promoted chunk keeps its request's old LRU rank),
+    and both stayed LOOKUP_DEFERRED forever. The spec protects every key a lookup of the
+    step hit (`TieringManager._promotion_protects`), and the run drains."""
     result = simulate.run(SimConfig(seed=10, model="hybrid", tiers=("memory",), steps=60,
                                     max_drain_steps=150))
     assert result.ok, result.stuck

@@ -467,9 +467,10 @@ def _apply(tx: _Tx, ev: TierEvent) -> None:
         _lookup(tx, a[0])
     elif name == "schedule":
         tx.poll()
+        scanned: set[int] = set()  # every key a lookup of this step hit (step-wide)
         for r, q in enumerate(tx.reqs):
             if q.phase == LOOKUP:
-                _lookup(tx, r)
+                _lookup(tx, r, scanned)
     elif name == "load_done":
         (r,) = a
         q = tx.reqs[r]
@@ -552,19 +553,23 @@ def _content_name(c: int) -> str:
     return {EMPTY: "nothing", TORN: "torn bytes"}.get(c, f"k{c}")
 
 
-def _lookup(tx: _Tx, r: int) -> None:
+def _lookup(tx: _Tx, r: int, scanned: set[int] | None = None) -> None:
     """The scheduler's prefix lookup of request r's keys (S:773-803 over TM:589-675): HIT
     and HIT_PENDING count as hits and the scan goes on, RETRY goes on too, MISS stops it;
-    any HIT_PENDING or RETRY defers the request (S:1014-1019), else the hit prefix loads."""
+    any HIT_PENDING or RETRY defers the request (S:1014-1019), else the hit prefix loads.
+    `scanned` collects the keys every lookup of the step hit so far (a promotion evicts
+    none of them); a lone lookup (lookups in any order) protects its own scan only."""
     keys = tx.s.bounds.requests[r]
     hits: list[int] = []
+    scanned = set() if scanned is None else scanned
     defer = False
     for k in keys:
-        answer = _lookup_key(tx, r, k, frozenset(hits))
+        answer = _lookup_key(tx, r, k, frozenset(scanned))
         if answer == "MISS":
             break
         if answer != "RETRY":
             hits.append(k)
+            scanned.add(k)
         defer |= answer != "HIT"
     if defer:
         tx.reqs[r] = replace(tx.reqs[r], deferred=True)
@@ -579,9 +584,10 @@ def _lookup(tx: _Tx, r: int) -> None:
 
 def _lookup_key(tx: _Tx, r: int, k: int, scanned: frozenset[int]) -> str:
     """One key's lookup; a secondary-tier hit reserves a CPU slot for its promotion. The
-    slot may come from evicting a READY key, but not one this scan already hit (the spec;
-    vLLM protects the promoted key alone, TM:713, which livelocks a prefix longer than the
-    CPU tier: fault `promotion-evicts-own-prefix`)."""
+    slot may come from evicting a READY key, but not one a lookup of this step already hit
+    (the spec; vLLM protects the promoted key alone, TM:713, which livelocks a prefix longer
+    than the CPU tier, fault `promotion-evicts-own-prefix`, and lets two deferred requests
+    evict each other's promoted chunks every step)."""
     answer = CC.LOOKUP_ANSWER[tx.chunks[k].state]
     if answer is not None:
         return answer

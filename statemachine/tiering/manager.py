@@ -110,7 +110,8 @@ class TieringManager:
         self.tier_job_timeout_steps = tier_job_timeout_steps
         self.protect_scanned_keys = protect_scanned_keys
         self._scanned: dict[str, set[OffloadKey]] = {}
-        """Per request, the keys its lookups answered HIT or HIT_PENDING this step."""
+        """Per request, the keys its lookups answered HIT or HIT_PENDING this step (a
+        promotion evicts none of them: `_promotion_protects`)."""
         self.reset_drain_timeout_s = reset_drain_timeout_s
         self.step = 0
         """Steps ended (on_schedule_end calls)."""
@@ -241,14 +242,17 @@ class TieringManager:
         return LookupResult.RETRY if any_retry else LookupResult.MISS
 
     def _promotion_protects(self, ctx: ReqContext) -> set[OffloadKey]:
-        """The keys a promotion's slot must not be taken from: those the request's lookup
-        hit this step (the tiering model's scan rule). vLLM protects the promoted key alone
-        (TM:713), so a prefix longer than the CPU tier evicts itself round after round and
-        its request is deferred forever (finding T1); `protect_scanned_keys=False` is
-        vLLM's behaviour, for the conformance tests."""
+        """The keys a promotion's slot must not be taken from: those any request's lookup
+        hit this step (the tiering model's rule). vLLM protects the promoted key alone
+        (TM:713): a prefix longer than the CPU tier evicts itself round after round and its
+        request is deferred forever (finding T1); with the request's own hits protected
+        only, two deferred requests still evict each other's promoted chunks every step (the
+        data plane found it: a promoted chunk keeps its request's old LRU rank). So the
+        protection is step-wide. `protect_scanned_keys=False` is vLLM's behaviour, for the
+        conformance tests."""
         if not self.protect_scanned_keys:
             return set()
-        return self._scanned.get(ctx.req_id, set())
+        return set().union(*self._scanned.values())
 
     def _initiate_promotion(self, tier: int, key: OffloadKey, ctx: ReqContext) -> bool:
         """Reserve a CPU slot now (the key is HIT_PENDING from here on) and add it to the
