@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvspec demo
 	$(BIN)/kvspec simulate --seed 1
+	$(BIN)/kvspec simulate --tiers cpu,fs --seed 1
 	$(BIN)/kvspec check
 	$(BIN)/kvspec check --tiering
 
