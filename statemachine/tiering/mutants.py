@@ -5,18 +5,16 @@ be shown to find it. Each names the vLLM change whose absence it reproduces."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from statemachine.manager import ReqContext
+from statemachine.mutants import Patch, _patch
 from statemachine.policies import OffloadKey
 from statemachine.tiering.manager import TieringManager
 from statemachine.tiering.models import TierJob, TierRequest
 from statemachine.tiering.tiers import SecondaryTier
-
-Patch = Callable[[], contextlib.AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -29,20 +27,6 @@ class TierMutant:
     caught_by_tests: bool = True
     """False where the model-based tests cannot reach the fault (a hang is not one of
     their rules): the checker and a direct test of the reference catch it."""
-
-
-@contextlib.contextmanager
-def _replaced(owner: type, name: str, new: Any) -> Iterator[None]:
-    old = owner.__dict__[name]
-    setattr(owner, name, new)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
-def _patch(owner: type, name: str, make: Callable[[Any], Any]) -> Patch:
-    return lambda: _replaced(owner, name, make(owner.__dict__[name]))
 
 
 def _promotions_not_held(orig: Any) -> Any:
