@@ -17,7 +17,7 @@ from spec.tiering.faults import TIER_FAULT_NAMES
 from spec.tiering.scenarios import tier_scenario
 from statemachine.tiering.mutants import TIER_MUTANTS, tier_mutant
 from statemachine.tiering.reference import ReferenceTieringSystem
-from statemachine.tiering.testing import TieringStateMachine, TierSetup, replay
+from statemachine.tiering.testing import TieringStateMachine, TierSetup, prefix_scan, replay
 
 HUNT = settings(max_examples=400, stateful_step_count=40, derandomize=True, deadline=None,
                 database=None, phases=(Phase.generate,),
@@ -108,16 +108,6 @@ def test_without_a_timeout_a_hung_tier_keeps_its_promotion_forever() -> None:
         sys_.close()
 
 
-def _scan(sys_: ReferenceTieringSystem, req: str, keys: list[str]) -> list[str]:
-    """The scheduler's prefix scan (S:773-803): on through HIT, HIT_PENDING, RETRY."""
-    out = []
-    for k in keys:
-        out.append(sys_.lookup(req, k))
-        if out[-1] == "MISS":
-            break
-    return out
-
-
 def _stored_then_evicted(prefix: list[str], others: list[str]) -> ReferenceTieringSystem:
     """Two CPU slots; `prefix` stored and cascaded to the tier, then evicted by `others`."""
     sys_ = ReferenceTieringSystem(2, ("memory",))
@@ -147,7 +137,7 @@ def test_a_prefix_longer_than_the_cpu_tier_loads_what_fits(patched: bool) -> Non
     rounds = []
     with ctx:
         for _ in range(8):
-            rounds.append(_scan(sys_, "r", ["a0", "a1", "a2"]))
+            rounds.append(prefix_scan(lambda k: sys_.lookup("r", k), ["a0", "a1", "a2"]))
             sys_.end_step()
             sys_.run_tier_io()
     if patched:

@@ -380,12 +380,7 @@ def events(s: TierModelState, faults: TierFaults = NO_TIER_FAULTS) -> Iterator[T
     b = s.bounds
     if s.draining:
         for i, j in enumerate(s.jobs):
-            if j.state == TJ.SUBMITTED and j.tier not in s.hung:
-                yield TierEvent("io", (i, 1), fair=f"io {_job_class(j)}")
-                if s.io_failures:
-                    yield TierEvent("io", (i, 0))
-            elif j.state == TJ.SUBMITTED and not faults.no_tier_timeout:
-                yield TierEvent("stale", (i,), fair=f"stale {_job_class(j)}")
+            yield from _tier_io_events(s, i, j, faults, "stale")
         if not any(j.state == TJ.SUBMITTED for j in s.jobs):
             yield TierEvent("reset_done", fair="reset_done")
         return
@@ -409,13 +404,8 @@ def events(s: TierModelState, faults: TierFaults = NO_TIER_FAULTS) -> Iterator[T
         if q.phase == STORING:
             yield TierEvent("finish", (r,))
     for i, j in enumerate(s.jobs):
-        if j.state == TJ.SUBMITTED and j.tier not in s.hung:
-            yield TierEvent("io", (i, 1), fair=f"io {_job_class(j)}")
-            if s.io_failures:
-                yield TierEvent("io", (i, 0))
-        elif j.state == TJ.SUBMITTED and not faults.no_tier_timeout:
-            yield TierEvent("time_out", (i,), fair=f"time_out {_job_class(j)}")
-        elif j.state in TJ.QUARANTINED and j.tier not in s.hung:
+        yield from _tier_io_events(s, i, j, faults, "time_out")
+        if j.state in TJ.QUARANTINED and j.tier not in s.hung:
             yield TierEvent("late_result", (i,), fair=f"late {_job_class(j)}")
     if b.lookup_order == "fcfs" and any(q.phase == LOOKUP for q in s.reqs):
         yield TierEvent("schedule", fair="schedule")
@@ -437,6 +427,20 @@ def events(s: TierModelState, faults: TierFaults = NO_TIER_FAULTS) -> Iterator[T
         yield TierEvent("reset")
     if s.crashes:
         yield TierEvent("crash")
+
+
+def _tier_io_events(s: TierModelState, i: int, j: Job, faults: TierFaults,
+                    expiry: str) -> Iterator[TierEvent]:
+    """A submitted job's I/O finishes (or fails) while its tier answers; on a hung tier
+    its timer (`expiry`: the tier job timeout, or the reset's drain deadline) fires."""
+    if j.state != TJ.SUBMITTED:
+        return
+    if j.tier not in s.hung:
+        yield TierEvent("io", (i, 1), fair=f"io {_job_class(j)}")
+        if s.io_failures:
+            yield TierEvent("io", (i, 0))
+    elif not faults.no_tier_timeout:
+        yield TierEvent(expiry, (i,), fair=f"{expiry} {_job_class(j)}")
 
 
 def step(s: TierModelState, ev: TierEvent, faults: TierFaults = NO_TIER_FAULTS

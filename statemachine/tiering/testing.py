@@ -369,6 +369,17 @@ class _Req:
     """The machine's step count at its last deferral."""
 
 
+def prefix_scan(lookup: Callable[[str], str], keys: Sequence[str]) -> list[str]:
+    """The scheduler's prefix lookup of `keys` in order (S:773-803): on through HIT,
+    HIT_PENDING and RETRY, stopping after the first MISS; the answers."""
+    answers: list[str] = []
+    for key in keys:
+        answers.append(lookup(key))
+        if answers[-1] == "MISS":
+            break
+    return answers
+
+
 class TieringStateMachine(RuleBasedStateMachine):
     """The model-based test of a tiering manager; subclass it with the factories set."""
 
@@ -595,13 +606,14 @@ class TieringStateMachine(RuleBasedStateMachine):
 
     def _lookup(self, req_id: str) -> None:
         q = self.reqs[req_id]
-        answers: list[str] = []
         self._step(f"lookup({req_id}: {','.join(q.keys)})")
-        for k in q.keys:
-            answers.append(self._call("lookup", req_id, k))
-            _event(f"lookup answered {answers[-1]}")
-            if answers[-1] == "MISS":
-                break
+
+        def lookup(key: str) -> str:
+            answer: str = self._call("lookup", req_id, key)
+            _event(f"lookup answered {answer}")
+            return answer
+
+        answers = prefix_scan(lookup, q.keys)
         self.trace[-1] += f" -> {'/'.join(answers)}"
         if any(a in ("HIT_PENDING", "RETRY") for a in answers):
             q.defers += 1
@@ -1021,5 +1033,6 @@ def replay(machine: type[TieringStateMachine], trace: str | Sequence[str],
 
 __all__ = ["FAMILIES", "SETUPS", "BadLoad", "DrainError", "PositionedReference",
            "RefinementError", "SystemFactory", "TierSetup", "TieringStateMachine", "key_bytes",
+           "prefix_scan",
            "reference_system", "replay", "state_diff", "table_moves", "tiering_violations",
            "vllm_like_reference", "without_slots"]

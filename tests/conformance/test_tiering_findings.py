@@ -29,6 +29,7 @@ if pytest.importorskip("conformance.vllm_env").vllm_version() < (0, 33, 0):
 from conformance.tiering_adapter import VllmTieringSystem
 from spec.tiering import cpu_chunk as CC
 from spec.tiering import tier_copy as TC
+from statemachine.tiering.testing import prefix_scan
 from tests.conformance.test_tiering_vllm import Checked
 
 pytestmark = pytest.mark.conformance
@@ -50,14 +51,7 @@ FIXED = "vLLM no longer behaves so: move the finding to the fixed ones in CONFOR
 
 
 def _scan(v: Checked, req_id: str, keys: list[str]) -> list[str]:
-    """The scheduler's prefix lookup (S:773-803): on through HIT, HIT_PENDING and RETRY,
-    stop at the first MISS."""
-    out = []
-    for k in keys:
-        out.append(v.lookup(req_id, k))
-        if out[-1] == "MISS":
-            break
-    return out
+    return prefix_scan(lambda k: v.lookup(req_id, k), keys)
 
 
 def _store_to_tier(v: Checked, req_id: str, keys: list[str]) -> None:
