@@ -13,11 +13,12 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from spec.tiering.checker import check_tiering_model
+from spec.tiering.cpu_chunk import prefix_scan
 from spec.tiering.faults import TIER_FAULT_NAMES
 from spec.tiering.scenarios import tier_scenario
 from statemachine.tiering.mutants import TIER_MUTANTS, tier_mutant
 from statemachine.tiering.reference import ReferenceTieringSystem
-from statemachine.tiering.testing import TieringStateMachine, TierSetup, prefix_scan, replay
+from statemachine.tiering.testing import TieringStateMachine, TierSetup, replay
 
 HUNT = settings(max_examples=400, stateful_step_count=40, derandomize=True, deadline=None,
                 database=None, phases=(Phase.generate,),

@@ -14,6 +14,9 @@ waits for the tier forever in `reset_cache`, TM:1164-1169).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 from spec.schema import (
     BEYOND_VLLM,
     SAME,
@@ -25,6 +28,8 @@ from spec.schema import (
     StateGroup,
     Transition,
 )
+
+K = TypeVar("K")
 
 ABSENT = "ABSENT"
 WRITE_PENDING = "WRITE_PENDING"
@@ -71,6 +76,18 @@ LOOKUP_ANSWER: dict[str, str | None] = {
 }
 """What the CPU tier answers a lookup in each state; None: ask the secondary tiers
 (TM:626-675)."""
+
+
+def prefix_scan(lookup: Callable[[K], str], keys: Sequence[K]) -> list[str]:
+    """The scheduler's prefix lookup of `keys` in order (S:773-803): on through HIT,
+    HIT_PENDING and RETRY, stopping after the first MISS; the answers. The request defers
+    when any is HIT_PENDING or RETRY (S:1014-1019); else the keys before a MISS load."""
+    answers: list[str] = []
+    for key in keys:
+        answers.append(lookup(key))
+        if answers[-1] == "MISS":
+            break
+    return answers
 
 GUARDS = (
     Guard("last_reader", "this release drops ref_cnt to 0"),

@@ -564,18 +564,17 @@ def _lookup(tx: _Tx, r: int, scanned: set[int] | None = None) -> None:
     `scanned` collects the keys every lookup of the step hit so far (a promotion evicts
     none of them); a lone lookup (lookups in any order) protects its own scan only."""
     keys = tx.s.bounds.requests[r]
-    hits: list[int] = []
-    scanned = set() if scanned is None else scanned
-    defer = False
-    for k in keys:
-        answer = _lookup_key(tx, r, k, frozenset(scanned))
-        if answer == "MISS":
-            break
-        if answer != "RETRY":
-            hits.append(k)
-            scanned.add(k)
-        defer |= answer != "HIT"
-    if defer:
+    hit = set() if scanned is None else scanned
+
+    def lookup(k: int) -> str:
+        answer = _lookup_key(tx, r, k, frozenset(hit))
+        if answer in ("HIT", "HIT_PENDING"):
+            hit.add(k)
+        return answer
+
+    answers = CC.prefix_scan(lookup, keys)
+    hits = [k for k, a in zip(keys, answers, strict=False) if a in ("HIT", "HIT_PENDING")]
+    if any(a in ("HIT_PENDING", "RETRY") for a in answers):
         tx.reqs[r] = replace(tx.reqs[r], deferred=True)
         return
     todo = tuple(keys[len(hits):])

@@ -92,6 +92,7 @@ from spec.tiering import cpu_chunk as CC
 from spec.tiering import tier_copy as TC
 from spec.tiering import tier_job as TJ
 from spec.tiering import tier_request as TR
+from spec.tiering.cpu_chunk import prefix_scan
 from spec.tiering.state import TieringState, TierJobRecord
 from statemachine.tiering.fs_tier import FilesystemTier
 from statemachine.tiering.reference import ReferenceTieringSystem
@@ -367,17 +368,6 @@ class _Req:
     """Lookups that deferred it."""
     deferred_at: int = -1
     """The machine's step count at its last deferral."""
-
-
-def prefix_scan(lookup: Callable[[str], str], keys: Sequence[str]) -> list[str]:
-    """The scheduler's prefix lookup of `keys` in order (S:773-803): on through HIT,
-    HIT_PENDING and RETRY, stopping after the first MISS; the answers."""
-    answers: list[str] = []
-    for key in keys:
-        answers.append(lookup(key))
-        if answers[-1] == "MISS":
-            break
-    return answers
 
 
 class TieringStateMachine(RuleBasedStateMachine):
@@ -1033,6 +1023,5 @@ def replay(machine: type[TieringStateMachine], trace: str | Sequence[str],
 
 __all__ = ["FAMILIES", "SETUPS", "BadLoad", "DrainError", "PositionedReference",
            "RefinementError", "SystemFactory", "TierSetup", "TieringStateMachine", "key_bytes",
-           "prefix_scan",
            "reference_system", "replay", "state_diff", "table_moves", "tiering_violations",
            "vllm_like_reference", "without_slots"]

@@ -29,7 +29,7 @@ if pytest.importorskip("conformance.vllm_env").vllm_version() < (0, 33, 0):
 from conformance.tiering_adapter import VllmTieringSystem
 from spec.tiering import cpu_chunk as CC
 from spec.tiering import tier_copy as TC
-from statemachine.tiering.testing import prefix_scan
+from spec.tiering.cpu_chunk import prefix_scan
 from tests.conformance.test_tiering_vllm import Checked
 
 pytestmark = pytest.mark.conformance
