@@ -86,6 +86,19 @@ class Observations:
     """Model tokens computed once each request's last scheduled step ran: the core frees a
     window group's blocks before that window (the adapter plays the core)."""
 
+    def core_of(self, req_id: str, req: Any) -> str:
+        """The core's view of the request (waiting / remote / running / finished): what the
+        adapter played; a live monitor reads it from the request itself."""
+        return self.core_status.get(req_id, "waiting")
+
+    def key(self, vllm_key: Any) -> int:
+        """The model chunk key of a vLLM offload key."""
+        try:
+            return self.key_of[bytes(vllm_key)]
+        except KeyError:
+            raise KeyError(f"vLLM offload key {bytes(vllm_key).hex()[:16]}... maps to no "
+                           "model chunk") from None
+
     def held(self, req_id: str, table: tuple[int, ...] | None = None) -> tuple[int, ...]:
         """The model blocks the core still gives `req_id` (of `table`, by default the core's
         table now): no null block, and a window group's positions only in the window."""
@@ -112,12 +125,7 @@ def _first(obj: Any, *names: str, default: Any = None) -> Any:
 
 
 def _keys(obs: Observations, keys: Any) -> frozenset[int]:
-    out = set()
-    for k in keys or ():
-        if bytes(k) not in obs.key_of:
-            raise KeyError(f"vLLM offload key {bytes(k).hex()[:16]}... maps to no model chunk")
-        out.add(obs.key_of[bytes(k)])
-    return frozenset(out)
+    return frozenset(obs.key(k) for k in keys or ())
 
 
 def _blocks(ids: Any) -> frozenset[int]:
@@ -140,7 +148,7 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
     loads = [j for j in jobs if j is not None and not j.is_store]
     if any(not _first(j, "is_sync_load", default=False) for j in loads):
         return R.LOADING_ASYNC
-    core = obs.core_status.get(req_id, "waiting")
+    core = obs.core_of(req_id, st.req)
     if loads:  # a sync load: waited on in its step while the core runs the request; once
         # the core preempted it, the load is flushed with the request's stores
         return R.LOADING_SYNC if core == "running" else R.PREEMPTED_FLUSHING
@@ -165,62 +173,89 @@ def _store_cursor(st: Any) -> int | None:
     return int(cursor) if cursor is not None else None
 
 
-def project(setup: Any, obs: Observations) -> AbstractState:
-    """The abstract state of vLLM's scheduler-side connector (`setup` a `VLLMSetup`)."""
-    sched = setup.scheduler
-    manager = setup.manager
+def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
+    """One job of vLLM's `_jobs` (a `TransferJobStatus`)."""
+    memo = obs.jobs.get(jid)
+    deferred = _first(js, "deferred_fence_block_ids", "non_sliding_window_block_ids")
+    fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
+    return JobRecord(
+        id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
+        state=_job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
+        sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
+        keys=_keys(obs, js.keys), blocks=memo.blocks if memo else frozenset(),
+        fenced_blocks=_blocks(fenced), deferred_fence_blocks=_blocks(deferred),
+        age=1, flush_requested=jid in obs.flush_requested)
 
-    jobs = []
-    for jid, js in sched._jobs.items():
-        memo = obs.jobs.get(jid)
-        deferred = _first(js, "deferred_fence_block_ids", "non_sliding_window_block_ids")
-        fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
-        jobs.append(JobRecord(
-            id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
-            state=_job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
-            sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
-            keys=_keys(obs, js.keys), blocks=memo.blocks if memo else frozenset(),
-            fenced_blocks=_blocks(fenced), deferred_fence_blocks=_blocks(deferred),
-            age=1, flush_requested=jid in obs.flush_requested))
 
-    requests = []
-    for req_id, st in sched._req_status.items():
-        state = _request_state(sched, obs, req_id, st)
-        if state in R.HOLDS_GPU_BLOCKS:
-            gpu = obs.held(req_id)
-        elif st.req.is_finished():
-            # finished while loading: the load's blocks stay held, but not those its window
-            # had left behind while the request ran
-            still = set(obs.held(req_id, obs.final_blocks.get(req_id, ())))
-            gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
-                        and not sched._jobs[j].is_store
-                        for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ())
-                        if b in still)
-        else:
-            gpu = ()
-        requests.append(RequestRecord(
-            id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
-            finished=bool(st.req.is_finished()),
-            finished_signaled=bool(_first(st, "finished_signaled", default=False)),
-            load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu,
-            store_cursor=_store_cursor(st)))
+def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> RequestRecord:
+    """One tracked request of vLLM's `_req_status` (a `RequestOffloadState`)."""
+    state = _request_state(sched, obs, req_id, st)
+    if state in R.HOLDS_GPU_BLOCKS:
+        gpu = obs.held(req_id)
+    elif st.req.is_finished():
+        # finished while loading: the load's blocks stay held, but not those its window
+        # had left behind while the request ran
+        still = set(obs.held(req_id, obs.final_blocks.get(req_id, ())))
+        gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
+                    and not sched._jobs[j].is_store
+                    for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ())
+                    if b in still)
+    else:
+        gpu = ()
+    return RequestRecord(
+        id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
+        finished=bool(st.req.is_finished()),
+        finished_signaled=bool(_first(st, "finished_signaled", default=False)),
+        load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu,
+        store_cursor=_store_cursor(st))
 
+
+def fence_of(sched: Any, obs: Observations) -> dict[int, int]:
+    """The reset fence: stale job id -> reports still due (emulated where vLLM keeps none)."""
     fence_src = _first(sched, "_reset_fence")
     if fence_src is None:
         fence_src = obs.emulated_fence or {}
-    fence = []
-    for jid, due in fence_src.items():
-        memo = obs.jobs.get(jid)
-        fence.append(HeldJob(
-            id=jid, kind="load" if memo is not None and memo.kind == "load" else "store",
-            reports_due=int(due), keys=memo.keys if memo else frozenset(),
-            blocks=memo.blocks if memo else frozenset(), flushed=jid in obs.flush_shipped,
-            sync=memo.sync if memo else False))
+    return dict(fence_src)
 
-    being_loaded = _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set()
-    table = _first(manager._policy, "chunks", "blocks")
-    ref_cnt = tuple(sorted((obs.key_of[bytes(k)], int(c.ref_cnt)) for k, c in table.items()))
-    region = _first(sched, "_step_region")
+
+def project_held(obs: Observations, jid: int, due: int) -> HeldJob:
+    """One entry of the reset fence."""
+    memo = obs.jobs.get(jid)
+    return HeldJob(
+        id=jid, kind="load" if memo is not None and memo.kind == "load" else "store",
+        reports_due=int(due), keys=memo.keys if memo else frozenset(),
+        blocks=memo.blocks if memo else frozenset(), flushed=jid in obs.flush_shipped,
+        sync=memo.sync if memo else False)
+
+
+def policy_table(manager: Any) -> Any:
+    """The manager's chunk table (offload key -> entry with `ref_cnt`)."""
+    return _first(manager._policy, "chunks", "blocks")
+
+
+def chunks_being_loaded(sched: Any, obs: Observations) -> frozenset[int]:
+    return _keys(obs, _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set())
+
+
+def block_fence(sched: Any) -> tuple[tuple[int, frozenset[int]], ...]:
+    """vLLM's `_block_id_to_pending_jobs` in model blocks."""
+    return tuple(sorted((model_block(b), frozenset(ids))
+                        for b, ids in sched._block_id_to_pending_jobs.items()))
+
+
+def step_open(sched: Any) -> bool:
+    return _first(sched, "_step_region") is not None
+
+
+def project(setup: Any, obs: Observations) -> AbstractState:
+    """The abstract state of vLLM's scheduler-side connector (`setup` a `VLLMSetup`)."""
+    sched = setup.scheduler
+    jobs = [project_job(sched, obs, jid, js) for jid, js in sched._jobs.items()]
+    requests = [project_request(sched, obs, req_id, st)
+                for req_id, st in sched._req_status.items()]
+    fence = [project_held(obs, jid, due) for jid, due in fence_of(sched, obs).items()]
+    table = policy_table(setup.manager)
+    ref_cnt = tuple(sorted((obs.key(k), int(c.ref_cnt)) for k, c in table.items()))
     return AbstractState(
         num_workers=obs.num_workers,
         requests=tuple(sorted(requests)),
@@ -228,16 +263,17 @@ def project(setup: Any, obs: Observations) -> AbstractState:
         job_counter=int(sched._job_counter),
         stale_threshold=int(sched._stale_job_threshold),
         reset_fence=tuple(sorted(fence)),
-        chunks_being_loaded=_keys(obs, being_loaded),
+        chunks_being_loaded=chunks_being_loaded(sched, obs),
         chunk_ref_cnt=ref_cnt,
-        block_fence=tuple(sorted((model_block(b), frozenset(ids))
-                                 for b, ids in sched._block_id_to_pending_jobs.items())),
+        block_fence=block_fence(sched),
         jobs_to_flush=frozenset(sched._current_batch_jobs_to_flush),
-        step_open=region is not None,
+        step_open=step_open(sched),
         reset_since_last_step=obs.reset_since_last_step,
         finished_signals=tuple(sorted((r, n) for r, n in obs.signals.items() if n)),
         stores_after_signal=tuple(sorted(obs.stores_after_signal)),
     )
 
 
-__all__ = ["JobMemo", "Observations", "model_block", "project", "vllm_block"]
+__all__ = ["JobMemo", "Observations", "block_fence", "chunks_being_loaded", "fence_of",
+           "model_block", "policy_table", "project", "project_held", "project_job",
+           "project_request", "step_open", "vllm_block"]

@@ -27,3 +27,16 @@ QUERY_HOOKS: dict[str, str] = {
     "get_external_cache_hit_sources": "S:1304-1349",
     "shutdown": "S:2461-2462",
 }
+
+OBSERVED_WITHIN: dict[str, tuple[str, ...]] = {
+    "update_connector_output": ("update_connector_output", "update_from_output"),
+}
+"""The hooks whose rows one connector hook call may fire, where it is more than the hook
+itself: vLLM's core calls `update_connector_output` inside `update_from_output` and then
+moves the requests whose loads it reports (`finished_recving`), so a monitor that wraps the
+connector sees the core's rows of `update_from_output` within that call."""
+
+
+def rows_within(hook: str) -> tuple[str, ...]:
+    """The hooks of the table rows that a call of `hook` may fire (`OBSERVED_WITHIN`)."""
+    return OBSERVED_WITHIN.get(hook, (hook,))

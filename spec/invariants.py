@@ -423,6 +423,16 @@ INVARIANTS: tuple[Invariant, ...] = (
 
 SAFETY = tuple(i for i in INVARIANTS if not i.is_progress)
 
+WHOLE_STATE = frozenset({"INV-3", "INV-7", "INV-8", "INV-12", "INV-15", "INV-16", "INV-17"})
+"""The safety invariants that relate records of different requests (a job id held twice,
+the fence map against every live store, the chunks being loaded against every async load,
+each chunk's pins against every load, the GPU blocks of every request, two stores of one
+chunk, an id in two tables): over a part of the state they can miss a violation or report
+a false one. Every other one is local: it holds of a state when it holds of every part
+closed under ownership (a set of requests, the jobs they hold, those jobs' owners, and all
+of the state's global fields). An incremental checker (the live monitor) checks the local
+ones over the part each hook touched and these over the whole state."""
+
 
 def check(state: AbstractState, without: frozenset[str] = frozenset()) -> list[Violation]:
     """Every violation of every safety invariant in `state` (empty when all hold), except

@@ -1,0 +1,259 @@
+"""`MonitoredOffloadingConnector`: vLLM's `OffloadingConnector` with the spec checked live.
+
+Load it in any vLLM engine through the KV transfer config (the class is looked up in the
+module `kv_connector_module_path` names):
+
+    --kv-transfer-config '{"kv_connector": "MonitoredOffloadingConnector",
+      "kv_connector_module_path": "statemachine.monitor.connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "CPUOffloadingSpec",
+        "cpu_bytes_to_use": 8589934592, "kvspec_mode": "warn",
+        "kvspec_log": "/var/log/vllm/kvspec.jsonl"}}'
+
+In the scheduler role every scheduler-side hook runs vLLM's own code, then the monitor
+projects what the hook touched (`statemachine.monitor.live`), writes the event to the log
+and, unless the mode is `log`, checks it (`statemachine.monitor.checker`): every move a
+row of the tables, the invariants, a job held with no report. The worker role is vLLM's
+connector unchanged. Settings (`kv_connector_extra_config`; every `kvspec_` key is the
+monitor's, an unknown one is a configuration error):
+
+- `kvspec_mode`: `log` (the event log only), `warn` (a violation is logged as a warning
+  with the trace that led to it, once, and serving goes on), `raise` (a violation raises
+  `MonitorViolation` from the hook, with the trace). Default `warn`.
+- `kvspec_log`: the event log's path (default `kvspec-monitor-<pid>.jsonl` in the
+  temporary folder); `""` writes none.
+- `kvspec_stuck_after_steps`: a request holding a job id with no report for this many
+  engine steps is reported (default 64; 0 turns the check off).
+- `kvspec_whole_every`: re-project and check the whole state every this many steps
+  (default 0: never; each hook's part is always checked).
+- `kvspec_trace_len`: events kept for the traces (default 512).
+
+`kvspec replay LOG` checks a log offline with the same checker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from statemachine.errors import ConfigError, KVSpecError
+from statemachine.monitor.checker import Finding, SpecMonitor, format_trace, with_findings
+from statemachine.monitor.live import LiveProjector, block_ids_per_group
+from statemachine.monitor.log import Event, Header, LogWriter
+
+logger = logging.getLogger("kvspec.monitor")
+
+MODES = ("log", "warn", "raise")
+
+
+class MonitorViolation(KVSpecError):
+    """The spec monitor found a violation (mode `raise`): the finding and its trace."""
+
+    def __init__(self, finding: Finding, trace: str) -> None:
+        self.finding = finding
+        self.trace = trace
+        super().__init__(trace)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    mode: str = "warn"
+    log: str | None = None
+    stuck_after_steps: int = 64
+    whole_every: int = 0
+    trace_len: int = 512
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> MonitorConfig:
+        """The `kvspec_` settings of `kv_connector_extra_config` (`ConfigError` naming a bad
+        one)."""
+        extra = dict(extra or {})
+        known = {"kvspec_mode", "kvspec_log", "kvspec_stuck_after_steps",
+                 "kvspec_whole_every", "kvspec_trace_len"}
+        unknown = sorted(k for k in extra if k.startswith("kvspec_") and k not in known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown monitor setting "
+                              f"{unknown[0]!r} (known: {', '.join(sorted(known))})")
+        mode = extra.get("kvspec_mode", "warn")
+        if mode not in MODES:
+            raise ConfigError(f"kv_connector_extra_config: kvspec_mode {mode!r} is not one of "
+                              f"{', '.join(MODES)}")
+        ints = {}
+        for name, default, low in (("kvspec_stuck_after_steps", 64, 0),
+                                   ("kvspec_whole_every", 0, 0), ("kvspec_trace_len", 512, 1)):
+            value = extra.get(name, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"kv_connector_extra_config: {name} must be an integer >= "
+                                  f"{low}, got {value!r}")
+            ints[name] = value
+        log = extra.get("kvspec_log")
+        if log is None:
+            log = str(Path(tempfile.gettempdir()) / f"kvspec-monitor-{os.getpid()}.jsonl")
+        if not isinstance(log, str):
+            raise ConfigError(f"kv_connector_extra_config: kvspec_log must be a path, got "
+                              f"{log!r}")
+        return cls(mode=mode, log=log or None,
+                   stuck_after_steps=ints["kvspec_stuck_after_steps"],
+                   whole_every=ints["kvspec_whole_every"], trace_len=ints["kvspec_trace_len"])
+
+
+class LiveMonitor:
+    """The monitor of one scheduler-side connector: projector, log writer, checker."""
+
+    def __init__(self, sched: Any, config: MonitorConfig, num_workers: int) -> None:
+        self.config = config
+        self.projector = LiveProjector(sched, num_workers)
+        self.checker = None if config.mode == "log" else SpecMonitor(
+            num_workers, stuck_after_steps=config.stuck_after_steps or None,
+            whole_every=config.whole_every, trace_len=config.trace_len)
+        self.writer = None if config.log is None else LogWriter(config.log, Header(
+            vllm=str(vllm.__version__), num_workers=num_workers, mode=config.mode,
+            stuck_after_steps=config.stuck_after_steps or None))
+        self.findings: list[Finding] = []
+        if config.log:
+            logger.info("kvspec monitor: mode %s, event log %s", config.mode, config.log)
+
+    def record(self, hook: str, args: dict[str, Any], requests: Any = (), jobs: Any = (),
+               everything: bool = False) -> None:
+        p = self.projector
+        whole = (self.config.whole_every and hook == "build_connector_meta"
+                 and p.step % self.config.whole_every == 0)
+        event = p.event(hook, args, requests, jobs, everything=everything or bool(whole))
+        found: list[Finding] = []
+        if self.checker is not None:
+            found = self.checker.observe(event)
+        if self.writer is not None:
+            self.writer.write(with_findings(event, found) if found else event)
+        if found:
+            self._report(event, found)
+
+    def _report(self, event: Event, found: list[Finding]) -> None:
+        assert self.checker is not None
+        self.findings.extend(found)
+        first = found[0]
+        text = format_trace(self.checker.trace_of(first), first)
+        if len(found) > 1:
+            text += "\n  and " + "\n  and ".join(str(f) for f in found[1:])
+        if self.config.mode == "raise":
+            raise MonitorViolation(first, text)
+        logger.warning("kvspec monitor: %s", text)
+
+    def close(self) -> None:
+        if self.checker is not None:
+            end = self.checker.finish()
+            if end and self._last_event is not None:
+                self.findings.extend(end)
+        if self.writer is not None:
+            self.writer.close()
+
+    @property
+    def _last_event(self) -> Event | None:
+        return None if self.checker is None or not self.checker.trace \
+            else self.checker.trace[-1].event
+
+
+class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
+    """vLLM's `OffloadingConnector`, each scheduler-side hook checked against the spec."""
+
+    def __init__(self, vllm_config: Any, role: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, role, *args, **kwargs)
+        self.kvspec: LiveMonitor | None = None
+        if getattr(self, "connector_scheduler", None) is None:
+            return  # the worker role: vLLM's connector, unchanged
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        workers = int(vllm_config.parallel_config.world_size)
+        self.kvspec = LiveMonitor(self.connector_scheduler, MonitorConfig.from_extra(extra),
+                                  workers)
+
+    def _mon(self) -> LiveMonitor:
+        assert self.kvspec is not None, "a scheduler-side hook on the worker role"
+        return self.kvspec
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        self._mon().record("on_new_request", {
+            "request": request.request_id, "prompt_tokens": int(request.num_prompt_tokens)},
+            (request.request_id,))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   *args: Any, **kwargs: Any) -> Any:
+        out = super().get_num_new_matched_tokens(request, num_computed_tokens, *args,
+                                                 **kwargs)
+        hits, is_async = out
+        self._mon().record("get_num_new_matched_tokens", {
+            "request": request.request_id, "num_computed_tokens": int(num_computed_tokens),
+            "result": [hits if hits is None else int(hits), bool(is_async)]},
+            (request.request_id,))
+        return out
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> Any:
+        out = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._mon().record("update_state_after_alloc", {
+            "request": request.request_id, "block_ids": block_ids_per_group(blocks),
+            "num_external_tokens": int(num_external_tokens)}, (request.request_id,))
+        return out
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        mon = self._mon()
+        args, touched = mon.projector.args_of_output(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        shipped, jobs = mon.projector.after_build(meta)
+        args["shipped"] = shipped
+        touched |= mon.projector.owners(jobs)
+        mon.record("build_connector_meta", args, touched, jobs)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        mon = self._mon()
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        acks = {int(j): int(n) for j, n in (getattr(meta, "completed_jobs", None) or {}).items()}
+        sending = sorted(connector_output.finished_sending or ())
+        recving = sorted(connector_output.finished_recving or ())
+        touched = mon.projector.owners(acks) | set(sending) | set(recving)
+        super().update_connector_output(connector_output)
+        mon.record("update_connector_output", {
+            "acks": {str(j): n for j, n in sorted(acks.items())},
+            "finished_sending": sending, "finished_recving": recving}, touched, acks)
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        out = super().request_finished(request, block_ids)
+        self._finished("request_finished", request, block_ids, out)
+        return out
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        out = super().request_finished_all_groups(request, block_ids)
+        self._finished("request_finished", request, block_ids, out)
+        return out
+
+    def _finished(self, hook: str, request: Any, block_ids: Any, out: Any) -> None:
+        delay, params = out
+        self._mon().record(hook, {"request": request.request_id,
+                                  "block_ids": block_ids_per_group(block_ids),
+                                  "result": [bool(delay), params is not None]},
+                           (request.request_id,))
+
+    def reset_cache(self) -> Any:
+        out = super().reset_cache()
+        mon = self._mon()
+        mon.projector.obs.reset_since_last_step = True
+        mon.record("reset_cache", {"result": out}, everything=True)
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self.kvspec is not None:
+                self.kvspec.close()
+
+
+__all__ = ["MODES", "MonitorConfig", "MonitorViolation", "MonitoredOffloadingConnector"]

@@ -1,0 +1,309 @@
+"""The live side of the monitor: vLLM's scheduler-side connector projected after each hook.
+
+`LiveProjector` reads the fields of a running `OffloadingConnectorScheduler` through
+`conformance.projection` (the same abstraction function as the conformance tests; the
+release differences live there) and turns each hook call into an `Event` of the log: the
+hook's arguments in the schema's terms and the delta of the projected state. It re-projects
+only what the hook can have touched (its request; for `build_connector_meta` the requests it
+admitted, resumed, preempted or finished and the owners of the jobs it created or flushed;
+for `update_connector_output` the owners of the reported jobs; everything for
+`reset_cache`), so a step costs what it changed, not what is tracked. `project_all()`
+re-projects everything (the monitor's periodic whole check).
+
+What the connector does not keep, the projector observes: each request's core status from
+the request itself (`Request.status`), chunk keys interned as small integers on first
+sight, the calls of the manager's `on_request_finished` and any `prepare_store` after it
+(the manager's two methods wrapped; they call through), each job's kind, keys and whether
+its metadata was shipped (from the metadata `build_connector_meta` returns). The GPU block
+tables of the core are not observed: INV-15 (GPU data safety) is left to the conformance
+machine, which plays the core.
+
+This module does not import vLLM; it reads the objects it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from conformance.projection import (
+    JobMemo,
+    Observations,
+    block_fence,
+    chunks_being_loaded,
+    fence_of,
+    policy_table,
+    project_held,
+    project_job,
+    project_request,
+    step_open,
+)
+from spec import job as J
+from spec.state import JobRecord, RequestRecord
+from statemachine.monitor.log import Delta, Event
+
+_CORE_STATUS = {
+    "WAITING": "waiting", "WAITING_FOR_FSM": "waiting",
+    "WAITING_FOR_STREAMING_REQ": "waiting", "PREEMPTED": "waiting",
+    "WAITING_FOR_REMOTE_KVS": "remote", "RUNNING": "running",
+}
+"""vLLM's `RequestStatus` names -> the core's view the projection reads (finished
+statuses are read from `Request.is_finished()`)."""
+
+
+@dataclass
+class LiveObservations(Observations):
+    """Observations of a live engine: the core's view read from the request, keys
+    interned on first sight."""
+
+    vllm_key: dict[int, Any] = field(default_factory=dict)
+    """model key -> vLLM offload key (to read a chunk's pins back)."""
+
+    def core_of(self, req_id: str, req: Any) -> str:
+        status = getattr(getattr(req, "status", None), "name", "WAITING")
+        return _CORE_STATUS.get(status, "finished" if req.is_finished() else "waiting")
+
+    def key(self, vllm_key: Any) -> int:
+        raw = bytes(vllm_key)
+        k = self.key_of.get(raw)
+        if k is None:
+            k = self.key_of[raw] = len(self.key_of)
+            self.vllm_key[k] = vllm_key
+        return k
+
+    def held(self, req_id: str, table: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        return ()  # the core's block tables are not observed (see the module docstring)
+
+
+def block_ids_per_group(blocks: Any) -> list[list[int]]:
+    """Block ids per KV cache group of a `KVCacheBlocks` or a tuple of lists."""
+    if blocks is None:
+        return []
+    get = getattr(blocks, "get_block_ids", None)
+    groups = get() if get is not None else blocks
+    if groups and isinstance(groups[0], int):
+        groups = (groups,)
+    return [list(map(int, g)) for g in groups]
+
+
+class LiveProjector:
+    """Projects a live `OffloadingConnectorScheduler` after each hook (see the module
+    docstring); `event(...)` returns the hook's `Event`."""
+
+    def __init__(self, sched: Any, num_workers: int) -> None:
+        self.sched = sched
+        self.manager = sched.manager
+        self.obs = LiveObservations(num_workers=num_workers)
+        if not hasattr(sched, "_reset_fence"):
+            self.obs.emulated_fence = {}
+        self.requests: dict[str, RequestRecord] = {}
+        self.jobs: dict[int, JobRecord] = {}
+        self.fence: dict[int, int] = {}
+        self.ref_cnt: dict[int, int] = {}
+        self.block_fence: dict[int, frozenset[int]] = {}
+        self.signals: dict[str, int] = {}
+        self.scalars: dict[str, Any] = {}
+        self.shipped_below = 0
+        """Job ids below this were shipped by a `build_connector_meta` (every job a step
+        creates is shipped by its step's metadata)."""
+        self.seq = 0
+        self.step = 0
+        self._wrap_manager()
+
+    # -- observation wrappers (they count, then call through) ---------------------------
+    def _wrap_manager(self) -> None:
+        manager, obs = self.manager, self.obs
+        finished, prepare_store = manager.on_request_finished, manager.prepare_store
+
+        def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+            for a in (*args, *kwargs.values()):
+                rid = getattr(a, "req_id", None)
+                if isinstance(rid, str):
+                    return rid
+            return None
+
+        def on_request_finished(*args: Any, **kwargs: Any) -> Any:
+            rid = req_id_of(args, kwargs)
+            if rid is not None:
+                obs.signals[rid] = obs.signals.get(rid, 0) + 1
+            return finished(*args, **kwargs)
+
+        def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
+            rid = req_id_of(args, kwargs)
+            if rid is not None and obs.signals.get(rid, 0) and rid in self.sched._req_status:
+                obs.stores_after_signal.append(rid)
+            return prepare_store(*args, **kwargs)
+
+        manager.on_request_finished = on_request_finished
+        manager.prepare_store = counted_prepare_store
+
+    # -- projection ---------------------------------------------------------------------
+    def _job(self, jid: int, js: Any) -> JobRecord:
+        obs = self.obs
+        if jid not in obs.jobs:
+            obs.jobs[jid] = JobMemo("store" if js.is_store else "load",
+                                    frozenset(obs.key(k) for k in js.keys),
+                                    sync=bool(getattr(js, "is_sync_load", False)))
+        rec = project_job(self.sched, obs, jid, js)
+        if jid >= self.shipped_below:
+            rec = replace(rec, state=J.CREATED)
+        return rec
+
+    def delta(self, requests: Iterable[str], jobs: Iterable[int] = (), *,
+              everything: bool = False, globals_: bool = True) -> Delta:
+        """What changed in the records of `requests`, the jobs they hold (before and
+        after), `jobs`, jobs created since the last call, and the global fields."""
+        sched, d = self.sched, Delta()
+        status, table = sched._req_status, sched._jobs
+        if everything:
+            requests = set(status) | set(self.requests)
+            jobs = set(table) | set(self.jobs)
+        want_jobs = set(jobs)
+        counter = int(sched._job_counter)
+        last_counter = self.scalars.get("job_counter", 0)
+        want_jobs.update(j for j in table if j >= last_counter)
+        for rid in requests:
+            old = self.requests.get(rid)
+            if old is not None:
+                want_jobs |= old.transfer_jobs
+            st = status.get(rid)
+            new = None if st is None else project_request(sched, self.obs, rid, st)
+            if new is not None:
+                want_jobs |= new.transfer_jobs
+            if new != old:
+                d.requests[rid] = new
+                if new is None:
+                    del self.requests[rid]
+                else:
+                    self.requests[rid] = new
+        keys: set[int] = set()
+        for jid in want_jobs:
+            old_job = self.jobs.get(jid)
+            js = table.get(jid)
+            new_job = None if js is None else self._job(jid, js)
+            for rec in (old_job, new_job):
+                if rec is not None:
+                    keys |= rec.keys
+            if new_job != old_job:
+                d.jobs[jid] = new_job
+                if new_job is None:
+                    del self.jobs[jid]
+                else:
+                    self.jobs[jid] = new_job
+                    if old_job is None and new_job.owner not in d.requests \
+                            and new_job.owner in status:  # its owner's set changed too
+                        rec_r = project_request(sched, self.obs, new_job.owner,
+                                                status[new_job.owner])
+                        if rec_r != self.requests.get(new_job.owner):
+                            d.requests[new_job.owner] = self.requests[new_job.owner] = rec_r
+        if everything:
+            keys |= set(self.ref_cnt)
+            chunks = policy_table(self.manager)
+            keys |= {self.obs.key(k) for k in chunks}
+        self._pins(keys, d)
+        if globals_:
+            self._globals(d, counter)
+        return d
+
+    def _pins(self, keys: Iterable[int], d: Delta) -> None:
+        chunks = policy_table(self.manager)
+        for k in keys:
+            entry = chunks.get(self.obs.vllm_key[k])
+            n = None if entry is None else int(entry.ref_cnt)
+            if self.ref_cnt.get(k) != n:
+                d.ref_cnt[k] = n
+                if n is None:
+                    self.ref_cnt.pop(k, None)
+                else:
+                    self.ref_cnt[k] = n
+
+    def _globals(self, d: Delta, counter: int) -> None:
+        sched, obs = self.sched, self.obs
+        fence = fence_of(sched, obs)
+        if fence != self.fence:
+            for jid in set(fence) | set(self.fence):
+                if fence.get(jid) != self.fence.get(jid):
+                    d.fence[jid] = None if jid not in fence else project_held(
+                        obs, jid, fence[jid])
+            self.fence = fence
+        fenced = dict(block_fence(sched))
+        if fenced != self.block_fence:
+            for b in set(fenced) | set(self.block_fence):
+                if fenced.get(b) != self.block_fence.get(b):
+                    d.block_fence[b] = fenced.get(b)
+            self.block_fence = fenced
+        for rid, n in obs.signals.items():
+            if self.signals.get(rid) != n:
+                d.signals[rid] = self.signals[rid] = n
+        scalars = {
+            "job_counter": counter,
+            "stale_threshold": int(sched._stale_job_threshold),
+            "chunks_being_loaded": chunks_being_loaded(sched, obs),
+            "jobs_to_flush": frozenset(sched._current_batch_jobs_to_flush),
+            "step_open": step_open(sched),
+            "reset_since_last_step": obs.reset_since_last_step,
+            "stores_after_signal": frozenset(obs.stores_after_signal),
+        }
+        for name, value in scalars.items():
+            if self.scalars.get(name, _UNSET) != value:
+                d.scalars[name] = self.scalars[name] = value
+
+    # -- events -------------------------------------------------------------------------
+    def event(self, hook: str, args: dict[str, Any], requests: Iterable[str] = (),
+              jobs: Iterable[int] = (), everything: bool = False) -> Event:
+        self.seq += 1
+        return Event(seq=self.seq, step=self.step, hook=hook, args=args,
+                     delta=self.delta(requests, jobs, everything=everything))
+
+    def owners(self, job_ids: Iterable[int]) -> set[str]:
+        """The requests (as last projected) that hold these jobs."""
+        out = set()
+        for j in job_ids:
+            rec = self.jobs.get(j)
+            if rec is not None:
+                out.add(rec.owner)
+        return out
+
+    def args_of_output(self, scheduler_output: Any) -> tuple[dict[str, Any], set[str]]:
+        """`build_connector_meta`'s arguments and the requests it can move: those admitted,
+        resumed, preempted or finished (the rest keep running)."""
+        scheduled: dict[str, list[Any]] = {}
+        touched: set[str] = set()
+        tokens = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled[new.req_id] = [int(tokens.get(new.req_id, 0)),
+                                     block_ids_per_group(new.block_ids), True]
+            touched.add(new.req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            scheduled[rid] = [int(tokens.get(rid, 0)), block_ids_per_group(blocks),
+                              rid in resumed]
+            if rid in resumed:
+                touched.add(rid)
+        finished = sorted(scheduler_output.finished_req_ids or ())
+        preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        touched.update(finished)
+        touched.update(preempted)
+        return ({"scheduled": scheduled, "finished": finished, "preempted": preempted},
+                touched)
+
+    def after_build(self, meta: Any) -> tuple[dict[str, list[int]], set[int]]:
+        """What the metadata ships (per kind) and the jobs whose state it moved; marks
+        every job created so far as shipped and a new step as begun."""
+        store = sorted(int(j) for j in (getattr(meta, "store_jobs", None) or {}))
+        load = sorted(int(j) for j in (getattr(meta, "load_jobs", None) or {}))
+        flush = sorted(int(j) for j in (getattr(meta, "jobs_to_flush", None) or ()))
+        self.obs.flush_requested |= set(flush)
+        self.obs.flush_shipped |= set(flush)
+        self.shipped_below = int(self.sched._job_counter)
+        self.obs.reset_since_last_step = False
+        self.step += 1
+        return {"store": store, "load": load, "flush": flush}, {*store, *load, *flush}
+
+
+_UNSET = object()
+
+__all__ = ["LiveObservations", "LiveProjector", "block_ids_per_group"]

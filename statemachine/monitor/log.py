@@ -1,0 +1,414 @@
+"""The monitor's event log: one JSON object per line, schema `kvspec-monitor` version 1.
+
+Line 1 is the header; every later line is one scheduler-side hook call of the connector:
+
+    {"schema": "kvspec-monitor", "schema_version": 1, "vllm": "0.33.0", "num_workers": 2,
+     "mode": "warn", "stuck_after_steps": 64}
+    {"seq": 1, "step": 0, "hook": "on_new_request", "args": {"request": "r0", ...},
+     "delta": {"requests": {"r0": {"state": "IDLE", ...}}}}
+
+An event's fields:
+- `seq`: 1, 2, 3, ... (a gap or a repeat is a malformed log);
+- `step`: engine steps seen so far (`build_connector_meta` calls), so the progress check
+  can count steps without a wall clock;
+- `hook`: a scheduler-side hook of the connector (`spec.hooks`);
+- `args`: the hook's arguments in domain terms (`HOOK_ARGS` names the fields of each hook:
+  request ids, token counts, block ids per KV cache group, job ids, acks as
+  `{job id: reports}`) and its answer where it has one (`result`);
+- `delta`: what changed in the projected `spec.AbstractState` after the hook:
+  `requests` (id -> record, or null: no longer tracked), `jobs` (id -> record, or null:
+  left the job table), `fence` (id -> held job, or null), `ref_cnt` (chunk key -> count,
+  or null: evicted), `block_fence` (block -> job ids, or null), `signals` (request ->
+  `on_request_finished` calls) and `scalars` (the remaining fields of the state, each
+  written only when it changed).
+- `findings` (optional): what the live monitor reported after this event.
+
+Records are written field by field as `spec.state` names them; frozensets are sorted lists.
+A log of another schema or version is refused (`SchemaVersionMismatch`); a line that is not
+a JSON object, a missing or mistyped field, a seq out of order: `MalformedLog` names the line
+and the field. A last line cut short (the process died while writing it) is not an error:
+`read_log` reports it as `truncated` and checks the lines before it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from spec.hooks import LIFECYCLE_HOOKS, QUERY_HOOKS
+from spec.state import HeldJob, JobRecord, RequestRecord
+from statemachine.errors import KVSpecError
+
+SCHEMA = "kvspec-monitor"
+SCHEMA_VERSION = 1
+
+HOOK_ARGS: dict[str, tuple[str, ...]] = {
+    "on_new_request": ("request", "prompt_tokens"),
+    "get_num_new_matched_tokens": ("request", "num_computed_tokens", "result"),
+    "update_state_after_alloc": ("request", "block_ids", "num_external_tokens"),
+    "build_connector_meta": ("scheduled", "finished", "preempted", "shipped"),
+    "update_connector_output": ("acks", "finished_sending", "finished_recving"),
+    "request_finished": ("request", "block_ids", "result"),
+    "reset_cache": ("result",),
+}
+"""The argument fields each hook's events carry (schema version 1). `scheduled`: request id
+-> [tokens scheduled, new block ids per group, resumed]; `shipped`: the job ids the step's
+metadata hands the workers, per kind (`store`, `load`, `flush`)."""
+
+SCALARS = ("job_counter", "stale_threshold", "chunks_being_loaded", "jobs_to_flush",
+           "step_open", "reset_since_last_step", "stores_after_signal")
+"""The fields of `spec.AbstractState` a delta carries whole, when they change."""
+
+
+class LogError(KVSpecError):
+    """A log the replay cannot read."""
+
+
+class MalformedLog(LogError):
+    """A line that is not what the schema says: names the line (1-based) and the field."""
+
+    def __init__(self, path: str, line: int, field_name: str, reason: str) -> None:
+        self.path, self.line, self.field, self.reason = path, line, field_name, reason
+        super().__init__(f"{path}:{line}: field {field_name!r}: {reason}")
+
+
+class SchemaVersionMismatch(LogError):
+    def __init__(self, path: str, found: object) -> None:
+        self.path, self.found = path, found
+        super().__init__(
+            f"{path}: the log is of schema {found}, this kvspec reads {SCHEMA!r} version "
+            f"{SCHEMA_VERSION} only: replay it with the kvspec release that wrote it")
+
+
+# ----------------------------------------------------------------------------- records
+R = TypeVar("R", RequestRecord, JobRecord, HeldJob)
+
+
+def record_json(rec: RequestRecord | JobRecord | HeldJob) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(rec):
+        v = getattr(rec, f.name)
+        if isinstance(v, frozenset):
+            v = sorted(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+_FIELD_TYPES: dict[type, dict[str, type]] = {}
+
+
+def _kinds(cls: type) -> dict[str, type]:
+    """Each field's Python type as the codec reads it (int, str, bool, frozenset, tuple)."""
+    if cls not in _FIELD_TYPES:
+        kinds: dict[str, type] = {}
+        for f in fields(cls):
+            text = str(f.type)
+            kinds[f.name] = (frozenset if text.startswith("frozenset") else
+                             tuple if text.startswith("tuple") else
+                             bool if text == "bool" else
+                             int if text.startswith("int") else str)
+        _FIELD_TYPES[cls] = kinds
+    return _FIELD_TYPES[cls]
+
+
+def record_from_json(cls: type[R], data: object, where: str) -> R:
+    """A record from its JSON object; `ValueError` naming the field where it does not fit."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a record must be an object, not {type(data).__name__}")
+    kinds = _kinds(cls)
+    unknown = sorted(set(data) - set(kinds))
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: no such field of {cls.__name__}")
+    kw: dict[str, Any] = {}
+    for name, value in data.items():
+        kind = kinds[name]
+        if kind in (frozenset, tuple):
+            if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
+                raise ValueError(f"{where}.{name}: a list of integers expected")
+            kw[name] = kind(value)
+        elif name == "store_cursor" and value is None:
+            kw[name] = None
+        elif (kind is bool and not isinstance(value, bool)) or (kind is int and (
+                not isinstance(value, int) or isinstance(value, bool))) \
+                or (kind is str and not isinstance(value, str)):
+            raise ValueError(f"{where}.{name}: {kind.__name__} expected, got {value!r}")
+        else:
+            kw[name] = value
+    try:
+        return cls(**kw)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- delta
+@dataclass
+class Delta:
+    """What one hook changed in the projected state (see the module docstring)."""
+
+    requests: dict[str, RequestRecord | None] = field(default_factory=dict)
+    jobs: dict[int, JobRecord | None] = field(default_factory=dict)
+    fence: dict[int, HeldJob | None] = field(default_factory=dict)
+    ref_cnt: dict[int, int | None] = field(default_factory=dict)
+    block_fence: dict[int, frozenset[int] | None] = field(default_factory=dict)
+    signals: dict[str, int] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return any((self.requests, self.jobs, self.fence, self.ref_cnt, self.block_fence,
+                    self.signals, self.scalars))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.requests:
+            out["requests"] = {k: None if v is None else record_json(v)
+                               for k, v in self.requests.items()}
+        if self.jobs:
+            out["jobs"] = {str(k): None if v is None else record_json(v)
+                           for k, v in self.jobs.items()}
+        if self.fence:
+            out["fence"] = {str(k): None if v is None else record_json(v)
+                            for k, v in self.fence.items()}
+        if self.ref_cnt:
+            out["ref_cnt"] = {str(k): v for k, v in self.ref_cnt.items()}
+        if self.block_fence:
+            out["block_fence"] = {str(k): None if v is None else sorted(v)
+                                  for k, v in self.block_fence.items()}
+        if self.signals:
+            out["signals"] = dict(self.signals)
+        if self.scalars:
+            out["scalars"] = {k: sorted(v) if isinstance(v, frozenset) else v
+                              for k, v in self.scalars.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> Delta:
+        """The delta of an event's `delta` object; `ValueError` naming the field (relative
+        to `delta`) where it does not fit the schema."""
+        if not isinstance(data, dict):
+            raise ValueError("delta: an object expected")
+        unknown = sorted(set(data) - {"requests", "jobs", "fence", "ref_cnt", "block_fence",
+                                      "signals", "scalars"})
+        if unknown:
+            raise ValueError(f"delta.{unknown[0]}: no such part of a delta")
+        d = cls()
+        for rid, rec in _obj(data, "requests").items():
+            d.requests[rid] = None if rec is None else record_from_json(
+                RequestRecord, rec, f"delta.requests.{rid}")
+        for jid, rec in _obj(data, "jobs").items():
+            d.jobs[_int_key(jid, "jobs")] = None if rec is None else record_from_json(
+                JobRecord, rec, f"delta.jobs.{jid}")
+        for jid, rec in _obj(data, "fence").items():
+            d.fence[_int_key(jid, "fence")] = None if rec is None else record_from_json(
+                HeldJob, rec, f"delta.fence.{jid}")
+        for key, n in _obj(data, "ref_cnt").items():
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+                raise ValueError(f"delta.ref_cnt.{key}: an integer or null expected")
+            d.ref_cnt[_int_key(key, "ref_cnt")] = n
+        for block, ids in _obj(data, "block_fence").items():
+            if ids is not None and (not isinstance(ids, list)
+                                    or not all(isinstance(x, int) for x in ids)):
+                raise ValueError(f"delta.block_fence.{block}: a list of job ids expected")
+            d.block_fence[_int_key(block, "block_fence")] = (
+                None if ids is None else frozenset(ids))
+        for rid, n in _obj(data, "signals").items():
+            if not isinstance(n, int):
+                raise ValueError(f"delta.signals.{rid}: an integer expected")
+            d.signals[rid] = n
+        for name, value in _obj(data, "scalars").items():
+            if name not in SCALARS:
+                raise ValueError(f"delta.scalars.{name}: no such field of the state")
+            d.scalars[name] = _scalar(name, value)
+        return d
+
+
+def _obj(data: Mapping[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"delta.{name}: an object expected")
+    return value
+
+
+def _int_key(text: str, part: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"delta.{part}.{text}: an integer key expected") from None
+
+
+def _scalar(name: str, value: Any) -> Any:
+    if name in ("chunks_being_loaded", "jobs_to_flush"):
+        if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
+            raise ValueError(f"delta.scalars.{name}: a list of integers expected")
+        return frozenset(value)
+    if name == "stores_after_signal":
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ValueError(f"delta.scalars.{name}: a list of request ids expected")
+        return frozenset(value)
+    if name in ("step_open", "reset_since_last_step"):
+        if not isinstance(value, bool):
+            raise ValueError(f"delta.scalars.{name}: true or false expected")
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"delta.scalars.{name}: an integer expected")
+    return value
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass
+class Header:
+    vllm: str
+    num_workers: int
+    mode: str = "log"
+    stuck_after_steps: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "vllm": self.vllm,
+                "num_workers": self.num_workers, "mode": self.mode,
+                "stuck_after_steps": self.stuck_after_steps, **self.extra}
+
+
+@dataclass
+class Event:
+    seq: int
+    step: int
+    hook: str
+    args: dict[str, Any]
+    delta: Delta
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    line: int = 0
+    """The line of the log it was read from (0: not read from a log)."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"seq": self.seq, "step": self.step, "hook": self.hook,
+                               "args": self.args, "delta": self.delta.to_json()}
+        if self.findings:
+            out["findings"] = self.findings
+        return out
+
+
+class LogWriter:
+    """Appends events to a JSON-lines file (one write and flush per event, so a crash loses
+    at most the line being written)."""
+
+    def __init__(self, path: str | Path, header: Header) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._out: IO[str] = self.path.open("w", encoding="utf-8")
+        self._write(header.to_json())
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._out.flush()
+
+    def write(self, event: Event) -> None:
+        self._write(event.to_json())
+
+    def close(self) -> None:
+        self._out.close()
+
+
+@dataclass
+class Log:
+    path: str
+    header: Header
+    events: list[Event]
+    truncated: int | None = None
+    """The line number of a last line cut short (it is not checked), or None."""
+
+
+def _header(path: str, line: int, data: Any) -> Header:
+    if not isinstance(data, dict) or "schema" not in data:
+        raise MalformedLog(path, line, "schema", "the first line must be the log's header "
+                           f"(an object with \"schema\": {SCHEMA!r})")
+    found = (data.get("schema"), data.get("schema_version"))
+    if found != (SCHEMA, SCHEMA_VERSION):
+        raise SchemaVersionMismatch(path, f"{found[0]!r} version {found[1]!r}")
+    workers = data.get("num_workers")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise MalformedLog(path, line, "num_workers", f"a positive integer expected, got "
+                           f"{workers!r}")
+    stuck = data.get("stuck_after_steps")
+    if stuck is not None and (not isinstance(stuck, int) or stuck < 1):
+        raise MalformedLog(path, line, "stuck_after_steps", "a positive integer or null "
+                           f"expected, got {stuck!r}")
+    known = {"schema", "schema_version", "vllm", "num_workers", "mode", "stuck_after_steps"}
+    return Header(vllm=str(data.get("vllm", "?")), num_workers=workers,
+                  mode=str(data.get("mode", "log")), stuck_after_steps=stuck,
+                  extra={k: v for k, v in data.items() if k not in known})
+
+
+def _event(path: str, line: int, data: Any, expect_seq: int) -> Event:
+    if not isinstance(data, dict):
+        raise MalformedLog(path, line, "(line)", "an event must be a JSON object")
+    for name, kind in (("seq", int), ("step", int), ("hook", str), ("args", dict),
+                       ("delta", dict)):
+        if name not in data:
+            raise MalformedLog(path, line, name, "missing")
+        if not isinstance(data[name], kind) or (kind is int and isinstance(data[name], bool)):
+            raise MalformedLog(path, line, name, f"{kind.__name__} expected, got "
+                               f"{type(data[name]).__name__}")
+    if data["seq"] != expect_seq:
+        raise MalformedLog(path, line, "seq", f"{expect_seq} expected (events are numbered "
+                           f"1, 2, ... without gaps), got {data['seq']}")
+    hook = data["hook"]
+    if hook not in HOOK_ARGS and hook not in LIFECYCLE_HOOKS and hook not in QUERY_HOOKS:
+        raise MalformedLog(path, line, "hook", f"{hook!r} is not a scheduler-side hook")
+    missing = [a for a in HOOK_ARGS.get(hook, ()) if a not in data["args"]]
+    if missing:
+        raise MalformedLog(path, line, f"args.{missing[0]}", f"missing (hook {hook})")
+    try:
+        delta = Delta.from_json(data["delta"])
+    except ValueError as exc:
+        text = str(exc)
+        name, _, reason = text.partition(": ")
+        raise MalformedLog(path, line, name, reason) from None
+    findings = data.get("findings", [])
+    if not isinstance(findings, list):
+        raise MalformedLog(path, line, "findings", "a list expected")
+    return Event(seq=data["seq"], step=data["step"], hook=hook, args=data["args"],
+                 delta=delta, findings=findings, line=line)
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
+    """(line number, text, whether the line ended with a newline)."""
+    with Path(path).open(encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            yield n, text.rstrip("\n"), text.endswith("\n")
+
+
+def read_log(path: str | Path) -> Log:
+    """The whole log, validated (see the module docstring for what is refused)."""
+    name = str(path)
+    header: Header | None = None
+    events: list[Event] = []
+    truncated: int | None = None
+    lines = list(iter_lines(path))
+    for i, (n, text, ended) in enumerate(lines):
+        if not text.strip():
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1 and not ended and header is not None:
+                truncated = n  # the writer died in the middle of its last line
+                break
+            raise MalformedLog(name, n, "(line)", f"not JSON: {exc.msg} at column "
+                               f"{exc.colno}") from None
+        if header is None:
+            header = _header(name, n, data)
+        else:
+            events.append(_event(name, n, data, len(events) + 1))
+    if header is None:
+        raise MalformedLog(name, 1, "schema", "empty log: no header line")
+    return Log(path=name, header=header, events=events, truncated=truncated)
+
+
+__all__ = ["HOOK_ARGS", "SCALARS", "SCHEMA", "SCHEMA_VERSION", "Delta", "Event", "Header",
+           "Log", "LogError", "LogWriter", "MalformedLog", "SchemaVersionMismatch",
+           "read_log", "record_from_json", "record_json"]

@@ -1,0 +1,110 @@
+"""`kvspec replay LOG`: a monitor's event log checked offline against the spec.
+
+The same checker as the live monitor (`statemachine.monitor.checker`), with everything on:
+every move of every event a row of the tables, the local invariants after every event and
+the whole-state ones after every step, and at the end of the log the progress a finite log
+can refute (a request holding a job with no report for `stuck_after_steps` steps). The
+verdict is the list of findings, the first one with the numbered trace that led to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from statemachine.monitor.checker import Finding, Seen, SpecMonitor, format_trace
+from statemachine.monitor.log import Log, read_log
+
+DEFAULT_STUCK_AFTER_STEPS = 32
+
+
+@dataclass
+class Verdict:
+    log: Log
+    findings: list[Finding]
+    trace: list[Seen] = field(default_factory=list)
+    """The trace of the first finding."""
+    steps: int = 0
+    requests: int = 0
+    jobs: int = 0
+    moves: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings
+
+    def text(self) -> str:
+        h = self.log.header
+        lines = [f"{self.log.path}: vLLM {h.vllm}, {h.num_workers} worker(s), monitor mode "
+                 f"{h.mode}; {len(self.log.events)} events, {self.steps} steps, "
+                 f"{self.requests} requests, {self.jobs} jobs, {self.moves} moves checked"]
+        if self.log.truncated is not None:
+            lines.append(f"note: line {self.log.truncated} is cut short (the writer stopped "
+                         "in the middle of it); the events before it were checked")
+        if self.clean:
+            lines.append("clean: every move is a row of the tables, every invariant holds, "
+                         "no request holds a job unreported past the bound")
+            return "\n".join(lines)
+        lines.append(f"{len(self.findings)} violation(s)\n")
+        lines.append(format_trace(self.trace, self.findings[0]))
+        if len(self.findings) > 1:
+            lines.append("\nthen:")
+            lines.extend(f"  {f}" for f in self.findings[1:])
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        h = self.log.header
+        return {
+            "log": self.log.path, "vllm": h.vllm, "num_workers": h.num_workers,
+            "mode": h.mode, "events": len(self.log.events), "steps": self.steps,
+            "requests": self.requests, "jobs": self.jobs, "moves": self.moves,
+            "truncated_line": self.log.truncated,
+            "verdict": "clean" if self.clean else "violation",
+            "findings": [f.to_json() for f in self.findings],
+            "trace": [{"seq": s.event.seq, "step": s.event.step, "hook": s.event.hook,
+                       "line": s.event.line, "args": s.event.args,
+                       "moves": [{"machine": m.machine, "subject": m.subject, "from": m.src,
+                                  "to": m.dst, "rows": [t for _a, _b, t in m.rows]}
+                                 for m in s.moves]}
+                      for s in self.trace],
+        }
+
+
+def replay(path: str | Path, stuck_after_steps: int | None = None) -> Verdict:
+    """Checks the log at `path` (`LogError` where it cannot be read); `stuck_after_steps`
+    overrides the bound the log's header names (default 32)."""
+    log = read_log(path)
+    bound = stuck_after_steps or log.header.stuck_after_steps or DEFAULT_STUCK_AFTER_STEPS
+    mon = SpecMonitor(log.header.num_workers, stuck_after_steps=bound, whole_every=1,
+                      trace_len=None)
+    requests: set[str] = set()
+    jobs: set[int] = set()
+    for ev in log.events:
+        mon.observe(ev)
+        requests.update(ev.delta.requests)
+        jobs.update(ev.delta.jobs)
+    mon.finish()
+    verdict = Verdict(log=log, findings=list(mon.findings),
+                      steps=log.events[-1].step if log.events else 0,
+                      requests=len(requests), jobs=len(jobs),
+                      moves=sum(len(s.moves) for s in mon.trace))
+    if mon.findings:
+        verdict.trace = mon.trace_of(mon.findings[0])
+    return verdict
+
+
+def trace_counterexample(verdict: Verdict) -> Any:
+    """The first finding's trace in the shape `statemachine.diagrams.counterexample_graph`
+    draws (steps with their moves as table rows)."""
+    steps = []
+    for s in verdict.trace:
+        moves = [(m.machine, m.subject, a, b, t) for m in s.moves for a, b, t in m.rows]
+        steps.append(SimpleNamespace(moves=moves, event=f"#{s.event.seq} {s.event.hook}"))
+    first = verdict.findings[0]
+    return SimpleNamespace(steps=steps, cycle_start=None, kind=first.kind,
+                           summary=str(first))
+
+
+__all__ = ["DEFAULT_STUCK_AFTER_STEPS", "Verdict", "replay", "trace_counterexample"]
