@@ -59,8 +59,10 @@ import gc
 import io
 import pstats
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -331,6 +333,39 @@ class VLLM(Side):
         req.append_output_token_ids(token)
 
 
+class MonitoredVLLM(VLLM):
+    """vLLM's connector as `MonitoredOffloadingConnector` (statemachine.monitor.connector)
+    in one of the monitor's modes, its event log written to a temporary file."""
+
+    def __init__(self, env: Any, mode: str, log_dir: Path) -> None:
+        super().__init__(env)
+        self.mode = mode
+        self.name = f"vLLM+{mode}"
+        self.log_dir = log_dir
+
+    def fresh(self, trace: Trace) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+        from statemachine.monitor.connector import MonitoredOffloadingConnector
+
+        log = self.log_dir / f"{self.mode}-{trace.active}.jsonl"
+        self.setup = self.env.make_setup(
+            num_gpu_blocks=trace.num_gpu_blocks, block_size=BLOCK, blocks_per_chunk=1,
+            num_cpu_chunks=trace.num_cpu_chunks, eviction_policy="lru",
+            max_num_seqs=max(16, trace.active), max_model_len=MAX_MODEL_LEN,
+            extra_config={"kvspec_mode": self.mode, "kvspec_log": str(log)})
+        self.connector = MonitoredOffloadingConnector(
+            self.setup.vllm_config, KVConnectorRole.SCHEDULER, self.setup.kv_cache_config)
+        self.setup.connector = self.connector
+        self.setup.scheduler = self.connector.connector_scheduler
+        self.setup.manager = self.setup.scheduler.manager
+        self.requests = {}
+
+    def findings(self) -> int:
+        mon = self.connector.kvspec
+        return len(mon.findings) if mon is not None else 0
+
+
 # =========================================================================== planning
 def plan(active: int, steps: int, warmup: int, seed: int) -> Trace:
     """Run the core's side of the trace once against our scheduler (checks off) and record
@@ -584,6 +619,8 @@ class Row:
     vllm: list[Run]
     steps: int
     """Counted steps the figures cover (the first ones of the window)."""
+    monitored: dict[str, list[Run]] = field(default_factory=dict)
+    """vLLM with the spec monitor, per mode."""
 
     @staticmethod
     def _ms(runs: list[Run], steps: int, wall: bool = False) -> float:
@@ -591,7 +628,9 @@ class Row:
                                  for r in runs) / 1e6
 
     def ms(self, side: str, wall: bool = False) -> float:
-        return self._ms(self.ours if side == "ours" else self.vllm, self.steps, wall)
+        runs = (self.ours if side == "ours" else self.vllm if side == "vLLM"
+                else self.monitored[side])
+        return self._ms(runs, self.steps, wall)
 
 
 def measure(trace: Trace, sides: list[Side], reps: int,
@@ -638,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checks-steps", type=int, default=None,
                    help="counted steps with checks (default 6, 2 above 256 requests)")
     p.add_argument("--ours-only", action="store_true", help="without vLLM")
+    p.add_argument("--monitor", default="log,warn",
+                   help="the spec monitor's modes to measure on vLLM's connector, "
+                        "comma-separated (default log,warn; '' for none)")
     p.add_argument("--profile", nargs="?", const="ours", choices=("ours", "vllm"),
                    help="cProfile one replay's hook calls (ours by default) instead of timing")
     p.add_argument("--top", type=int, default=30, help="profile rows to print")
@@ -679,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     t_start = time.perf_counter()
+    modes = [m for m in args.monitor.split(",") if m]
+    log_dir = Path(tempfile.mkdtemp(prefix="kvspec-bench-monitor-"))
     for n in sizes:
         t0 = time.perf_counter()
         trace = plan(n, args.warmup + counted(n), args.warmup, args.seed)
@@ -690,8 +734,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(trace.specs)} requests, {trace.num_cpu_chunks} CPU chunks; planned in "
               f"{t_plan:.1f} s")
         sides: list[Side] = [Ours()]
+        monitored = [MonitoredVLLM(env, m, log_dir) for m in modes] if env is not None else []
         if env is not None:
-            sides.insert(0, VLLM(env))
+            sides[:0] = [VLLM(env), *monitored]
         try:
             runs = measure(trace, sides, reps)
             n_checked = min(counted(n), args.checks_steps or (6 if n <= 256 else 2))
@@ -709,7 +754,13 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
             print(f"  {name:5} counted steps: {rs[0].counts.row()}")
         vllm_runs = runs.get("vLLM", [])
-        rows.append(Row(n, "production", runs["ours"], vllm_runs, counted(n)))
+        for m in monitored:
+            if m.findings():
+                print(f"ABORT: the monitor ({m.mode}) reported {m.findings()} violation(s) "
+                      "on vLLM's connector: see its log", file=sys.stderr)
+                return 1
+        rows.append(Row(n, "production", runs["ours"], vllm_runs, counted(n),
+                        {m.name: runs[m.name] for m in monitored}))
         if checked:
             rows.append(Row(n, "checks on", checked, vllm_runs, n_checked))
         same = "both sides did the same work" if env is not None else "as planned"
@@ -720,13 +771,23 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'active':>7} {'ours setting':13} {'steps':>5} {'ours ms':>9}"
     if env is not None:
         head += f" {'vLLM ms':>9} {'ours/vLLM':>10} {'(wall)':>7}"
+        for m in modes:
+            head += f" {'+' + m + ' ms':>10} {'+' + m + '/vLLM':>11}"
     print(head)
     for row in rows:
         line = f"{row.active:7} {row.label:13} {row.steps:5} {row.ms('ours'):9.3f}"
         if env is not None:
             line += (f" {row.ms('vLLM'):9.3f} {row.ms('ours') / row.ms('vLLM'):10.2f}"
                      f" {row.ms('ours', True) / row.ms('vLLM', True):7.2f}")
+            for m in modes:
+                if f"vLLM+{m}" in row.monitored:
+                    ms = row.ms(f"vLLM+{m}")
+                    line += f" {ms:10.3f} {ms / row.ms('vLLM'):11.2f}"
         print(line)
+    if env is not None and modes:
+        print("vLLM+MODE: vLLM's connector as MonitoredOffloadingConnector, the spec monitor in "
+              "that mode, its event log written (statemachine/monitor/connector.py)")
+    shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

@@ -67,9 +67,19 @@ class Finding:
 
 
 # ----------------------------------------------------------------------------- moves
-@cache
+_MACHINES = {m.name: m for m in (REQUEST_MACHINE, JOB_MACHINE, FENCE_MACHINE)}
+
+
 def _closure(machine: MachineSpec, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
-    """state -> every state a path of rows of `hooks` leads to (itself included)."""
+    return _closure_of(machine.name, hooks)
+
+
+@cache
+def _closure_of(name: str, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    """state -> every state a path of rows of `hooks` leads to (itself included), in the
+    machine `name` (cached by name: hashing a whole table per call would cost more than
+    the search)."""
+    machine = _MACHINES[name]
     step: dict[str, set[str]] = {}
     for src, dst, t in machine.edges():
         if t.hook in hooks:
@@ -98,10 +108,16 @@ def path_of(machine: MachineSpec, hook: str, src: str,
     """The shortest path of rows (source, destination, trigger) that a call of `hook` may
     fire from `src` to `dst` (or to the first of the states `dst` lists it reaches); empty
     where there is none or `src` is already there."""
-    targets = {dst} if isinstance(dst, str) else set(dst)
+    targets = (dst,) if isinstance(dst, str) else tuple(dst)
+    return list(_path_of(machine.name, rows_within(hook), src, targets))
+
+
+@cache
+def _path_of(name: str, hooks: tuple[str, ...], src: str,
+             targets: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    machine = _MACHINES[name]
     if src in targets:
-        return []
-    hooks = rows_within(hook)
+        return ()
     back: dict[str, tuple[str, str, str]] = {}
     frontier = [src]
     while frontier:
@@ -114,10 +130,10 @@ def path_of(machine: MachineSpec, hook: str, src: str,
                         out = [back[b]]
                         while out[0][0] != src:
                             out.insert(0, back[out[0][0]])
-                        return out
+                        return tuple(out)
                     nxt.append(b)
         frontier = nxt
-    return []
+    return ()
 
 
 JOB_GONE = (*JOB_MACHINE.finals, J.STALE, J.TIMED_OUT)
@@ -190,6 +206,20 @@ class Mirror:
             reqs = [self.requests[r] for r in sorted(want) if r in self.requests]
             js = [self.jobs[j] for j in sorted(held) if j in self.jobs]
         sc = self.scalars
+        if requests is not None:  # the local invariants read no block fence, and the pins
+            keys = {k for j in js for k in j.keys}  # of the part's chunks only
+            return AbstractState(
+                num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
+                job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
+                reset_fence=tuple(sorted(self.fence.values())),
+                chunks_being_loaded=sc["chunks_being_loaded"],
+                chunk_ref_cnt=tuple(sorted((k, self.ref_cnt[k]) for k in keys
+                                           if k in self.ref_cnt)),
+                jobs_to_flush=sc["jobs_to_flush"], step_open=sc["step_open"],
+                reset_since_last_step=sc["reset_since_last_step"],
+                finished_signals=tuple((r, self.signals[r]) for r in sorted(want)
+                                       if self.signals.get(r)),
+                stores_after_signal=tuple(sorted(sc["stores_after_signal"])))
         return AbstractState(
             num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
             job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
@@ -249,6 +279,7 @@ class SpecMonitor:
         self._since: dict[int, int] = {}
         """job id -> the step of its creation or of its last report (held ids only)."""
         self._holder: dict[int, str] = {}
+        self._held_by: dict[str, frozenset[int]] = {}
         self.step = 0
         self.events = 0
         self._last: Event | None = None
@@ -357,13 +388,20 @@ class SpecMonitor:
         for rid in ev.delta.requests:
             r = m.requests.get(rid)
             held = r.transfer_jobs if r else frozenset()
-            for j in held:
-                if j not in self._since:
-                    self._since[j] = ev.step
+            had = self._held_by.get(rid, frozenset())
+            if held == had:
+                continue
+            for j in held - had:
+                self._since.setdefault(j, ev.step)
                 self._holder[j] = rid
-            for j in [j for j, h in self._holder.items() if h == rid and j not in held]:
-                self._holder.pop(j, None)
-                self._since.pop(j, None)
+            for j in had - held:
+                if self._holder.get(j) == rid:
+                    del self._holder[j]
+                    self._since.pop(j, None)
+            if held:
+                self._held_by[rid] = held
+            else:
+                self._held_by.pop(rid, None)
         if ev.hook == "update_connector_output":
             for j in ev.args.get("acks", {}):
                 jid = int(j)

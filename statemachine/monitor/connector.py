@@ -219,6 +219,7 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         sending = sorted(connector_output.finished_sending or ())
         recving = sorted(connector_output.finished_recving or ())
         touched = mon.projector.owners(acks) | set(sending) | set(recving)
+        mon.projector.obs.loaded.update(recving)
         super().update_connector_output(connector_output)
         mon.record("update_connector_output", {
             "acks": {str(j): n for j, n in sorted(acks.items())},

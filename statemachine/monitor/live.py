@@ -59,10 +59,28 @@ class LiveObservations(Observations):
 
     vllm_key: dict[int, Any] = field(default_factory=dict)
     """model key -> vLLM offload key (to read a chunk's pins back)."""
+    scheduled: set[str] = field(default_factory=set)
+    """The requests the last `SchedulerOutput` scheduled: running until the next one."""
+    preempted: set[str] = field(default_factory=set)
+    """The requests the last `SchedulerOutput` reported preempted."""
+    loaded: set[str] = field(default_factory=set)
+    """Requests whose load `finished_recving` reported: the core moves them out of
+    WAITING_FOR_REMOTE_KVS after the connector's hook returns (CS:3569-3575), so they wait."""
 
     def core_of(self, req_id: str, req: Any) -> str:
+        """The core's view, as the connector was told it: running if the last scheduler
+        output scheduled the request, waiting if it preempted it or a load of it was just
+        reported; else the request's own status."""
+        if req_id in self.preempted:
+            return "waiting"
+        if req_id in self.scheduled:
+            return "running"
         status = getattr(getattr(req, "status", None), "name", "WAITING")
-        return _CORE_STATUS.get(status, "finished" if req.is_finished() else "waiting")
+        core = _CORE_STATUS.get(status, "finished" if req.is_finished() else "waiting")
+        if core == "remote" and req_id in self.loaded:
+            return "waiting"
+        self.loaded.discard(req_id)
+        return core
 
     def key(self, vllm_key: Any) -> int:
         raw = bytes(vllm_key)
@@ -84,7 +102,7 @@ def block_ids_per_group(blocks: Any) -> list[list[int]]:
     groups = get() if get is not None else blocks
     if groups and isinstance(groups[0], int):
         groups = (groups,)
-    return [list(map(int, g)) for g in groups]
+    return [list(g) if g else [] for g in groups]
 
 
 class LiveProjector:
@@ -287,6 +305,8 @@ class LiveProjector:
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         touched.update(finished)
         touched.update(preempted)
+        self.obs.scheduled = set(scheduled)
+        self.obs.preempted = set(preempted)
         return ({"scheduled": scheduled, "finished": finished, "preempted": preempted},
                 touched)
 
