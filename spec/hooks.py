@@ -37,6 +37,14 @@ moves the requests whose loads it reports (`finished_recving`), so a monitor tha
 connector sees the core's rows of `update_from_output` within that call."""
 
 
+CORE_TRIGGERS: tuple[str, ...] = ("preempt",)
+"""Triggers the core fires on its own, outside the connector's hooks: it preempts a request
+inside `schedule()` (or `reset_prefix_cache(reset_running_requests=True)`) before the
+connector hears of it through `build_connector_meta`'s `preempted_req_ids`, so a monitor
+that reads the core's view (the request's status) sees the move at whichever hook comes
+next."""
+
+
 def rows_within(hook: str) -> tuple[str, ...]:
     """The hooks of the table rows that a call of `hook` may fire (`OBSERVED_WITHIN`)."""
     return OBSERVED_WITHIN.get(hook, (hook,))

@@ -77,6 +77,9 @@ class SimConfig:
     """Where the "fs" tiers write; None: a temporary directory."""
     keep_tier_dir: bool = False
     """Keep the tiers' directory after the run (else it is removed)."""
+    monitor_log: str | None = None
+    """Write the spec monitor's event log of the connector's hooks here (`kvspec replay`
+    checks it); None: none."""
     tier_protect_scanned_keys: bool = True
     """False: vLLM's promotions, which may evict the chunks their own lookup just hit
     (`TieringConfig.protect_scanned_keys`, finding T1)."""
@@ -403,6 +406,13 @@ def _run(cfg: SimConfig, progress: Progress | None, tier_dir: str | None) -> Sim
     result = SimResult(cfg)
     workload = make_workload(cfg)
     engine = Engine(cfg.engine_config(tier_dir))
+    recorder = None
+    if cfg.monitor_log:
+        from statemachine.monitor.log import Header, LogWriter
+        from statemachine.monitor.recorder import HookRecorder
+
+        recorder = HookRecorder(engine.scheduler, LogWriter(cfg.monitor_log, Header(
+            vllm="reference", num_workers=cfg.workers, mode="log")))
     faults = Faults(workload, release_after=cfg.job_timeout_steps + 3)
     engine.fault_hooks.append(faults)
     tier_faults = TierFaults(workload) if engine.tiering is not None else None
@@ -452,6 +462,8 @@ def _run(cfg: SimConfig, progress: Progress | None, tier_dir: str | None) -> Sim
     result.metrics = _metrics(engine, faults, result.seconds)
     if tier_faults is not None:
         result.metrics["tiering"] = _tier_metrics(engine, tier_faults, tier_dir or cfg.tier_root)
+    if recorder is not None:
+        recorder.close()
     engine.shutdown()
     return result
 

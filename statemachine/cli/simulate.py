@@ -46,7 +46,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              requests=args.requests, device=args.device,
                              check_invariants=not args.no_invariants, tiers=tiers,
                              tier_threads=args.tier_threads,
-                             keep_tier_dir=args.keep_tier_dir)
+                             keep_tier_dir=args.keep_tier_dir,
+                             monitor_log=args.monitor_log)
     show = None if args.no_progress else simulate.progress_bar(sys.stderr)
     result = simulate.run(cfg, show)
     if show is not None:
@@ -91,6 +92,9 @@ def register(sub: Any) -> None:
                      "step, so a run is a function of its seed)")
     sim.add_argument("--keep-tier-dir", action="store_true",
                      help="keep the fs tiers' directory after the run (its path is printed)")
+    sim.add_argument("--monitor-log", metavar="PATH", default=None,
+                     help="write the spec monitor's event log of the connector's hooks "
+                     "(check it with kvspec replay PATH)")
     sim.add_argument("--json", action="store_true", help="the result as JSON on stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sim.add_argument("--no-invariants", action="store_true",

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from spec import job as J
 from spec import request as R
 from spec.fence import FENCE_MACHINE
-from spec.hooks import rows_within
+from spec.hooks import CORE_TRIGGERS, rows_within
 from spec.invariants import WHOLE_STATE, Violation
 from spec.invariants import check as check_invariants
 from spec.job import JOB_MACHINE
@@ -82,7 +82,7 @@ def _closure_of(name: str, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
     machine = _MACHINES[name]
     step: dict[str, set[str]] = {}
     for src, dst, t in machine.edges():
-        if t.hook in hooks:
+        if t.hook in hooks or t.trigger in CORE_TRIGGERS:
             step.setdefault(src, set()).add(dst)
     out: dict[str, frozenset[str]] = {}
     for s in machine.state_names:
@@ -97,8 +97,9 @@ def _closure_of(name: str, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
 
 
 def is_move(machine: MachineSpec, hook: str, src: str, dst: str | Iterable[str]) -> bool:
-    """Whether a path of rows that a call of `hook` may fire leads from `src` to `dst` (or
-    to one of the states `dst` lists)."""
+    """Whether a path of rows that a call of `hook` may fire (with the core's own moves,
+    `spec.hooks.CORE_TRIGGERS`) leads from `src` to `dst` (or to one of the states `dst`
+    lists)."""
     reach = _closure(machine, rows_within(hook)).get(src, frozenset({src}))
     return dst in reach if isinstance(dst, str) else any(d in reach for d in dst)
 
@@ -124,7 +125,8 @@ def _path_of(name: str, hooks: tuple[str, ...], src: str,
         nxt = []
         for s in frontier:
             for a, b, t in machine.edges():
-                if a == s and t.hook in hooks and b not in back and b != src:
+                if a == s and (t.hook in hooks or t.trigger in CORE_TRIGGERS) \
+                        and b not in back and b != src:
                     back[b] = (a, b, t.trigger)
                     if b in targets:
                         out = [back[b]]
@@ -163,6 +165,7 @@ class Mirror:
     requests: dict[str, RequestRecord] = field(default_factory=dict)
     jobs: dict[int, JobRecord] = field(default_factory=dict)
     fence: dict[int, HeldJob] = field(default_factory=dict)
+    quarantine: dict[int, HeldJob] = field(default_factory=dict)
     ref_cnt: dict[int, int] = field(default_factory=dict)
     block_fence: dict[int, frozenset[int]] = field(default_factory=dict)
     signals: dict[str, int] = field(default_factory=dict)
@@ -175,6 +178,7 @@ class Mirror:
         _merge(self.requests, d.requests)
         _merge(self.jobs, d.jobs)
         _merge(self.fence, d.fence)
+        _merge(self.quarantine, d.quarantine)
         _merge(self.ref_cnt, d.ref_cnt)
         _merge(self.block_fence, d.block_fence)
         self.signals.update(d.signals)
@@ -212,6 +216,7 @@ class Mirror:
                 num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
                 job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
                 reset_fence=tuple(sorted(self.fence.values())),
+                quarantine=tuple(sorted(self.quarantine.values())),
                 chunks_being_loaded=sc["chunks_being_loaded"],
                 chunk_ref_cnt=tuple(sorted((k, self.ref_cnt[k]) for k in keys
                                            if k in self.ref_cnt)),
@@ -224,6 +229,7 @@ class Mirror:
             num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
             job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
             reset_fence=tuple(sorted(self.fence.values())),
+            quarantine=tuple(sorted(self.quarantine.values())),
             chunks_being_loaded=sc["chunks_being_loaded"],
             chunk_ref_cnt=tuple(sorted(self.ref_cnt.items())),
             block_fence=tuple(sorted(self.block_fence.items())),
@@ -237,6 +243,8 @@ class Mirror:
             return self.jobs[job_id].state
         if job_id in self.fence:
             return J.STALE
+        if job_id in self.quarantine:
+            return J.TIMED_OUT
         return None
 
     def fence_state(self) -> str:
@@ -291,14 +299,16 @@ class SpecMonitor:
         self.step = event.step
         self._last = event
         before_req = {r: m.requests.get(r) for r in event.delta.requests}
-        before_job = {j: m.job_state(j) for j in (*event.delta.jobs, *event.delta.fence)}
+        before_job = {j: m.job_state(j) for j in (*event.delta.jobs, *event.delta.fence,
+                                                  *event.delta.quarantine)}
         before_fence = m.fence_state()
         m.apply(event.delta)
         out: list[Finding] = []
         moves = self._moves(event, before_req, before_job, before_fence, out)
         self.trace.append(Seen(event, moves))
         self._reports(event)
-        touched_jobs = set(event.delta.jobs) | set(event.delta.fence)
+        touched_jobs = set(event.delta.jobs) | set(event.delta.fence) \
+            | set(event.delta.quarantine)
         if event.hook == "reset_cache":
             part = m.state()
         else:
@@ -403,7 +413,7 @@ class SpecMonitor:
             else:
                 self._held_by.pop(rid, None)
         if ev.hook == "update_connector_output":
-            for j in ev.args.get("acks", {}):
+            for j in (*ev.args.get("acks", {}), *ev.args.get("failed", {})):
                 jid = int(j)
                 if jid in self._since:
                     self._since[jid] = ev.step
@@ -417,7 +427,7 @@ class SpecMonitor:
             if ev.step - since < n:
                 continue
             rid = self._holder[jid]
-            known = jid in m.jobs or jid in m.fence
+            known = jid in m.jobs or jid in m.fence or jid in m.quarantine
             why = ("" if known else f": job {jid} is not in the job table, so no report can "
                    "ever end it and the request never runs again")
             self._add(out, Finding(
@@ -453,13 +463,24 @@ def _names(seen: Seen, request: str | None, jobs: set[str]) -> bool:
     return any(mv.subject in jobs for mv in seen.moves)
 
 
+def relevant_moves(seen: Seen, finding: Finding) -> list[Move]:
+    """The moves of `seen` a reader of `finding` needs: those of its request and jobs (all
+    of them where the finding names neither)."""
+    if finding.request is None and not finding.jobs:
+        return seen.moves
+    jobs = {str(j) for j in finding.jobs}
+    return [mv for mv in seen.moves if mv.subject == finding.request or mv.subject in jobs
+            or mv.machine == "fence"]
+
+
 def format_trace(seen: Sequence[Seen], finding: Finding) -> str:
-    """The numbered trace a reviewer reads: one line per event, its moves under it."""
+    """The numbered trace a reviewer reads: one line per event, the moves of the finding's
+    request and jobs under it."""
     lines = [f"first violation: {finding}", ""]
     for s in seen:
         ev = s.event
         lines.append(f"  #{ev.seq:<5} step {ev.step:<4} {ev.hook}({_short(ev.args)})")
-        for mv in s.moves:
+        for mv in relevant_moves(s, finding):
             rows = " (" + ", ".join(t for _a, _b, t in mv.rows) + ")" if mv.rows else ""
             lines.append(f"           {mv.machine} {mv.subject}: {mv.src} -> {mv.dst}{rows}")
     return "\n".join(lines)
@@ -481,4 +502,4 @@ def with_findings(event: Event, findings: Sequence[Finding]) -> Event:
 
 
 __all__ = ["JOB_GONE", "Finding", "Mirror", "Move", "Seen", "SpecMonitor", "format_trace",
-           "is_move", "path_of", "with_findings"]
+           "is_move", "path_of", "relevant_moves", "with_findings"]

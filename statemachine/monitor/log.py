@@ -17,7 +17,8 @@ An event's fields:
   `{job id: reports}`) and its answer where it has one (`result`);
 - `delta`: what changed in the projected `spec.AbstractState` after the hook:
   `requests` (id -> record, or null: no longer tracked), `jobs` (id -> record, or null:
-  left the job table), `fence` (id -> held job, or null), `ref_cnt` (chunk key -> count,
+  left the job table), `fence` (id -> held job, or null), `quarantine` (timed-out jobs
+  awaiting late reports, beyond vLLM: id -> held job, or null), `ref_cnt` (chunk key -> count,
   or null: evicted), `block_fence` (block -> job ids, or null), `signals` (request ->
   `on_request_finished` calls) and `scalars` (the remaining fields of the state, each
   written only when it changed).
@@ -56,7 +57,9 @@ HOOK_ARGS: dict[str, tuple[str, ...]] = {
 }
 """The argument fields each hook's events carry (schema version 1). `scheduled`: request id
 -> [tokens scheduled, new block ids per group, resumed]; `shipped`: the job ids the step's
-metadata hands the workers, per kind (`store`, `load`, `flush`)."""
+metadata hands the workers, per kind (`store`, `load`, `flush`); `acks`: job id ->
+reports (summed over the workers). An implementation with failure reports (ours) adds
+`failed` (job id -> failure reports) to `update_connector_output`."""
 
 SCALARS = ("job_counter", "stale_threshold", "chunks_being_loaded", "jobs_to_flush",
            "step_open", "reset_since_last_step", "stores_after_signal")
@@ -153,14 +156,15 @@ class Delta:
     requests: dict[str, RequestRecord | None] = field(default_factory=dict)
     jobs: dict[int, JobRecord | None] = field(default_factory=dict)
     fence: dict[int, HeldJob | None] = field(default_factory=dict)
+    quarantine: dict[int, HeldJob | None] = field(default_factory=dict)
     ref_cnt: dict[int, int | None] = field(default_factory=dict)
     block_fence: dict[int, frozenset[int] | None] = field(default_factory=dict)
     signals: dict[str, int] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return any((self.requests, self.jobs, self.fence, self.ref_cnt, self.block_fence,
-                    self.signals, self.scalars))
+        return any((self.requests, self.jobs, self.fence, self.quarantine, self.ref_cnt,
+                    self.block_fence, self.signals, self.scalars))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -173,6 +177,9 @@ class Delta:
         if self.fence:
             out["fence"] = {str(k): None if v is None else record_json(v)
                             for k, v in self.fence.items()}
+        if self.quarantine:
+            out["quarantine"] = {str(k): None if v is None else record_json(v)
+                                 for k, v in self.quarantine.items()}
         if self.ref_cnt:
             out["ref_cnt"] = {str(k): v for k, v in self.ref_cnt.items()}
         if self.block_fence:
@@ -191,8 +198,8 @@ class Delta:
         to `delta`) where it does not fit the schema."""
         if not isinstance(data, dict):
             raise ValueError("delta: an object expected")
-        unknown = sorted(set(data) - {"requests", "jobs", "fence", "ref_cnt", "block_fence",
-                                      "signals", "scalars"})
+        unknown = sorted(set(data) - {"requests", "jobs", "fence", "quarantine", "ref_cnt",
+                                      "block_fence", "signals", "scalars"})
         if unknown:
             raise ValueError(f"delta.{unknown[0]}: no such part of a delta")
         d = cls()
@@ -205,6 +212,9 @@ class Delta:
         for jid, rec in _obj(data, "fence").items():
             d.fence[_int_key(jid, "fence")] = None if rec is None else record_from_json(
                 HeldJob, rec, f"delta.fence.{jid}")
+        for jid, rec in _obj(data, "quarantine").items():
+            d.quarantine[_int_key(jid, "quarantine")] = None if rec is None else \
+                record_from_json(HeldJob, rec, f"delta.quarantine.{jid}")
         for key, n in _obj(data, "ref_cnt").items():
             if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
                 raise ValueError(f"delta.ref_cnt.{key}: an integer or null expected")

@@ -14,7 +14,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from statemachine.monitor.checker import Finding, Seen, SpecMonitor, format_trace
+from statemachine.monitor.checker import (
+    Finding,
+    Seen,
+    SpecMonitor,
+    format_trace,
+    relevant_moves,
+)
 from statemachine.monitor.log import Log, read_log
 
 DEFAULT_STUCK_AFTER_STEPS = 32
@@ -67,7 +73,7 @@ class Verdict:
                        "line": s.event.line, "args": s.event.args,
                        "moves": [{"machine": m.machine, "subject": m.subject, "from": m.src,
                                   "to": m.dst, "rows": [t for _a, _b, t in m.rows]}
-                                 for m in s.moves]}
+                                 for m in relevant_moves(s, self.findings[0])]}
                       for s in self.trace],
         }
 
@@ -100,7 +106,8 @@ def trace_counterexample(verdict: Verdict) -> Any:
     draws (steps with their moves as table rows)."""
     steps = []
     for s in verdict.trace:
-        moves = [(m.machine, m.subject, a, b, t) for m in s.moves for a, b, t in m.rows]
+        moves = [(m.machine, m.subject, a, b, t) for m in relevant_moves(s, verdict.findings[0])
+                 for a, b, t in m.rows]
         steps.append(SimpleNamespace(moves=moves, event=f"#{s.event.seq} {s.event.hook}"))
     first = verdict.findings[0]
     return SimpleNamespace(steps=steps, cycle_start=None, kind=first.kind,
