@@ -302,9 +302,12 @@ class SpecMonitor:
         before_job = {j: m.job_state(j) for j in (*event.delta.jobs, *event.delta.fence,
                                                   *event.delta.quarantine)}
         before_fence = m.fence_state()
+        due = self._due(event) if event.hook == "update_connector_output" else {}
         m.apply(event.delta)
         out: list[Finding] = []
         moves = self._moves(event, before_req, before_job, before_fence, out)
+        if due:
+            self._count_reports(event, due, out)
         self.trace.append(Seen(event, moves))
         self._reports(event)
         touched_jobs = set(event.delta.jobs) | set(event.delta.fence) \
@@ -358,6 +361,12 @@ class SpecMonitor:
             dst_state = m.job_state(jid)
             src = src_state or JOB_MACHINE.initial
             owner = m.jobs[jid].owner if jid in m.jobs else None
+            if src_state is None and jid in m.jobs \
+                    and m.jobs[jid].pending_count != m.num_workers:
+                self._add(out, Finding("invariant", "allocate_job", f"a new job is due "
+                                       f"{m.jobs[jid].pending_count} report(s), not one per "
+                                       f"worker ({m.num_workers})", ev.seq, ev.step, ev.hook,
+                                       owner, (jid,)))
             if dst_state is None:
                 ok = is_move(JOB_MACHINE, ev.hook, src, JOB_GONE)
                 dst = "(left the table)"
@@ -380,6 +389,54 @@ class SpecMonitor:
                                        f"{after_fence} is no path of rows that {ev.hook} "
                                        "may fire", ev.seq, ev.step, ev.hook))
         return moves
+
+    def _due(self, ev: Event) -> dict[int, tuple[str, int, int]]:
+        """For each job the event reports: where it is held, the reports it was due, and the
+        reports this event brings (acks and failures)."""
+        m = self.mirror
+        reports: dict[int, int] = {}
+        for part in ("acks", "failed"):
+            for j, n in (ev.args.get(part) or {}).items():
+                reports[int(j)] = reports.get(int(j), 0) + int(n)
+        out: dict[int, tuple[str, int, int]] = {}
+        for j, n in reports.items():
+            if j in m.jobs:
+                out[j] = ("jobs", m.jobs[j].pending_count, n)
+            elif j in m.fence:
+                out[j] = ("fence", m.fence[j].reports_due, n)
+            elif j in m.quarantine:
+                out[j] = ("quarantine", m.quarantine[j].reports_due, n)
+        return out
+
+    def _count_reports(self, ev: Event, due: dict[int, tuple[str, int, int]],
+                       out: list[Finding]) -> None:
+        """The job table's guard `reports_complete` (`spec.job`): a job ends exactly when
+        its last report arrives, and no job gets more reports than it is due."""
+        m = self.mirror
+        for j, (where, was, got) in sorted(due.items()):
+            left = was - got
+            table = getattr(m, where)
+            owner = m.jobs[j].owner if j in m.jobs else None
+            if left < 0:
+                self._add(out, Finding("invariant", "reports_complete", f"job was due {was} "
+                                       f"report(s) and got {got}: an over-count report",
+                                       ev.seq, ev.step, ev.hook, owner, (j,)))
+            elif j not in table and left > 0:
+                self._add(out, Finding("invariant", "reports_complete", f"job ended with "
+                                       f"{left} of its reports still due (due {was}, got "
+                                       f"{got})", ev.seq, ev.step, ev.hook, owner, (j,)))
+            elif j in table:
+                now = (table[j].pending_count if where == "jobs" else table[j].reports_due)
+                if left == 0:
+                    place = {"jobs": "job table", "fence": "reset fence"}.get(where, where)
+                    self._add(out, Finding("invariant", "reports_complete", "every report "
+                                           f"arrived but the job stays in the {place}",
+                                           ev.seq, ev.step, ev.hook, owner, (j,)))
+                elif left > 0 and now != left:
+                    self._add(out, Finding("invariant", "reports_complete", f"{now} report(s) "
+                                           f"still due after this one; {was} - {got} = "
+                                           f"{left} expected", ev.seq, ev.step, ev.hook,
+                                           owner, (j,)))
 
     def _invariants(self, ev: Event, violations: Sequence[Violation],
                     out: list[Finding]) -> None:
