@@ -1,0 +1,249 @@
+"""The monitor's event log and its replay, without vLLM: logs of our reference scheduler
+(`kvspec simulate --monitor-log`), of the reference with a catalogued fault switched on, and
+hand-made logs for every way a log can be malformed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spec import job as J
+from spec import request as R
+from spec.state import JobRecord, RequestRecord
+from statemachine import simulate
+from statemachine.cli import main as kvspec
+from statemachine.monitor.checker import SpecMonitor, is_move, path_of
+from statemachine.monitor.log import (
+    HOOK_ARGS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    Delta,
+    Event,
+    Header,
+    LogWriter,
+    MalformedLog,
+    SchemaVersionMismatch,
+    read_log,
+)
+from statemachine.monitor.replay import replay
+from statemachine.mutants import MUTANTS
+
+
+def reference_log(path: Path, seed: int = 1, mutant: str | None = None,
+                  model: str = "full") -> Path:
+    cfg = simulate.SimConfig(seed=seed, model=model, check_invariants=mutant is None,
+                             monitor_log=str(path))
+    if mutant is None:
+        simulate.run(cfg)
+    else:
+        with next(m for m in MUTANTS if m.name == mutant).patch():
+            simulate.run(cfg)
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reference_log(tmp_path_factory.mktemp("logs") / "clean.jsonl")
+
+
+@pytest.fixture(scope="module")
+def bug_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return reference_log(tmp_path_factory.mktemp("logs") / "48102.jsonl",
+                         mutant="reset-keeps-transfer-jobs")
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def write(path: Path, rows: list[str], end: str = "\n") -> Path:
+    path.write_text("\n".join(rows) + end)
+    return path
+
+
+# ----------------------------------------------------------------------------- real logs
+@pytest.mark.parametrize("model", ["full", "hybrid"])
+def test_a_reference_run_replays_clean(tmp_path: Path, model: str) -> None:
+    log = reference_log(tmp_path / "run.jsonl", seed=2, model=model)
+    v = replay(log)
+    assert v.clean, v.text()
+    hooks = {e.hook for e in v.log.events}
+    assert {"on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+            "build_connector_meta", "update_connector_output", "request_finished",
+            "reset_cache"} <= hooks
+    assert v.moves > 500 and v.steps > 100 and v.requests > 50
+    assert kvspec(["replay", str(log)]) == 0
+
+
+def test_the_48102_fault_is_the_first_violation_with_its_trace(
+        bug_log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    v = replay(bug_log)
+    first = v.findings[0]
+    assert (first.rule, first.hook) == ("INV-1", "reset_cache")
+    assert first.request is not None and first.jobs
+    # the trace: the request's arrival, its job's creation, then the reset that left the
+    # job's id behind, numbered by event
+    assert v.trace[0].event.hook == "on_new_request"
+    assert v.trace[-1].event.seq == first.seq
+    moved = [(m.subject, m.src, m.dst) for s in v.trace for m in s.moves]
+    assert (first.request, R.ABSENT, R.IDLE) in moved
+    assert (str(first.jobs[0]), J.UNALLOCATED, J.CREATED) in moved \
+        or (str(first.jobs[0]), J.UNALLOCATED, J.SHIPPED) in moved
+    # what users saw: the request holds the id forever
+    stuck = [f for f in v.findings if f.rule.startswith("INV-13")
+             and f.request == first.request]
+    assert stuck and "not in the job table" in stuck[0].message
+    assert kvspec(["replay", str(bug_log)]) == 1
+    out = capsys.readouterr().out
+    assert "first violation: INV-1" in out and f"#{first.seq}" in out
+
+
+def test_replay_json_and_svg(bug_log: Path, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    svg = tmp_path / "trace.svg"
+    assert kvspec(["replay", str(bug_log), "--json", "--svg", str(svg)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "violation" and out["findings"][0]["rule"] == "INV-1"
+    assert out["trace"][-1]["seq"] == out["findings"][0]["seq"]
+    assert all(isinstance(t["line"], int) and t["line"] > 1 for t in out["trace"])
+    drawn = Path(out["svg"])
+    assert drawn.exists() and drawn.stat().st_size > 0
+    assert "ORPHANED_LOAD" in drawn.read_text() or "STALE" in drawn.read_text()
+
+
+@pytest.mark.parametrize("mutant,rule", [
+    ("reset-skips-flush", "INV-16"),
+    ("reset-keeps-stale-threshold", "INV-4"),
+    ("aggregate-counts-once", "reports_complete"),
+    ("pending-count-one", "allocate_job"),
+    ("store-ready-on-first-ack", "INV-12"),
+    ("load-keeps-chunks-being-loaded", "INV-8"),
+    ("signal-before-final-store", "INV-10"),
+    ("preempt-skips-flush", "INV-15"),
+])
+def test_replay_finds_catalogued_faults(tmp_path: Path, mutant: str, rule: str) -> None:
+    v = replay(reference_log(tmp_path / "m.jsonl", mutant=mutant))
+    assert v.findings and v.findings[0].rule == rule, v.text()
+
+
+def test_the_stuck_bound_is_an_option(bug_log: Path) -> None:
+    short = replay(bug_log, stuck_after_steps=1)
+    long = replay(bug_log, stuck_after_steps=10_000)
+    assert any(f.rule.startswith("INV-13") for f in short.findings)
+    assert not any(f.rule.startswith("INV-13") for f in long.findings)
+    assert kvspec(["replay", str(bug_log), "--stuck-after-steps", "0"]) == 2
+
+
+# ----------------------------------------------------------------------------- moves
+def test_moves_follow_the_rows_of_the_hook() -> None:
+    from spec.job import JOB_MACHINE
+    from spec.request import REQUEST_MACHINE
+
+    assert is_move(REQUEST_MACHINE, "on_new_request", R.ABSENT, R.IDLE)
+    assert not is_move(REQUEST_MACHINE, "on_new_request", R.ABSENT, R.RUNNING)
+    # one call may fire several rows: a store is created and shipped by the same call
+    assert [t for _a, _b, t in path_of(JOB_MACHINE, "build_connector_meta", J.UNALLOCATED,
+                                       J.SHIPPED)] == ["create_store", "ship"]
+    # the core's preemption is seen at whichever hook comes next
+    assert is_move(REQUEST_MACHINE, "get_num_new_matched_tokens", R.RUNNING, R.IDLE)
+    assert not is_move(JOB_MACHINE, "get_num_new_matched_tokens", J.SHIPPED, J.COMPLETED)
+
+
+def _ev(seq: int, hook: str, args: dict[str, Any], delta: Delta, step: int = 0) -> Event:
+    return Event(seq=seq, step=step, hook=hook, args=args, delta=delta)
+
+
+def test_a_move_with_no_row_is_a_violation() -> None:
+    mon = SpecMonitor(1)
+    found = mon.observe(_ev(1, "on_new_request", {"request": "r0", "prompt_tokens": 8},
+                            Delta(requests={"r0": RequestRecord("r0", R.RUNNING)})))
+    assert [f.rule for f in found] == ["request table"]
+    assert "ABSENT -> RUNNING" in found[0].message and found[0].request == "r0"
+
+
+def test_an_over_count_ack_is_a_violation() -> None:
+    mon = SpecMonitor(2)
+    job = JobRecord(0, "store", "r0", J.SHIPPED, 2)
+    mon.observe(_ev(1, "on_new_request", {}, Delta(requests={"r0": RequestRecord(
+        "r0", R.IDLE)})))
+    assert not mon.observe(_ev(2, "build_connector_meta", {}, Delta(
+        requests={"r0": RequestRecord("r0", R.STORING, frozenset({0}))}, jobs={0: job},
+        scalars={"job_counter": 1}), step=1))
+    found = mon.observe(_ev(3, "update_connector_output", {"acks": {"0": 3}}, Delta(
+        requests={"r0": RequestRecord("r0", R.RUNNING)}, jobs={0: None}), step=1))
+    assert [f.rule for f in found] == ["reports_complete"]
+    assert "over-count" in found[0].message and found[0].jobs == (0,)
+
+
+# ----------------------------------------------------------------------------- bad logs
+def test_a_truncated_last_line_is_reported_not_a_crash(
+        clean_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = lines(clean_log)
+    cut = write(tmp_path / "cut.jsonl", [*rows[:-1], rows[-1][: len(rows[-1]) // 2]], end="")
+    log = read_log(cut)
+    assert log.truncated == len(rows) and len(log.events) == len(rows) - 2
+    assert kvspec(["replay", str(cut)]) == 0
+    assert f"line {len(rows)} is cut short" in capsys.readouterr().out
+
+
+def _event2(rows: list[str], **change: Any) -> list[str]:
+    """The log with its first event's fields changed (a None value removes the field)."""
+    ev = {**json.loads(rows[1]), **change}
+    return [rows[0], json.dumps({k: v for k, v in ev.items() if v is not None}), *rows[2:]]
+
+
+@pytest.mark.parametrize("edit,line,field", [
+    (lambda rows: [*rows[:5], "{not json", *rows[5:]], 6, "(line)"),
+    (lambda rows: [*rows[:3], *rows[4:]], 4, "seq"),
+    (lambda rows: _event2(rows, hook="frobnicate"), 2, "hook"),
+    (lambda rows: _event2(rows, delta=None), 2, "delta"),
+    (lambda rows: _event2(rows, delta={"requests": {"r": {"id": "r", "state": 3}}}), 2,
+     "delta.requests.r.state"),
+    (lambda rows: _event2(rows, delta={"tables": {}}), 2, "delta.tables"),
+    (lambda rows: _event2(rows, args={}), 2, "args.*"),
+    (lambda rows: [json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION}),
+                   *rows[1:]], 1, "num_workers"),
+    (lambda rows: rows[1:], 1, "schema"),
+])
+def test_a_malformed_log_names_its_line_and_field(
+        clean_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        edit: Any, line: int, field: str) -> None:
+    rows = lines(clean_log)
+    if field == "args.*":  # the first argument of the hook of line 2
+        field = "args." + HOOK_ARGS[json.loads(rows[1])["hook"]][0]
+    bad = write(tmp_path / "bad.jsonl", edit(rows))
+    with pytest.raises(MalformedLog) as exc:
+        read_log(bad)
+    assert (exc.value.line, exc.value.field) == (line, field)
+    assert kvspec(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"bad.jsonl:{line}: field {field!r}" in err
+
+
+def test_a_log_of_another_schema_version_is_refused(
+        clean_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = lines(clean_log)
+    head = json.loads(rows[0])
+    other = write(tmp_path / "v2.jsonl", [json.dumps({**head, "schema_version": 2}),
+                                         *rows[1:]])
+    with pytest.raises(SchemaVersionMismatch):
+        read_log(other)
+    assert kvspec(["replay", str(other)]) == 2
+    assert "version 2" in capsys.readouterr().err
+    assert kvspec(["replay", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_the_writer_and_reader_agree(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    w = LogWriter(path, Header(vllm="x", num_workers=2, mode="warn", stuck_after_steps=5))
+    d = Delta(requests={"r0": RequestRecord("r0", R.IDLE, store_cursor=None), "r1": None},
+              jobs={3: JobRecord(3, "load", "r0", J.SHIPPED, 2, keys=frozenset({4, 5}))},
+              ref_cnt={4: 1, 9: None}, block_fence={2: frozenset({3}), 7: None},
+              signals={"r1": 1}, scalars={"job_counter": 4, "jobs_to_flush": frozenset({3})})
+    w.write(Event(1, 0, "reset_cache", {"result": True}, d))
+    w.close()
+    log = read_log(path)
+    assert log.header.stuck_after_steps == 5 and log.events[0].delta == d
