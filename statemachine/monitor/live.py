@@ -63,6 +63,8 @@ class LiveObservations(Observations):
     """The requests the last `SchedulerOutput` scheduled: running until the next one."""
     preempted: set[str] = field(default_factory=set)
     """The requests the last `SchedulerOutput` reported preempted."""
+    dirty_signals: set[str] = field(default_factory=set)
+    """Requests whose `on_request_finished` count changed since the last projection."""
     loaded: set[str] = field(default_factory=set)
     """Requests whose load `finished_recving` reported: the core moves them out of
     WAITING_FOR_REMOTE_KVS after the connector's hook returns (CS:3569-3575), so they wait."""
@@ -145,6 +147,7 @@ class LiveProjector:
             rid = req_id_of(args, kwargs)
             if rid is not None:
                 obs.signals[rid] = obs.signals.get(rid, 0) + 1
+                obs.dirty_signals.add(rid)
             return finished(*args, **kwargs)
 
         def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
@@ -169,7 +172,7 @@ class LiveProjector:
         return rec
 
     def delta(self, requests: Iterable[str], jobs: Iterable[int] = (), *,
-              everything: bool = False, globals_: bool = True) -> Delta:
+              everything: bool = False, fences: bool = True) -> Delta:
         """What changed in the records of `requests`, the jobs they hold (before and
         after), `jobs`, jobs created since the last call, and the global fields."""
         sched, d = self.sched, Delta()
@@ -180,7 +183,7 @@ class LiveProjector:
         want_jobs = set(jobs)
         counter = int(sched._job_counter)
         last_counter = self.scalars.get("job_counter", 0)
-        want_jobs.update(j for j in table if j >= last_counter)
+        want_jobs.update(j for j in range(last_counter, counter) if j in table)
         for rid in requests:
             old = self.requests.get(rid)
             if old is not None:
@@ -200,10 +203,10 @@ class LiveProjector:
             old_job = self.jobs.get(jid)
             js = table.get(jid)
             new_job = None if js is None else self._job(jid, js)
-            for rec in (old_job, new_job):
-                if rec is not None:
-                    keys |= rec.keys
-            if new_job != old_job:
+            if new_job != old_job:  # a chunk's pins change with the jobs that read it
+                for rec in (old_job, new_job):
+                    if rec is not None:
+                        keys |= rec.keys
                 d.jobs[jid] = new_job
                 if new_job is None:
                     del self.jobs[jid]
@@ -220,8 +223,7 @@ class LiveProjector:
             chunks = policy_table(self.manager)
             keys |= {self.obs.key(k) for k in chunks}
         self._pins(keys, d)
-        if globals_:
-            self._globals(d, counter)
+        self._globals(d, counter, fences or everything)
         return d
 
     def _pins(self, keys: Iterable[int], d: Delta) -> None:
@@ -236,8 +238,18 @@ class LiveProjector:
                 else:
                     self.ref_cnt[k] = n
 
-    def _globals(self, d: Delta, counter: int) -> None:
+    def _globals(self, d: Delta, counter: int, fences: bool) -> None:
+        """The global fields; the reset fence and the block fence only where `fences` (the
+        hooks that can change them: not a lookup or an allocation)."""
         sched, obs = self.sched, self.obs
+        self._scalars(d, counter)
+        for rid in obs.dirty_signals:
+            n = obs.signals.get(rid, 0)
+            if self.signals.get(rid) != n:
+                d.signals[rid] = self.signals[rid] = n
+        obs.dirty_signals.clear()
+        if not fences:
+            return
         fence = fence_of(sched, obs)
         if fence != self.fence:
             for jid in set(fence) | set(self.fence):
@@ -251,9 +263,9 @@ class LiveProjector:
                 if fenced.get(b) != self.block_fence.get(b):
                     d.block_fence[b] = fenced.get(b)
             self.block_fence = fenced
-        for rid, n in obs.signals.items():
-            if self.signals.get(rid) != n:
-                d.signals[rid] = self.signals[rid] = n
+
+    def _scalars(self, d: Delta, counter: int) -> None:
+        sched, obs = self.sched, self.obs
         scalars = {
             "job_counter": counter,
             "stale_threshold": int(sched._stale_job_threshold),
@@ -271,8 +283,10 @@ class LiveProjector:
     def event(self, hook: str, args: dict[str, Any], requests: Iterable[str] = (),
               jobs: Iterable[int] = (), everything: bool = False) -> Event:
         self.seq += 1
+        fences = hook not in ("on_new_request", "get_num_new_matched_tokens",
+                              "update_state_after_alloc")
         return Event(seq=self.seq, step=self.step, hook=hook, args=args,
-                     delta=self.delta(requests, jobs, everything=everything))
+                     delta=self.delta(requests, jobs, everything=everything, fences=fences))
 
     def owners(self, job_ids: Iterable[int]) -> set[str]:
         """The requests (as last projected) that hold these jobs."""
