@@ -36,6 +36,7 @@ from spec.request import REQUEST_MACHINE
 from spec.schema import MachineSpec
 from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
 from statemachine.monitor.log import SCALARS, Delta, Event
+from statemachine.monitor.translations import extra_triggers
 
 
 @dataclass(frozen=True)
@@ -70,19 +71,22 @@ class Finding:
 _MACHINES = {m.name: m for m in (REQUEST_MACHINE, JOB_MACHINE, FENCE_MACHINE)}
 
 
-def _closure(machine: MachineSpec, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
-    return _closure_of(machine.name, hooks)
+def _allowed(hook: str, translations: tuple[str, ...]) -> tuple[tuple[str, ...],
+                                                                 tuple[str, ...]]:
+    """The hooks whose rows, and the extra triggers, a call of `hook` may fire."""
+    return rows_within(hook), (*CORE_TRIGGERS, *extra_triggers(translations, hook))
 
 
 @cache
-def _closure_of(name: str, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
+def _closure_of(name: str, hooks: tuple[str, ...],
+                triggers: tuple[str, ...]) -> dict[str, frozenset[str]]:
     """state -> every state a path of rows of `hooks` leads to (itself included), in the
     machine `name` (cached by name: hashing a whole table per call would cost more than
     the search)."""
     machine = _MACHINES[name]
     step: dict[str, set[str]] = {}
     for src, dst, t in machine.edges():
-        if t.hook in hooks or t.trigger in CORE_TRIGGERS:
+        if t.hook in hooks or t.trigger in triggers:
             step.setdefault(src, set()).add(dst)
     out: dict[str, frozenset[str]] = {}
     for s in machine.state_names:
@@ -96,25 +100,27 @@ def _closure_of(name: str, hooks: tuple[str, ...]) -> dict[str, frozenset[str]]:
     return out
 
 
-def is_move(machine: MachineSpec, hook: str, src: str, dst: str | Iterable[str]) -> bool:
+def is_move(machine: MachineSpec, hook: str, src: str, dst: str | Iterable[str],
+            translations: tuple[str, ...] = ()) -> bool:
     """Whether a path of rows that a call of `hook` may fire (with the core's own moves,
     `spec.hooks.CORE_TRIGGERS`) leads from `src` to `dst` (or to one of the states `dst`
-    lists)."""
-    reach = _closure(machine, rows_within(hook)).get(src, frozenset({src}))
+    lists), under the release's `translations` (`statemachine.monitor.translations`)."""
+    reach = _closure_of(machine.name, *_allowed(hook, translations)).get(src,
+                                                                         frozenset({src}))
     return dst in reach if isinstance(dst, str) else any(d in reach for d in dst)
 
 
-def path_of(machine: MachineSpec, hook: str, src: str,
-            dst: str | Iterable[str]) -> list[tuple[str, str, str]]:
+def path_of(machine: MachineSpec, hook: str, src: str, dst: str | Iterable[str],
+            translations: tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
     """The shortest path of rows (source, destination, trigger) that a call of `hook` may
     fire from `src` to `dst` (or to the first of the states `dst` lists it reaches); empty
     where there is none or `src` is already there."""
     targets = (dst,) if isinstance(dst, str) else tuple(dst)
-    return list(_path_of(machine.name, rows_within(hook), src, targets))
+    return list(_path_of(machine.name, *_allowed(hook, translations), src, targets))
 
 
 @cache
-def _path_of(name: str, hooks: tuple[str, ...], src: str,
+def _path_of(name: str, hooks: tuple[str, ...], triggers: tuple[str, ...], src: str,
              targets: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
     machine = _MACHINES[name]
     if src in targets:
@@ -125,7 +131,7 @@ def _path_of(name: str, hooks: tuple[str, ...], src: str,
         nxt = []
         for s in frontier:
             for a, b, t in machine.edges():
-                if a == s and (t.hook in hooks or t.trigger in CORE_TRIGGERS) \
+                if a == s and (t.hook in hooks or t.trigger in triggers) \
                         and b not in back and b != src:
                     back[b] = (a, b, t.trigger)
                     if b in targets:
@@ -277,7 +283,9 @@ class SpecMonitor:
     """Checks events against the spec (see the module docstring)."""
 
     def __init__(self, num_workers: int, *, stuck_after_steps: int | None = 32,
-                 whole_every: int = 1, trace_len: int | None = 512) -> None:
+                 whole_every: int = 1, trace_len: int | None = 512,
+                 translations: tuple[str, ...] = ()) -> None:
+        self.translations = translations
         self.mirror = Mirror(num_workers)
         self.stuck_after_steps = stuck_after_steps
         self.whole_every = whole_every
@@ -352,8 +360,9 @@ class SpecMonitor:
             dst = new.state if new else R.ABSENT
             if src != dst:
                 moves.append(Move("request", rid, src, dst,
-                                  path_of(REQUEST_MACHINE, ev.hook, src, dst)))
-                if not is_move(REQUEST_MACHINE, ev.hook, src, dst):
+                                  path_of(REQUEST_MACHINE, ev.hook, src, dst,
+                                          self.translations)))
+                if not is_move(REQUEST_MACHINE, ev.hook, src, dst, self.translations):
                     self._add(out, Finding(
                         "move", "request table", f"{src} -> {dst} is no path of rows that "
                         f"{ev.hook} may fire", ev.seq, ev.step, ev.hook, rid))
@@ -368,14 +377,15 @@ class SpecMonitor:
                                        f"worker ({m.num_workers})", ev.seq, ev.step, ev.hook,
                                        owner, (jid,)))
             if dst_state is None:
-                ok = is_move(JOB_MACHINE, ev.hook, src, JOB_GONE)
+                ok = is_move(JOB_MACHINE, ev.hook, src, JOB_GONE, self.translations)
                 dst = "(left the table)"
             else:
-                ok = is_move(JOB_MACHINE, ev.hook, src, dst_state)
+                ok = is_move(JOB_MACHINE, ev.hook, src, dst_state, self.translations)
                 dst = dst_state
             if src != dst:
                 moves.append(Move("job", str(jid), src, dst, path_of(
-                    JOB_MACHINE, ev.hook, src, JOB_GONE if dst_state is None else dst)))
+                    JOB_MACHINE, ev.hook, src, JOB_GONE if dst_state is None else dst,
+                    self.translations)))
             if not ok:
                 self._add(out, Finding("move", "job table", f"{src} -> {dst} is no path of "
                                        f"rows that {ev.hook} may fire", ev.seq, ev.step,
@@ -383,8 +393,10 @@ class SpecMonitor:
         after_fence = m.fence_state()
         if after_fence != before_fence:
             moves.append(Move("fence", "reset fence", before_fence, after_fence,
-                              path_of(FENCE_MACHINE, ev.hook, before_fence, after_fence)))
-            if not is_move(FENCE_MACHINE, ev.hook, before_fence, after_fence):
+                              path_of(FENCE_MACHINE, ev.hook, before_fence, after_fence,
+                                      self.translations)))
+            if not is_move(FENCE_MACHINE, ev.hook, before_fence, after_fence,
+                           self.translations):
                 self._add(out, Finding("move", "fence table", f"{before_fence} -> "
                                        f"{after_fence} is no path of rows that {ev.hook} "
                                        "may fire", ev.seq, ev.step, ev.hook))

@@ -48,6 +48,7 @@ from statemachine.errors import ConfigError, KVSpecError
 from statemachine.monitor.checker import Finding, SpecMonitor, format_trace, with_findings
 from statemachine.monitor.live import LiveProjector, block_ids_per_group
 from statemachine.monitor.log import Event, Header, LogWriter
+from statemachine.monitor.translations import translations_of
 
 logger = logging.getLogger("kvspec.monitor")
 
@@ -111,12 +112,14 @@ class LiveMonitor:
     def __init__(self, sched: Any, config: MonitorConfig, num_workers: int) -> None:
         self.config = config
         self.projector = LiveProjector(sched, num_workers)
+        translations = translations_of(sched)
         self.checker = None if config.mode == "log" else SpecMonitor(
             num_workers, stuck_after_steps=config.stuck_after_steps or None,
-            whole_every=config.whole_every, trace_len=config.trace_len)
+            whole_every=config.whole_every, trace_len=config.trace_len,
+            translations=translations)
         self.writer = None if config.log is None else LogWriter(config.log, Header(
             vllm=str(vllm.__version__), num_workers=num_workers, mode=config.mode,
-            stuck_after_steps=config.stuck_after_steps or None))
+            stuck_after_steps=config.stuck_after_steps or None, translations=translations))
         self.findings: list[Finding] = []
         if config.log:
             logger.info("kvspec monitor: mode %s, event log %s", config.mode, config.log)

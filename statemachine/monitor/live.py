@@ -129,6 +129,10 @@ class LiveProjector:
         creates is shipped by its step's metadata)."""
         self.seq = 0
         self.step = 0
+        self.has_step_region = hasattr(sched, "_step_region")
+        self.in_step = False
+        """Where vLLM keeps no step region (before 0.26): a step is open from the first
+        lookup or allocation of a step until its `build_connector_meta` returns."""
         self._wrap_manager()
 
     # -- observation wrappers (they count, then call through) ---------------------------
@@ -271,7 +275,7 @@ class LiveProjector:
             "stale_threshold": int(sched._stale_job_threshold),
             "chunks_being_loaded": chunks_being_loaded(sched, obs),
             "jobs_to_flush": frozenset(sched._current_batch_jobs_to_flush),
-            "step_open": step_open(sched),
+            "step_open": step_open(sched) if self.has_step_region else self.in_step,
             "reset_since_last_step": obs.reset_since_last_step,
             "stores_after_signal": frozenset(obs.stores_after_signal),
         }
@@ -285,6 +289,8 @@ class LiveProjector:
         self.seq += 1
         fences = hook not in ("on_new_request", "get_num_new_matched_tokens",
                               "update_state_after_alloc")
+        if hook in ("get_num_new_matched_tokens", "update_state_after_alloc"):
+            self.in_step = True
         return Event(seq=self.seq, step=self.step, hook=hook, args=args,
                      delta=self.delta(requests, jobs, everything=everything, fences=fences))
 
@@ -334,6 +340,7 @@ class LiveProjector:
         self.obs.flush_shipped |= set(flush)
         self.shipped_below = int(self.sched._job_counter)
         self.obs.reset_since_last_step = False
+        self.in_step = False
         self.step += 1
         return {"store": store, "load": load, "flush": flush}, {*store, *load, *flush}
 

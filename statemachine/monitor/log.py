@@ -275,12 +275,15 @@ class Header:
     num_workers: int
     mode: str = "log"
     stuck_after_steps: int | None = None
+    translations: tuple[str, ...] = ()
+    """The release translations the monitor applied (`statemachine.monitor.translations`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "vllm": self.vllm,
                 "num_workers": self.num_workers, "mode": self.mode,
-                "stuck_after_steps": self.stuck_after_steps, **self.extra}
+                "stuck_after_steps": self.stuck_after_steps,
+                "translations": list(self.translations), **self.extra}
 
 
 @dataclass
@@ -347,9 +350,17 @@ def _header(path: str, line: int, data: Any) -> Header:
     if stuck is not None and (not isinstance(stuck, int) or stuck < 1):
         raise MalformedLog(path, line, "stuck_after_steps", "a positive integer or null "
                            f"expected, got {stuck!r}")
-    known = {"schema", "schema_version", "vllm", "num_workers", "mode", "stuck_after_steps"}
+    from statemachine.monitor.translations import TRANSLATIONS
+
+    names = data.get("translations", [])
+    if not isinstance(names, list) or any(n not in TRANSLATIONS for n in names):
+        raise MalformedLog(path, line, "translations", f"a list of translation names "
+                           f"({', '.join(TRANSLATIONS)}) expected, got {names!r}")
+    known = {"schema", "schema_version", "vllm", "num_workers", "mode", "stuck_after_steps",
+             "translations"}
     return Header(vllm=str(data.get("vllm", "?")), num_workers=workers,
                   mode=str(data.get("mode", "log")), stuck_after_steps=stuck,
+                  translations=tuple(names),
                   extra={k: v for k, v in data.items() if k not in known})
 
 

@@ -84,7 +84,7 @@ def replay(path: str | Path, stuck_after_steps: int | None = None) -> Verdict:
     log = read_log(path)
     bound = stuck_after_steps or log.header.stuck_after_steps or DEFAULT_STUCK_AFTER_STEPS
     mon = SpecMonitor(log.header.num_workers, stuck_after_steps=bound, whole_every=1,
-                      trace_len=None)
+                      trace_len=None, translations=log.header.translations)
     requests: set[str] = set()
     jobs: set[int] = set()
     for ev in log.events:
