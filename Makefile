@@ -59,19 +59,37 @@ diagrams: $(STAMP)
 
 # Conformance: the model-based tests against vLLM's own scheduler side (CONFORMANCE.md).
 # VLLM_VERSION picks the release (its own venv: .venv-vllm for 0.33.0, .venv-vllm-X else);
+# it must be one conformance/releases.py lists (checked before any venv is built).
 # VLLM_SRC=path tests a vLLM source tree (a pull request's checkout) instead: its Python tree
 # goes ahead of the installed wheel on the path (the scheduler side is pure Python).
+# Reproducible: hypothesis derandomized, no example database (tests/conformance/conftest.py),
+# PYTHONHASHSEED fixed (HASHSEED); the report header prints them.
 VLLM_VERSION ?= 0.33.0
 VLLM_SRC ?=
+HASHSEED ?= 0
 VLLM_VENV := .venv-vllm$(if $(filter 0.33.0,$(VLLM_VERSION)),,-$(VLLM_VERSION))
 VLLM_STAMP := $(VLLM_VENV)/.vllm-version
 
-$(VLLM_STAMP): scripts/vllm-venv.sh
+.PHONY: check-vllm-version conformance-all
+check-vllm-version:
+	@$(PY) conformance/releases.py check $(VLLM_VERSION)
+
+# a venv already holding the release is updated in place when the script or the extras change
+$(VLLM_STAMP): scripts/vllm-venv.sh conformance/releases.py | check-vllm-version
 	PY=$(PY) scripts/vllm-venv.sh $(VLLM_VENV) $(VLLM_VERSION)
 
-conformance: $(VLLM_STAMP)
-	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
-		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider -rfEsP -m conformance tests/conformance
+conformance: check-vllm-version $(VLLM_STAMP)
+	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
+		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --hypothesis-profile=kvspec-conformance -rfEsP -m conformance tests/conformance
+
+# The matrix: every supported release (RELEASES="0.22.0 0.33.0" for some), one at a time:
+# build, run, verdict and times; each venv this built removed after its run unless KEEP=1.
+# The table goes to stdout and to $(CONFORMANCE_OUT)/summary.md (outside the repository).
+RELEASES ?=
+KEEP ?= 0
+CONFORMANCE_OUT ?= /tmp/kvspec-conformance
+conformance-all:
+	PY=$(PY) KEEP=$(KEEP) OUT=$(CONFORMANCE_OUT) scripts/conformance-all.sh $(RELEASES)
 
 # Our scheduler against vLLM's, the same trace, CPU time per step (bench/scheduler.py)
 bench-scheduler: $(VLLM_STAMP)

@@ -38,11 +38,13 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
+from conformance import releases
 from conformance import vllm_env as E
 from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
 from spec import model as M
+from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
-from spec.state import AbstractState
+from spec.state import AbstractState, RequestRecord
 from statemachine.core import StepLedger
 from statemachine.testing import (
     HYBRID_BOUNDS,
@@ -115,6 +117,11 @@ class VLLMAdapter:
         self.last_async: dict[str, bool] = {}
         self.admitted: set[str] = set()
         """Requests looked up in the current step."""
+        self.looked_up: set[str] = set()
+        """Requests looked up at least once (0.22.x tracks a request from then on)."""
+        self.step_open = False
+        """Inside a step: from its first lookup or allocation to the end of
+        build_connector_meta (what 0.33's `_step_region` holds; read where vLLM has none)."""
         self.hit_tokens: dict[str, int] = {}
         """vLLM's last lookup answer per request, in tokens."""
         self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
@@ -136,7 +143,8 @@ class VLLMAdapter:
     def _wrap_manager(self) -> None:
         manager = self.setup.manager
         obs = self.obs
-        finished = manager.on_request_finished
+        # 0.22.x has no manager finish signal (feature manager_finish_signal): none counted
+        finished = getattr(manager, "on_request_finished", None)
         prepare_store = manager.prepare_store
 
         def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -150,6 +158,7 @@ class VLLMAdapter:
             rid = req_id_of(args, kwargs)
             if rid is not None:
                 obs.signals[rid] = obs.signals.get(rid, 0) + 1
+            assert finished is not None
             return finished(*args, **kwargs)
 
         def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
@@ -163,7 +172,8 @@ class VLLMAdapter:
             self._evicted.extend(sorted(obs.key_of[k] for k in before - self._policy_keys()))
             return out
 
-        manager.on_request_finished = on_request_finished
+        if finished is not None:
+            manager.on_request_finished = on_request_finished
         manager.prepare_store = counted_prepare_store
 
     # -- requests -----------------------------------------------------------------
@@ -208,9 +218,9 @@ class VLLMAdapter:
                                         sync=bool(getattr(js, "is_sync_load", False)))
         if meta is None:
             return
-        for table, spec_of in ((meta.load_jobs, "dst_spec"), (meta.store_jobs, "src_spec")):
+        for table, gpu_side in ((meta.load_jobs, 1), (meta.store_jobs, 0)):
             for jid, job in table.items():
-                gpu = getattr(job, spec_of)
+                gpu = _transfer_specs(job)[gpu_side]
                 blocks = frozenset(model_block(b) for b in gpu.block_ids.tolist() if b != 0)
                 memo = obs.jobs.get(jid)
                 if memo is not None:
@@ -250,6 +260,8 @@ class VLLMAdapter:
         self.obs.window_end[req_id] = 0
         req.num_computed_tokens = 0
         self.admitted.add(req_id)
+        self.looked_up.add(req_id)
+        self.step_open = True
         if self.bound_last_token:
             # LAST-TOKEN-BOUND (CONFORMANCE.md): the hit may not cover the last prompt
             # token, through vLLM's own bound for it (what OffloadingConnector passes for
@@ -281,6 +293,7 @@ class VLLMAdapter:
 
     def _alloc(self, req_id: str, blocks: tuple[int, ...], hit: int) -> Any:
         req = self._request(req_id)
+        self.step_open = True
         vblocks = self._vllm_table(blocks)
         self.obs.core_blocks[req_id] = _flat(vblocks)
         out = self.connector.update_state_after_alloc(
@@ -336,7 +349,9 @@ class VLLMAdapter:
             {r: [(g, vllm_block(b), end * self.tok) for g, b, end in entries]
              for r, entries in handoffs.items()},
             [(vllm_block(src), vllm_block(dst)) for src, dst in copies])
+        self.step_open = True
         meta = self.connector.build_connector_meta(out)  # victims: counted_prepare_store
+        self.step_open = False
         self._memo_jobs(meta)
         obs.reset_since_last_step = False
         self.admitted.clear()
@@ -389,7 +404,47 @@ class VLLMAdapter:
         return out
 
     def abstract_state(self) -> AbstractState:
-        return project(self.setup, self.obs)
+        return self._as_of_release(project(self.setup, self.obs))
+
+    def _as_of_release(self, state: AbstractState) -> AbstractState:
+        """What the projection cannot read in an older release, from the adapter's own
+        observations (each a named feature of conformance/releases.py):
+
+        - step_region (0.33.0): before it vLLM keeps no mark of an open step; the step is
+          open from its first lookup or allocation to the end of build_connector_meta, as
+          0.33's `_acquire_step`/`_release_step` hold it (S:1239, S:1367, S:2108-2113);
+        - on_new_request (0.23.0): 0.22.x tracks a request only from its first lookup.
+        """
+        if not E.has("step_region"):
+            state = replace(state, step_open=self.step_open)
+        if not E.has("on_new_request"):
+            state = self._with_requests_not_looked_up(state)
+        return state
+
+    def _with_requests_not_looked_up(self, state: AbstractState) -> AbstractState:
+        """0.22.x (feature on_new_request): the connector has no `on_new_request` and tracks
+        a request from its first lookup (offloading/scheduler.py:525-528 in 0.22.0), where
+        the spec tracks it from its arrival. A request that arrived and was never looked up
+        is IDLE, holding nothing: the record vLLM would have (no store cursor, as vLLM has
+        none before 0.26)."""
+        known = {r.id for r in state.requests}
+        extra = [RequestRecord(id=r, state=RS.IDLE, transfer_jobs=frozenset(), finished=False,
+                               finished_signaled=False, load_invalid=False,
+                               lookup_hit_pending=False, gpu_blocks=(), store_cursor=None)
+                 for r in sorted(self.requests)
+                 if r not in known and r not in self.looked_up
+                 and self.obs.core_status.get(r) != "finished"]
+        return replace(state, requests=tuple(sorted((*state.requests, *extra))))
+
+
+def _transfer_specs(job: Any) -> tuple[Any, Any]:
+    """A metadata `TransferJob`'s (source, destination) specs: 0.25+ names them `src_spec`
+    and `dst_spec` (offloading/common.py:54-66 in 0.25.1), 0.22-0.24 keep the pair in
+    `transfer_spec` (offloading/common.py:15-25 in 0.22.0; feature transfer_job_fields)."""
+    if E.has("transfer_job_fields"):
+        return job.src_spec, job.dst_spec
+    src, dst = job.transfer_spec
+    return src, dst
 
 
 def _flat(table: Any) -> tuple[int, ...]:
@@ -456,6 +511,43 @@ def offload_caps_past_the_tail(b: M.Bounds) -> M.Bounds:
         if s.max_offload_tokens is not None else s for s in b.request_settings))
 
 
+def features_needed(b: M.Bounds) -> frozenset[str]:
+    """The vLLM features (`conformance.releases.FEATURES`) a run under bounds `b` needs."""
+    need: set[str] = set()
+    if b.sync_loads:
+        need.add("sync_loads")
+    for s in b.request_settings:
+        if s.max_load_tokens is not None:
+            need.add("max_load_tokens")
+        if s.max_offload_tokens is not None:
+            need.add("offload_caps")
+    if "mamba" in b.groups:
+        need.add("block_state_handoffs")
+    if b.partial_tails:
+        need |= {"partial_tails", "prefix_match_unit"}
+    if b.retention_interval is not None:
+        need.add("retention_interval")
+    if b.blocks_per_chunk > 1:
+        need.add("blocks_per_chunk")
+    return frozenset(need)
+
+
+def for_release(bounds: tuple[M.Bounds, ...]) -> tuple[M.Bounds, ...]:
+    """The bounds the vLLM under test has every feature for (decided without importing it:
+    `vllm_env.release_version`)."""
+    return tuple(b for b in bounds if not E.missing(*sorted(features_needed(b))))
+
+
+def dropped_for_release(bounds: tuple[M.Bounds, ...]) -> list[tuple[M.Bounds, list[str]]]:
+    """The bounds `for_release` leaves out, each with the features the release lacks."""
+    out = []
+    for b in bounds:
+        lacks = E.missing(*sorted(features_needed(b)))
+        if lacks:
+            out.append((b, lacks))
+    return out
+
+
 HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     *(offload_caps_past_the_tail(replace(
         b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
@@ -488,6 +580,17 @@ VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "lat
 VLLM025_SWARM = ("reset", "partial", "complete", "late")
 """0.25.1: no abort, finish or preempt events (see VLLM025Machine)."""
 
+FINISHES_AS_THE_SPEC = E.has("finished_signal")
+"""EARLY-FINISH-SIGNAL (CONFORMANCE.md): before 0.27.0 (feature finished_signal)
+`request_finished` signals the manager at once (`manager.on_request_finished`,
+offloading/scheduler.py:1292 in 0.26.0), before the request's final store, which the next
+step still makes; the spec signals after the final store. Without the feature the machine
+takes no finish or abort events and its drain does not finish requests."""
+
+RELEASE_SWARM = tuple(e for e in VLLM_SWARM
+                      if FINISHES_AS_THE_SPEC or e not in ("abort", "finish"))
+"""The machine's swarm on the vLLM under test."""
+
 
 class VLLMMachine(OffloadingStateMachine):
     """`OffloadingStateMachine` against vLLM's real scheduler-side connector.
@@ -499,8 +602,9 @@ class VLLMMachine(OffloadingStateMachine):
     """
 
     adapter_factory: ClassVar[type] = VLLMAdapter
-    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = _vllm_bounds(sync_loads=True)
-    SWARM: ClassVar[tuple[str, ...]] = VLLM_SWARM
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = for_release(_vllm_bounds(sync_loads=True))
+    """The bounds of every release, less those needing features this one lacks."""
+    SWARM: ClassVar[tuple[str, ...]] = RELEASE_SWARM
     CHECK_INVARIANTS_FIRST: ClassVar[bool] = True
 
     steps_taken: ClassVar[int] = 0
@@ -511,7 +615,7 @@ class VLLMMachine(OffloadingStateMachine):
     last_error: ClassVar[str] = ""
     seconds: ClassVar[float] = 0.0
 
-    @initialize(which=st.integers(0, 100), swarm=st.sets(st.sampled_from(VLLM_SWARM),
+    @initialize(which=st.integers(0, 100), swarm=st.sets(st.sampled_from(RELEASE_SWARM),
                                                          min_size=2))
     def start(self, which: int, swarm: set[str]) -> None:
         type(self).runs += 1
@@ -541,8 +645,35 @@ class VLLMMachine(OffloadingStateMachine):
         if rule == "reset":
             return not self.reset_would_trip() and not self.reset_keeps_stale_window()
         if rule in ("finish", "abort"):
-            return not self.finish_diverges(ev.req)
+            return FINISHES_AS_THE_SPEC and not self.finish_diverges(ev.req)
+        if rule == "step":
+            return not self.whole_prompt_hit(ev)
         return True
+
+    def whole_prompt_hit(self, ev: M.Event) -> bool:
+        """WHOLE-PROMPT-HIT (CONFORMANCE.md, releases before 0.30.0: no
+        `max_num_new_tokens`, feature max_num_new_tokens): admitting `ev.req` now could give
+        a lookup that vLLM answers with the whole block-aligned prompt (divergence D1: the
+        spec, with the LAST-TOKEN-BOUND, leaves the last block to compute). A hybrid model
+        with a sliding window is bounded by vLLM itself (`max_hit_size_tokens -= 1`). Taken
+        where the request's last chunk is in the model's CPU tier (a whole-prompt hit needs
+        it; a shorter hit is then not taken either)."""
+        m = self.model
+        if (m is None or ev.kind != "step" or ev.req is None or self.allow_known_divergences
+                or getattr(self.impl, "bound_last_token", True)):
+            return False
+        b = m.bounds
+        if b.window_groups():
+            return False
+        t = next(t for t in b.templates() if t.req_id == ev.req)
+        tpc = b.tokens_per_chunk
+        if t.settings.skip_reading_prefix_cache or t.tokens % tpc or t.tokens < tpc:
+            return False
+        held = {k for k, _ref in m.chunks}
+        last = t.tokens // tpc - 1
+        return any(M.block_key(t.family, (last + 1) * b.blocks_per_chunk - 1,
+                               b.tokens_per_block, g, len(b.groups)) in held
+                   for g in range(len(b.groups)))
 
     def reset_keeps_stale_window(self) -> bool:
         """A reset now would leave a request's table with sliding-window ids the core freed
@@ -581,9 +712,10 @@ class VLLMMachine(OffloadingStateMachine):
         """Not a rule here: vLLM answers a report for an ended job with a bare KeyError (and
         an over-ack with an assert); the spec's typed refusal is beyond vLLM."""
 
-    DRAIN_FINISHES: ClassVar[bool] = True
+    DRAIN_FINISHES: ClassVar[bool] = FINISHES_AS_THE_SPEC
     """The drain aborts every request (the base machine's drain). False: it only delivers
-    every report and steps, then asks that every request is left idle, holding no job."""
+    every report and steps, then asks that every request is left idle, holding no job (so
+    before 0.27.0: EARLY-FINISH-SIGNAL)."""
 
     def teardown(self) -> None:
         if self.failure is not None:
@@ -608,7 +740,7 @@ class VLLMMachine(OffloadingStateMachine):
             reports = [e for e in self._possible() if e.kind == "report" and not e.failed
                        and e.count == max(1, self._unreported(e.job))]
             admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
-                     and dict(m.core)[e.req].blocks]
+                     and dict(m.core)[e.req].blocks and not self.whole_prompt_hit(e)]
             aborts = [e for e in self._possible() if e.kind == "abort"
                       and not self.finish_diverges(e.req)]
             step = [M.Event("step")]
@@ -653,7 +785,7 @@ class VLLMMachine(OffloadingStateMachine):
 class VLLMHybridMachine(VLLMMachine):
     """The machine on vLLM's connector built with a hybrid KV cache configuration."""
 
-    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = HYBRID_VLLM_BOUNDS
+    bounds_choices: ClassVar[tuple[M.Bounds, ...]] = for_release(HYBRID_VLLM_BOUNDS)
 
 
 class VLLM025Machine(VLLMMachine):
@@ -696,12 +828,15 @@ class VLLM025LivenessMachine(VLLM025Machine):
 
 
 def machine_for(version: tuple[int, int, int]) -> type[VLLMMachine]:
-    """The machine for a vLLM version (0.26+ has the lifecycle the spec describes)."""
-    return VLLMMachine if version >= (0, 26, 0) else VLLM025Machine
+    """The machine for a vLLM version: releases with the fix of PR #48102 (0.26+) have the
+    lifecycle the spec describes; earlier ones (0.22-0.25) the narrower `VLLM025Machine`."""
+    return VLLMMachine if releases.has("fix_48102", version) else VLLM025Machine
 
 
 __all__ = [
     "BLOCK_SIZE",
+    "FINISHES_AS_THE_SPEC",
+    "RELEASE_SWARM",
     "VLLM025_SWARM",
     "VLLM_SWARM",
     "VLLM025LivenessMachine",
@@ -709,5 +844,8 @@ __all__ = [
     "VLLMAdapter",
     "VLLMMachine",
     "block_tokens",
+    "dropped_for_release",
+    "features_needed",
+    "for_release",
     "machine_for",
 ]

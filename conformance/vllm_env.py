@@ -22,10 +22,14 @@ is cached per process (per `max_model_len`), so `make_setup` is cheap after the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +37,8 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from conformance import releases
 
 # ----------------------------------------------------------------------------- environment
 _TMP = Path(tempfile.mkdtemp(prefix="kvspec-vllm-"))
@@ -136,23 +142,66 @@ def _v() -> SimpleNamespace:
     )
 
 
-def _parse_version(text: str) -> tuple[int, int, int]:
-    parts: list[int] = []
-    for piece in text.split(".")[:3]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        parts.append(int(digits or 0))
-    while len(parts) < 3:
-        parts.append(0)
-    return parts[0], parts[1], parts[2]
+def scheduler_side_modules() -> SimpleNamespace:
+    """Import every vLLM module the conformance code uses (scripts/vllm-venv.sh's check that
+    a release's venv has the packages its scheduler side needs)."""
+    return _v()
+
+
+def _release_from_tree(origin: str | None) -> str | None:
+    """The version a vLLM tree's `_version.py` (written when the wheel is built) names."""
+    if not origin:
+        return None
+    path = Path(origin).parent / "_version.py"
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    found = re.search(r"""^(?:__version__|version)\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""",
+                      text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _is_release(text: str) -> bool:
+    return re.match(r"\d+\.\d+", text) is not None and releases.parse(text) > (0, 0, 0)
+
+
+@cache
+def release_version() -> tuple[int, int, int]:
+    """The version of the vLLM the tests import, found WITHOUT importing it (the machines'
+    bounds are chosen when `conformance.adapter` is imported): the `_version.py` of the tree
+    first on the path (the installed wheel, or a VLLM_SRC tree), else the release the venv
+    was built for (KVSPEC_VLLM_VERSION, as the Makefile sets it, or the installed
+    distribution), else the newest supported release (vLLM not installed)."""
+    spec = importlib.util.find_spec("vllm")
+    candidates = [_release_from_tree(spec.origin if spec else None),
+                  os.environ.get("KVSPEC_VLLM_VERSION")]
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        candidates.append(importlib.metadata.version("vllm"))
+    for text in candidates:
+        if text and _is_release(text):
+            return releases.parse(text)
+    return releases.RELEASES[-1].key
 
 
 def vllm_version() -> tuple[int, int, int]:
-    """The installed (or VLLM_SRC) vLLM's version, as (major, minor, patch)."""
-    return _parse_version(str(_v().version))
+    """The installed (or VLLM_SRC) vLLM's version, as (major, minor, patch) (imports vLLM). A
+    source tree without a built version (`vllm.__version__` "dev") is taken for the release
+    its venv holds (`release_version`)."""
+    text = str(_v().version)
+    return releases.parse(text) if _is_release(text) else release_version()
+
+
+def has(feature: str) -> bool:
+    """Whether the vLLM under test has `feature` (a key of `conformance.releases.FEATURES`:
+    the first release with each scheduler-side difference the conformance code translates).
+    Decided without importing vLLM."""
+    return releases.has(feature, release_version())
+
+
+def missing(*features: str) -> list[str]:
+    """The `features` the vLLM under test lacks (a test skips naming them)."""
+    return [f for f in features if not has(f)]
 
 
 def vllm_file() -> str:
@@ -161,8 +210,9 @@ def vllm_file() -> str:
 
 
 def has_reset_fence() -> bool:
-    """0.33 tracks stale jobs' outstanding reports (`_reset_fence`); 0.25 does not."""
-    return vllm_version() >= (0, 26, 0)
+    """0.33 tracks stale jobs' outstanding reports (`_reset_fence`); earlier releases do not
+    (the adapter emulates the fence from the acks it delivers)."""
+    return has("reset_fence")
 
 
 @cache
@@ -207,7 +257,17 @@ def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
     return sliding_window is not None or "mamba" in groups
 
 
-def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
+def _kv_tensor(v: Any, size: int, layers: list[str], page: int, num_gpu_blocks: int) -> Any:
+    """A `KVCacheTensor` backing `layers`: 0.29+ describes its layout (layer-outermost:
+    `layers`, `layer_stride`, `block_stride`, vllm/v1/kv_cache_interface.py), earlier
+    releases name the layers that share it (`shared_by`)."""
+    if has("kv_tensor_layers"):
+        return v.KVCacheTensor(size=size, layers=layers, layer_stride=page * num_gpu_blocks,
+                               block_stride=page)
+    return v.KVCacheTensor(size=size, shared_by=layers)
+
+
+def _kv_cache_config(num_gpu_blocks: int, block_size: int,
                      sliding_window: int | None = None,
                      groups: Sequence[str] = ("full", "sliding")) -> Any:
     v = _v()
@@ -216,8 +276,6 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
     page = spec.page_size_bytes
     if _hybrid(sliding_window, groups):  # a hybrid model: one layer per group, in order
-        if not v33:
-            raise RuntimeError("hybrid KV cache configurations need vLLM 0.33")
         if len(groups) != NUM_LAYERS:
             raise ValueError(f"a hybrid configuration has {NUM_LAYERS} groups (one per layer)")
         kinds: dict[str, Any] = {"full": spec}
@@ -229,18 +287,17 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int, v33: bool,
             kinds["mamba"] = v.MambaSpec(  # attention page, as vLLM pads it to
                 block_size=block_size, shapes=((page // 4,),), dtypes=(v.torch.float32,),
                 mamba_cache_mode="align")
-        tensors = [v.KVCacheTensor(size=page * num_gpu_blocks, layers=[name],
-                                   layer_stride=page * num_gpu_blocks, block_stride=page)
+        tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
                    for name in layers]
         return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
                                kv_cache_groups=[v.KVCacheGroupSpec([name], kinds[kind])
                                                 for name, kind in zip(layers, groups,
                                                                       strict=True)])
-    if v33:  # one backing allocation for all layers, layer-outermost
-        tensors = [v.KVCacheTensor(size=page * NUM_LAYERS * num_gpu_blocks, layers=layers,
-                                   layer_stride=page * num_gpu_blocks, block_stride=page)]
+    if has("kv_tensor_layers"):  # one backing allocation for all layers, layer-outermost
+        tensors = [_kv_tensor(v, page * NUM_LAYERS * num_gpu_blocks, layers, page,
+                              num_gpu_blocks)]
     else:  # one tensor per layer
-        tensors = [v.KVCacheTensor(size=page * num_gpu_blocks, shared_by=[name])
+        tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
                    for name in layers]
     return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
                            kv_cache_groups=[v.KVCacheGroupSpec(layers, spec)])
@@ -287,11 +344,14 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     vLLM's partial tails are on."""
     v = _v()
     version = vllm_version()
-    v33 = version >= (0, 26, 0)
     if num_cpu_chunks is not None:
         if cpu_bytes is not None:
             raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
-        layers = 1 if _hybrid(sliding_window, groups) else NUM_LAYERS
+        # a chunk holds its group's layers where the KV tensors describe their layers
+        # (0.29+: one layer per group here); before, the CPU spec sums every tensor per
+        # block (offloading/config.py:90-103 in 0.26.0): all the layers
+        layers = (1 if _hybrid(sliding_window, groups) and has("kv_tensor_layers")
+                  else NUM_LAYERS)
         cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers,
                                                   layers)
     if cpu_bytes is None:
@@ -300,8 +360,9 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
         "spec_name": "CPUOffloadingSpec",
         "cpu_bytes_to_use": cpu_bytes,
         "eviction_policy": eviction_policy,
-        "offload_prompt_only": False,
     }
+    if has("offload_caps"):  # the connector's setting since 0.23.0 (0.22 stores everything)
+        extra["offload_prompt_only"] = False
     if blocks_per_chunk != 1:  # understood by both versions ("blocks_per_chunk" is 0.33 only)
         extra["block_size"] = block_size * blocks_per_chunk
     extra.update(extra_config or {})
@@ -309,8 +370,14 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     # None: a sliding-window group keeps (and stores) every chunk's window tail; vLLM's
     # default (0) keeps only the tail a replay of the prompt reads
     dense = ({"prefix_cache_retention_interval": retention_interval}
-             if _hybrid(sliding_window, groups) else {})
-    # a hash finer than a block (0.33; 0.25.1's CacheConfig has no such field)
+             if _hybrid(sliding_window, groups) and has("retention_interval") else {})
+    if retention_interval is not None and not has("retention_interval"):
+        raise RuntimeError("a retention interval needs the feature retention_interval "
+                           f"(vLLM {releases.FEATURES['retention_interval']}+)")
+    # a hash finer than a block (0.26+; 0.25.1's CacheConfig has no such field)
+    if prefix_match_unit and not has("prefix_match_unit"):
+        raise RuntimeError("a hash finer than a block needs the feature prefix_match_unit "
+                           f"(vLLM {releases.FEATURES['prefix_match_unit']}+)")
     hashing = {"prefix_match_unit": prefix_match_unit} if prefix_match_unit else {}
     parallel = (cfg.ParallelConfig(tensor_parallel_size=num_workers) if num_workers > 1
                 else cfg.ParallelConfig())
@@ -334,8 +401,7 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise RuntimeError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, v33, sliding_window,
-                                       groups)
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, sliding_window, groups)
     connector = v.OffloadingConnector(vllm_config, v.KVConnectorRole.SCHEDULER,
                                       kv_cache_config)
     scheduler = connector.connector_scheduler

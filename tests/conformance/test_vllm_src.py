@@ -6,9 +6,14 @@ supplies nothing but the dependencies. These tests stand an unpacked wheel in fo
 checkout (its Python files only: a git checkout has no compiled parts either) and check that
 
 - the tree, not the wheel, is what the tests import (the report header names it);
-- the unchanged tree conforms on the PR #48102 trace;
+- the unchanged tree gives the release's verdict on the PR #48102 trace: it conforms where the
+  release has the fix (0.26+), INV-1 where it has the bug (0.22-0.25);
 - the same tree with PR #48102 put back (reset_cache no longer clears the requests'
-  transfer_jobs) is caught: INV-1 names the request and the stale job id.
+  transfer_jobs) is caught: INV-1 names the request and the stale job id (releases with the
+  fix);
+- under `VLLM_SRC=path make conformance`, every vLLM module the run imported comes from that
+  tree (`test_a_vllm_src_run_tests_that_tree`), and that check itself fails on a run that
+  names a tree but imports the wheel.
 
 The tree comes from `pip download` of the installed release (pip's cache makes that cheap).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -29,7 +35,8 @@ pytestmark = pytest.mark.conformance
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "arrive(r0) ; step(admit=r0) ; reset() ; step() ; ack(job 0, count 2)"
 FIX_48102 = "            status.transfer_jobs.clear()\n"
-"""The line of vLLM 0.33.0's `_reset_cache` that is the fix of PR #48102."""
+"""The line of `reset_cache` that is the fix of PR #48102 (the same from 0.26.0, scheduler.py:1345,
+to 0.33.0, scheduler.py:2432)."""
 
 REPLAY = f"""
 import sys
@@ -48,8 +55,6 @@ print("conforms", flush=True)
 def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The installed release's Python tree, unpacked from its wheel (no compiled files)."""
     version = importlib.metadata.version("vllm")
-    if version.split(".")[:2] != ["0", "33"]:
-        pytest.skip(f"the #48102 patch below is written against 0.33's source ({version})")
     base = tmp_path_factory.mktemp("vllm-src")
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                     f"vllm=={version}", "-d", str(base / "wheel")], check=True)
@@ -67,17 +72,32 @@ def _replay_from(tree: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=600)
 
 
+def _has_the_fix() -> bool:
+    from conformance import vllm_env
+
+    return vllm_env.has("fix_48102")
+
+
 def test_the_source_tree_is_imported_and_conforms(source_tree: Path) -> None:
+    """The unchanged tree, imported ahead of the wheel: the #48102 trace conforms on a
+    release with the fix, and shows the bug (INV-1 on r0) on one without it."""
     run = _replay_from(source_tree)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert f"imported from {source_tree / 'vllm' / '__init__.py'}" in run.stdout, run.stdout
-    assert "conforms" in run.stdout
+    out = run.stdout + run.stderr
+    assert f"imported from {source_tree / 'vllm' / '__init__.py'}" in run.stdout, out
+    if _has_the_fix():
+        assert run.returncode == 0, out
+        assert "conforms" in run.stdout
+    else:
+        assert run.returncode != 0, out
+        assert "INV-1" in out and "r0" in out, out[-3000:]
 
 
 def test_a_tree_with_pr_48102_undone_is_caught(source_tree: Path, tmp_path: Path) -> None:
+    if not _has_the_fix():
+        pytest.skip("the release has the #48102 bug already (feature fix_48102, from 0.26.0)")
     scheduler = Path("vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py")
     text = (source_tree / scheduler).read_text()
-    assert text.count(FIX_48102) == 1, "the 0.33 fix of PR #48102 moved: update FIX_48102"
+    assert text.count(FIX_48102) == 1, "the fix of PR #48102 moved: update FIX_48102"
     broken = tmp_path / "tree"
     _copy_tree(source_tree / "vllm", broken / "vllm", skip=scheduler)
     (broken / scheduler).write_text(text.replace(FIX_48102, "            pass\n"))
@@ -103,10 +123,48 @@ def _copy_tree(src: Path, dst: Path, skip: Path) -> None:
 
 
 def test_a_vllm_src_run_tests_that_tree() -> None:
-    """Under `VLLM_SRC=path make conformance`, every test here ran against that tree."""
+    """Under `VLLM_SRC=path make conformance`, every test here ran against that tree: vLLM
+    and every vLLM module this run imported (the scheduler side among them) come from it."""
     src = os.environ.get("VLLM_SRC")
     if not src:
         pytest.skip("not a VLLM_SRC run")
     from conformance import vllm_env
 
-    assert Path(vllm_env.vllm_file()).resolve().is_relative_to(Path(src).resolve())
+    tree = Path(src).resolve()
+    assert Path(vllm_env.vllm_file()).resolve().is_relative_to(tree), (
+        f"VLLM_SRC={src}, but vllm was imported from {vllm_env.vllm_file()}")
+    scheduler = sys.modules[vllm_env.make_setup(num_gpu_blocks=4, num_cpu_chunks=2)
+                            .scheduler.__class__.__module__]
+    elsewhere = sorted(f"{name} ({mod.__file__})" for name, mod in list(sys.modules.items())
+                       if (name == "vllm" or name.startswith("vllm."))
+                       and getattr(mod, "__file__", None)
+                       and not Path(str(mod.__file__)).resolve().is_relative_to(tree))
+    assert not elsewhere, f"VLLM_SRC={src}, but imported from elsewhere: {elsewhere[:5]}"
+    assert Path(str(scheduler.__file__)).resolve().is_relative_to(tree), scheduler.__file__
+
+
+def _pytest_vllm_src_check(tree: Path, on_path: bool) -> subprocess.CompletedProcess[str]:
+    """`test_a_vllm_src_run_tests_that_tree` in a pytest of its own with VLLM_SRC=tree, the
+    tree on the path as the Makefile puts it (`on_path`) or not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_SRC", "PYTHONPATH")}
+    env["VLLM_SRC"] = str(tree)
+    if on_path:
+        env["PYTHONPATH"] = str(tree)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+         "--hypothesis-profile=kvspec-conformance", "-m", "conformance",
+         f"{Path(__file__).relative_to(ROOT)}::test_a_vllm_src_run_tests_that_tree"],
+        cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
+
+
+def test_the_vllm_src_check_fails_a_run_that_imports_the_wheel(source_tree: Path) -> None:
+    """The VLLM_SRC check tests the tree it names: it passes with the tree ahead of the
+    wheel, and fails a run that names the tree but imports the installed wheel."""
+    good = _pytest_vllm_src_check(source_tree, on_path=True)
+    assert good.returncode == 0 and re.search(r"\b1 passed", good.stdout), \
+        good.stdout[-3000:] + good.stderr[-2000:]
+    bad = _pytest_vllm_src_check(source_tree, on_path=False)
+    assert bad.returncode != 0 and re.search(r"\b1 failed", bad.stdout), \
+        bad.stdout[-3000:] + bad.stderr[-2000:]
+    assert f"VLLM_SRC={source_tree}, but vllm was imported from" in bad.stdout, \
+        bad.stdout[-3000:]
