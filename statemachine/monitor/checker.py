@@ -316,6 +316,9 @@ class SpecMonitor:
         moves = self._moves(event, before_req, before_job, before_fence, out)
         if due:
             self._count_reports(event, due, out)
+        if event.error is not None:
+            self._add(out, Finding("crash", "hook raised", event.error, event.seq, event.step,
+                                   event.hook, event.args.get("request")))
         self.trace.append(Seen(event, moves))
         self._reports(event)
         touched_jobs = set(event.delta.jobs) | set(event.delta.fence) \

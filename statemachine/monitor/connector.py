@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,12 @@ class LiveMonitor:
             logger.info("kvspec monitor: mode %s, event log %s", config.mode, config.log)
 
     def record(self, hook: str, args: dict[str, Any], requests: Any = (), jobs: Any = (),
-               everything: bool = False) -> None:
+               everything: bool = False, error: str | None = None) -> None:
         p = self.projector
         whole = (self.config.whole_every and hook == "build_connector_meta"
                  and p.step % self.config.whole_every == 0)
         event = p.event(hook, args, requests, jobs, everything=everything or bool(whole))
+        event.error = error
         found: list[Finding] = []
         if self.checker is not None:
             found = self.checker.observe(event)
@@ -163,6 +165,26 @@ class LiveMonitor:
             else self.checker.trace[-1].event
 
 
+def _finished_args(request: Any, block_ids: Any, out: Any) -> dict[str, Any]:
+    result = None if out is None else [bool(out[0]), out[1] is not None]
+    return {"request": request.request_id, "block_ids": block_ids_per_group(block_ids),
+            "result": result}
+
+
+def describe_error(exc: BaseException) -> str:
+    """`Type: message (file:line)` of the innermost frame that raised."""
+    tb = exc.__traceback__
+    where = ""
+    while tb is not None:
+        frame = tb.tb_frame
+        where = f"{frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    marker = "/vllm/"
+    if marker in where:
+        where = "vllm/" + where.split(marker, 1)[1]
+    return f"{type(exc).__name__}: {exc} ({where})" if where else f"{type(exc).__name__}: {exc}"
+
+
 class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     """vLLM's `OffloadingConnector`, each scheduler-side hook checked against the spec."""
 
@@ -180,40 +202,69 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         assert self.kvspec is not None, "a scheduler-side hook on the worker role"
         return self.kvspec
 
+    def _checked(self, hook: str, call: Callable[[], Any],
+                 args: Callable[[Any], dict[str, Any]], requests: Any = (), jobs: Any = (),
+                 everything: bool = False) -> Any:
+        """vLLM's hook, then its event (`args(result)`); a hook that raises is recorded with
+        its error (the result None) and the error goes on."""
+        mon = self._mon()
+        try:
+            out = call()
+        except Exception as exc:
+            mon.record(hook, args(None), requests, jobs, everything=everything,
+                       error=describe_error(exc))
+            raise
+        mon.record(hook, args(out), requests, jobs, everything=everything)
+        return out
+
     def on_new_request(self, request: Any) -> None:
-        super().on_new_request(request)
-        self._mon().record("on_new_request", {
-            "request": request.request_id, "prompt_tokens": int(request.num_prompt_tokens)},
-            (request.request_id,))
+        rid = request.request_id
+        self._checked("on_new_request", lambda: super(MonitoredOffloadingConnector,
+                                                      self).on_new_request(request),
+                      lambda _out: {"request": rid,
+                                    "prompt_tokens": int(request.num_prompt_tokens)}, (rid,))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    *args: Any, **kwargs: Any) -> Any:
-        out = super().get_num_new_matched_tokens(request, num_computed_tokens, *args,
-                                                 **kwargs)
-        hits, is_async = out
-        self._mon().record("get_num_new_matched_tokens", {
-            "request": request.request_id, "num_computed_tokens": int(num_computed_tokens),
-            "result": [hits if hits is None else int(hits), bool(is_async)]},
-            (request.request_id,))
-        return out
+        rid = request.request_id
+
+        def answer(out: Any) -> dict[str, Any]:
+            result = None if out is None else [out[0] if out[0] is None else int(out[0]),
+                                               bool(out[1])]
+            return {"request": rid, "num_computed_tokens": int(num_computed_tokens),
+                    "result": result}
+
+        return self._checked("get_num_new_matched_tokens", lambda: super(
+            MonitoredOffloadingConnector, self).get_num_new_matched_tokens(
+                request, num_computed_tokens, *args, **kwargs), answer, (rid,))
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> Any:
-        out = super().update_state_after_alloc(request, blocks, num_external_tokens)
-        self._mon().record("update_state_after_alloc", {
-            "request": request.request_id, "block_ids": block_ids_per_group(blocks),
-            "num_external_tokens": int(num_external_tokens)}, (request.request_id,))
-        return out
+        rid = request.request_id
+        return self._checked("update_state_after_alloc", lambda: super(
+            MonitoredOffloadingConnector, self).update_state_after_alloc(
+                request, blocks, num_external_tokens),
+            lambda _out: {"request": rid, "block_ids": block_ids_per_group(blocks),
+                          "num_external_tokens": int(num_external_tokens)}, (rid,))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         mon = self._mon()
         args, touched = mon.projector.args_of_output(scheduler_output)
-        meta = super().build_connector_meta(scheduler_output)
-        shipped, jobs = mon.projector.after_build(meta)
-        args["shipped"] = shipped
-        touched |= mon.projector.owners(jobs)
-        mon.record("build_connector_meta", args, touched, jobs)
-        return meta
+        jobs: set[int] = set()
+
+        def built(meta: Any) -> dict[str, Any]:
+            if meta is not None:
+                shipped, ids = mon.projector.after_build(meta)
+                args["shipped"] = shipped
+                jobs.update(ids)
+                touched.update(mon.projector.owners(ids))
+            else:
+                args["shipped"] = {"store": [], "load": [], "flush": []}
+            return args
+
+        return self._checked("build_connector_meta", lambda: super(
+            MonitoredOffloadingConnector, self).build_connector_meta(scheduler_output),
+            built, touched, jobs)
 
     def update_connector_output(self, connector_output: Any) -> None:
         mon = self._mon()
@@ -223,34 +274,27 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         recving = sorted(connector_output.finished_recving or ())
         touched = mon.projector.owners(acks) | set(sending) | set(recving)
         mon.projector.obs.loaded.update(recving)
-        super().update_connector_output(connector_output)
-        mon.record("update_connector_output", {
-            "acks": {str(j): n for j, n in sorted(acks.items())},
-            "finished_sending": sending, "finished_recving": recving}, touched, acks)
+        args = {"acks": {str(j): n for j, n in sorted(acks.items())},
+                "finished_sending": sending, "finished_recving": recving}
+        self._checked("update_connector_output", lambda: super(
+            MonitoredOffloadingConnector, self).update_connector_output(connector_output),
+            lambda _out: args, touched, acks)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        out = super().request_finished(request, block_ids)
-        self._finished("request_finished", request, block_ids, out)
-        return out
+        return self._checked("request_finished", lambda: super(
+            MonitoredOffloadingConnector, self).request_finished(request, block_ids),
+            lambda out: _finished_args(request, block_ids, out), (request.request_id,))
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
-        out = super().request_finished_all_groups(request, block_ids)
-        self._finished("request_finished", request, block_ids, out)
-        return out
-
-    def _finished(self, hook: str, request: Any, block_ids: Any, out: Any) -> None:
-        delay, params = out
-        self._mon().record(hook, {"request": request.request_id,
-                                  "block_ids": block_ids_per_group(block_ids),
-                                  "result": [bool(delay), params is not None]},
-                           (request.request_id,))
+        return self._checked("request_finished", lambda: super(
+            MonitoredOffloadingConnector, self).request_finished_all_groups(request, block_ids),
+            lambda out: _finished_args(request, block_ids, out), (request.request_id,))
 
     def reset_cache(self) -> Any:
-        out = super().reset_cache()
-        mon = self._mon()
-        mon.projector.obs.reset_since_last_step = True
-        mon.record("reset_cache", {"result": out}, everything=True)
-        return out
+        self._mon().projector.obs.reset_since_last_step = True
+        return self._checked("reset_cache", lambda: super(
+            MonitoredOffloadingConnector, self).reset_cache(),
+            lambda out: {"result": out}, everything=True)
 
     def shutdown(self) -> None:
         try:

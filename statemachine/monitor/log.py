@@ -22,7 +22,9 @@ An event's fields:
   or null: evicted), `block_fence` (block -> job ids, or null), `signals` (request ->
   `on_request_finished` calls) and `scalars` (the remaining fields of the state, each
   written only when it changed).
-- `findings` (optional): what the live monitor reported after this event.
+- `findings` (optional): what the live monitor reported after this event;
+- `error` (optional): the exception the hook raised, `Type: message (file:line)` (the
+  event's `result` is then null and its delta what the hook left behind).
 
 Records are written field by field as `spec.state` names them; frozensets are sorted lists.
 A log of another schema or version is refused (`SchemaVersionMismatch`); a line that is not
@@ -294,6 +296,8 @@ class Event:
     args: dict[str, Any]
     delta: Delta
     findings: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    """The exception the hook raised (`Type: message (file:line)`), if it raised."""
     line: int = 0
     """The line of the log it was read from (0: not read from a log)."""
 
@@ -302,6 +306,8 @@ class Event:
                                "args": self.args, "delta": self.delta.to_json()}
         if self.findings:
             out["findings"] = self.findings
+        if self.error is not None:
+            out["error"] = self.error
         return out
 
 
@@ -392,8 +398,11 @@ def _event(path: str, line: int, data: Any, expect_seq: int) -> Event:
     findings = data.get("findings", [])
     if not isinstance(findings, list):
         raise MalformedLog(path, line, "findings", "a list expected")
+    error = data.get("error")
+    if error is not None and not isinstance(error, str):
+        raise MalformedLog(path, line, "error", "a string expected")
     return Event(seq=data["seq"], step=data["step"], hook=hook, args=data["args"],
-                 delta=delta, findings=findings, line=line)
+                 delta=delta, findings=findings, error=error, line=line)
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:

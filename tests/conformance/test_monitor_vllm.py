@@ -1,0 +1,187 @@
+"""The monitored connector inside vLLM's real core Scheduler (`conformance.core_scheduler`:
+the Scheduler built from `kv_transfer_config` with `kv_connector_module_path`, the workers
+played, acks one step later and split over two steps for two workers, a
+`reset_prefix_cache` mid-run, preemption by running out of GPU blocks, decoding).
+
+On a release with the PR #48102 fix (0.26+) the live monitor finds nothing and the log
+replays clean. On a release with the bug the monitor flags the stuck request from that real
+run, in `warn` and in `raise` mode, and `kvspec replay` of the log gives the same verdict and
+trace. A run whose acks are deliberately corrupted is flagged, live and in replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import conformance.vllm_env  # (before vLLM: offline, quiet, temporary caches)
+
+# isort: split
+from conformance.core_scheduler import (
+    SCENARIO_GPU_BLOCKS,
+    CoreDriver,
+    CoreRun,
+    HookError,
+    RunSummary,
+    make_core_scheduler,
+    scenario,
+)
+from statemachine.cli import main as kvspec
+from statemachine.monitor.connector import MonitoredOffloadingConnector, MonitorViolation
+from statemachine.monitor.replay import replay
+
+pytestmark = pytest.mark.conformance
+
+FIXED = conformance.vllm_env.vllm_version() >= (0, 26, 0)
+"""0.26.0 clears each request's `transfer_jobs` in `reset_cache` (PR #48102)."""
+CPU_CHUNKS = 64
+STUCK_AFTER = 8
+
+
+def monitored(log: Path, mode: str, workers: int = 2, **extra: Any) -> CoreRun:
+    run = make_core_scheduler(
+        num_gpu_blocks=SCENARIO_GPU_BLOCKS, num_cpu_chunks=CPU_CHUNKS, num_workers=workers,
+        kv_connector="MonitoredOffloadingConnector",
+        kv_connector_module_path="statemachine.monitor.connector",
+        extra_config={"kvspec_mode": mode, "kvspec_log": str(log),
+                      "kvspec_stuck_after_steps": STUCK_AFTER, "kvspec_whole_every": 1,
+                      **extra})
+    assert type(run.connector) is MonitoredOffloadingConnector
+    return run
+
+
+def findings(run: CoreRun) -> list[Any]:
+    mon = run.connector.kvspec
+    assert mon is not None
+    return list(mon.findings)
+
+
+@pytest.fixture(scope="module")
+def warn_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CoreRun, RunSummary,
+                                                                          Path]]:
+    log = tmp_path_factory.mktemp("monitor") / "warn.jsonl"
+    run = monitored(log, "warn")
+    summary = scenario(run, seed=0)
+    run.connector.kvspec.close()
+    yield run, summary, log
+
+
+def test_the_scenario_reaches_preemption_loads_and_the_reset(
+        warn_run: tuple[CoreRun, RunSummary, Path]) -> None:
+    _run, summary, _log = warn_run
+    assert summary.preemptions >= 1 and summary.loads and summary.stores
+    assert summary.resets and any(r.in_flight for r in summary.resets)
+    assert any(summary.output_tokens.values())
+
+
+@pytest.mark.skipif(not FIXED, reason="the release has the PR #48102 bug")
+def test_a_fixed_release_is_clean_live_and_in_replay(
+        warn_run: tuple[CoreRun, RunSummary, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    run, summary, log = warn_run
+    assert summary.idle and not summary.stuck and summary.error is None
+    assert findings(run) == []
+    v = replay(log)
+    assert v.clean, v.text()
+    hooks = {e.hook for e in v.log.events}
+    assert {"get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+            "update_connector_output", "request_finished", "reset_cache"} <= hooks
+    assert kvspec(["replay", str(log)]) == 0
+    assert "clean" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(FIXED, reason="the release has the PR #48102 fix")
+def test_a_buggy_release_flags_the_stuck_request_live_and_in_replay(
+        warn_run: tuple[CoreRun, RunSummary, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    run, summary, log = warn_run
+    (stuck_id, stuck), = summary.stuck.items()
+    live = findings(run)
+    first = live[0]
+    # the cause, at the reset: the request keeps a job id the table no longer has
+    assert (first.rule, first.hook, first.request) == ("INV-1", "reset_cache", stuck_id)
+    assert set(first.jobs) == set(stuck.stale_jobs)
+    # what the user saw: the request never runs again
+    hang = [f for f in live if f.rule.startswith("INV-13") and f.request == stuck_id]
+    assert hang and "never runs again" in hang[0].message
+    # the replay of the log: the same verdict and the same trace
+    v = replay(log)
+    assert [(f.rule, f.request, f.jobs, f.seq) for f in v.findings] == \
+        [(f.rule, f.request, f.jobs, f.seq) for f in live]
+    mon = run.connector.kvspec
+    assert [s.event.seq for s in v.trace] == [s.event.seq for s in mon.checker.trace_of(first)]
+    assert kvspec(["replay", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "first violation: INV-1" in out and f"#{first.seq}" in out
+
+
+@pytest.mark.skipif(FIXED, reason="the release has the PR #48102 fix")
+def test_raise_mode_stops_at_the_reset(tmp_path: Path) -> None:
+    run = monitored(tmp_path / "raise.jsonl", "raise")
+    with pytest.raises(HookError) as exc:  # the harness names the call that raised
+        scenario(run, seed=0)
+    violation = exc.value.__cause__
+    assert isinstance(violation, MonitorViolation)  # out of the Scheduler's reset, unchanged
+    f = violation.finding
+    assert (f.rule, f.hook) == ("INV-1", "reset_cache")
+    assert "first violation: INV-1" in str(violation) and f"#{f.seq}" in str(violation)
+    # the log holds the event that raised, with its finding: the replay agrees
+    v = replay(tmp_path / "raise.jsonl")
+    assert (v.findings[0].rule, v.findings[0].request, v.findings[0].seq) == \
+        (f.rule, f.request, f.seq)
+
+
+@pytest.mark.skipif(FIXED, reason="the release has the PR #48102 fix")
+def test_with_one_worker_the_monitor_names_the_cause_before_the_crash(tmp_path: Path) -> None:
+    """One worker: no waiting holder at the reset; a running request keeps the stale id and
+    vLLM raises KeyError at its next store. The monitor reported INV-1 at the reset."""
+    run = monitored(tmp_path / "one.jsonl", "warn", workers=1)
+    summary = scenario(run, seed=0)
+    assert summary.error is not None and "KeyError" in repr(summary.error)
+    first = findings(run)[0]
+    assert (first.rule, first.hook) == ("INV-1", "reset_cache")
+    run.connector.kvspec.close()
+    assert replay(tmp_path / "one.jsonl").findings[0].seq == first.seq
+
+
+def test_a_corrupted_ack_is_flagged(tmp_path: Path) -> None:
+    """The workers' combined output reports one job once more than there are workers."""
+    log = tmp_path / "corrupt.jsonl"
+    run = monitored(log, "warn")
+    driver = CoreDriver(run, seed=0)
+    aggregate = driver._aggregator.aggregate
+    corrupted: list[int] = []
+
+    def over_count(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = aggregate(outputs, *args, **kwargs)
+        meta = out.kv_connector_output.kv_connector_worker_meta
+        done = getattr(meta, "completed_jobs", None)
+        if done and not corrupted:
+            job = min(done)
+            done[job] += 1
+            corrupted.append(job)
+        return out
+
+    driver._aggregator.aggregate = over_count
+    driver.add_request("r0", list(range(100, 164)), max_tokens=4)
+    crashed = None
+    for _ in range(8):
+        try:
+            driver.step()
+        except HookError as exc:  # vLLM 0.33 asserts on it (S:2287); older ones go on
+            crashed = exc
+            break
+    run.connector.kvspec.close()
+    assert corrupted
+    live = findings(run)
+    f = next(f for f in live if f.rule == "reports_complete")
+    assert f.jobs == (corrupted[0],) and "over-count" in f.message
+    if crashed is not None:  # the monitor recorded the hook's own error with the event
+        assert any(g.rule == "hook raised" and "AssertionError" in g.message and g.seq == f.seq
+                   for g in live)
+    v = replay(log)
+    assert [(g.rule, g.jobs, g.seq) for g in v.findings][:2] == \
+        [(g.rule, g.jobs, g.seq) for g in live][:2]
