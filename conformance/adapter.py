@@ -529,6 +529,8 @@ def features_needed(b: M.Bounds) -> frozenset[str]:
         need.add("retention_interval")
     if b.blocks_per_chunk > 1:
         need.add("blocks_per_chunk")
+    if b.store_threshold > 1:
+        need.add("store_admission_at_store")
     return frozenset(need)
 
 

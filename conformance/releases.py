@@ -111,6 +111,7 @@ FEATURES: dict[str, str] = {
     "block_state_handoffs": "0.29.0",
     "max_num_new_tokens": "0.30.0",
     "manager_chunks": "0.30.0",
+    "store_admission_at_store": "0.30.0",
     "retention_interval": "0.30.0",
     "max_load_tokens": "0.31.0",
     "sync_loads": "0.33.0",
@@ -136,6 +137,10 @@ FEATURE_EVIDENCE: dict[str, str] = {
                           " (0.29.0 has the config field, the connector does not read it)",
     "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:42 CPUOffloadingManager("
                       "num_chunks, ...) and its policy's `chunks`; 0.29.0: num_blocks, `blocks`",
+    "store_admission_at_store": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:106 "
+                                "`_record_accesses` at prepare_store counts a chunk's offers "
+                                "(the spec's store threshold); 0.29.0 and before count "
+                                "lookups (manager.py:120-128 in 0.26.0)",
     "max_load_tokens": "0.31.0 S: the per-request `max_load_tokens` (kv_transfer_params)",
     "prefix_match_unit": "0.26.0 vllm/config/cache.py: `prefix_match_unit`",
     "blocks_per_chunk": "0.26.0 S: `blocks_per_chunk`, `next_stored_chunk_idx`, "

@@ -8,6 +8,8 @@
 # Writes, outside the repository (OUT, default /tmp/kvspec-conformance):
 #   OUT/summary.md      the table (release, verdict, test time, build time), also on stdout
 #   OUT/X.log           each release's make output (the pytest report with its header)
+#   OUT/X.findings.txt  each failed test of release X with the first error it reports (the
+#                       shrunk trace of a machine test), also appended to summary.md
 # Verdicts: "conforms"; "finds #48102 (expected)" for a release with the bug whose tests pass
 # (the machine found it); "FAILED: test names" otherwise; "BUILD FAILED" if its venv could
 # not be built. Exit status: 0 when every release has the verdict conformance/releases.py
@@ -40,6 +42,7 @@ for v in "${wanted[@]}"; do
     if [[ $v == 0.33.0 ]]; then venv="$root/.venv-vllm"; else venv="$root/.venv-vllm-$v"; fi
     existed=0; [[ -e $venv ]] && existed=1
     log="$out/$v.log"
+    rm -f "$out/$v.findings.txt"
     t0=$(date +%s)
     make -C "$root" --no-print-directory "$venv/.vllm-version" VLLM_VERSION="$v" PY="$py" > "$log" 2>&1
     built=$?
@@ -59,6 +62,20 @@ for v in "${wanted[@]}"; do
             verdict="conforms"
         else
             verdict="FAILED: ${failed:-see $log}"
+            "$py" - "$log" > "$out/$v.findings.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+# the FAILURES block of the report; in it, "____ name ____" then each failure's traceback
+block = re.search(r"\n=+ (?:FAILURES|ERRORS) =+\n(.*?)(?=\n=+ [^=\n]+ =+\n|\Z)", text, re.S)
+sections = re.split(r"\n_+ ([A-Za-z][^\n]*?) _+\n", "\n" + block.group(1)) if block else []
+for name, body in zip(sections[1::2], sections[2::2]):
+    errors = re.findall(r"((?:\w+\.)*\w*(?:Error|Violation|Exception)\b: .*)", body)
+    bare = re.findall(r"^E\s+(\S*(?:Error|Violation|Exception)\b.*)$", body, re.M)
+    where = re.findall(r"^(\S+\.py:\d+): \w*(?:Error|Violation|Exception)$", body, re.M)
+    first = (errors[0] if errors else f"{bare[0]} at {where[-1] if where else '?'}" if bare
+             else "(no error line; see the log)")
+    print(f"{name}: {first[:600]}")
+PY
         fi
     fi
     t2=$(date +%s)
@@ -69,6 +86,14 @@ for v in "${wanted[@]}"; do
     row="| $v | $verdict | $((t2 - t1)) | $((t1 - t0)) |"
     echo "$row" >> "$summary"
     echo "$row"
+    if [[ -s $out/$v.findings.txt && $verdict == FAILED* ]]; then
+        sed "s/^/    $v: /" "$out/$v.findings.txt"
+    fi
+done
+for v in "${wanted[@]}"; do
+    if [[ -s $out/$v.findings.txt ]]; then
+        { echo; echo "## $v: failed tests, first error"; echo; sed 's/^/- /' "$out/$v.findings.txt"; } >> "$summary"
+    fi
 done
 echo
 echo "summary: $summary (logs: $out/RELEASE.log)"
