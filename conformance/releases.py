@@ -55,8 +55,9 @@ class Release:
     """`_reset_fence`: the reports still due for the jobs live at a reset."""
     extras: tuple[str, ...] = ()
     """pip packages its scheduler-side imports need beyond vllm-venv.sh's common list
-    (0.22.x: `gguf`, imported at vllm/transformers_utils/gguf_utils.py:9 on the way to
-    `VllmConfig`; a build without it fails its import check with ModuleNotFoundError)."""
+    (0.22.0-0.23.0: `gguf`, imported at vllm/transformers_utils/gguf_utils.py:9, which
+    vllm/transformers_utils/config.py:37 imports at module level on the way to `VllmConfig`; 0.24.0 imports it lazily. A build without it fails
+    its import check with ModuleNotFoundError)."""
 
     @property
     def key(self) -> Version:
@@ -77,7 +78,7 @@ RESET_CACHE_EVIDENCE = (
 RELEASES: tuple[Release, ...] = (
     Release("0.22.0", bug_48102=True, reset_fence=False, extras=("gguf",)),
     Release("0.22.1", bug_48102=True, reset_fence=False, extras=("gguf",)),
-    Release("0.23.0", bug_48102=True, reset_fence=False),
+    Release("0.23.0", bug_48102=True, reset_fence=False, extras=("gguf",)),
     Release("0.24.0", bug_48102=True, reset_fence=False),
     Release("0.25.0", bug_48102=True, reset_fence=False),
     Release("0.25.1", bug_48102=True, reset_fence=False),
