@@ -63,7 +63,8 @@ class Observations:
     key_of: dict[bytes, int] = field(default_factory=dict)
     """vLLM offload key -> model chunk key."""
     core_status: dict[str, str] = field(default_factory=dict)
-    """The core's view: waiting / remote / running / finished."""
+    """The core's view: waiting / remote / running / finished (a live monitor also
+    says `allocated`: being scheduled in this step)."""
     core_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """vLLM GPU block ids the core holds for the request."""
     final_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -149,9 +150,10 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
     if any(not _first(j, "is_sync_load", default=False) for j in loads):
         return R.LOADING_ASYNC
     core = obs.core_of(req_id, st.req)
-    if loads:  # a sync load: waited on in its step while the core runs the request; once
-        # the core preempted it, the load is flushed with the request's stores
-        return R.LOADING_SYNC if core == "running" else R.PREEMPTED_FLUSHING
+    if loads:  # a sync load: waited on in its step while the core runs the request (or is
+        # allocating it, as a live monitor sees it at update_state_after_alloc); once the
+        # core preempted it, the load is flushed with the request's stores
+        return R.LOADING_SYNC if core in ("running", "allocated") else R.PREEMPTED_FLUSHING
     if core == "running":
         return R.STORING if st.transfer_jobs else R.RUNNING
     if core == "remote" and not st.transfer_jobs:

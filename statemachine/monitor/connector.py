@@ -241,6 +241,7 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> Any:
         rid = request.request_id
+        self._mon().projector.obs.allocated.add(rid)
         return self._checked("update_state_after_alloc", lambda: super(
             MonitoredOffloadingConnector, self).update_state_after_alloc(
                 request, blocks, num_external_tokens),

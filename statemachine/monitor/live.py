@@ -63,6 +63,9 @@ class LiveObservations(Observations):
     """The requests the last `SchedulerOutput` scheduled: running until the next one."""
     preempted: set[str] = field(default_factory=set)
     """The requests the last `SchedulerOutput` reported preempted."""
+    allocated: set[str] = field(default_factory=set)
+    """Requests `update_state_after_alloc` was called for since the last scheduler output:
+    the core is scheduling them in this step (their status says so only after the hook)."""
     dirty_signals: set[str] = field(default_factory=set)
     """Requests whose `on_request_finished` count changed since the last projection."""
     loaded: set[str] = field(default_factory=set)
@@ -71,12 +74,15 @@ class LiveObservations(Observations):
 
     def core_of(self, req_id: str, req: Any) -> str:
         """The core's view, as the connector was told it: running if the last scheduler
-        output scheduled the request, waiting if it preempted it or a load of it was just
-        reported; else the request's own status."""
+        output scheduled the request, `allocated` if this step allocated it (being
+        scheduled: a sync load of it runs in this step), waiting if the output preempted it
+        or a load of it was just reported; else the request's own status."""
         if req_id in self.preempted:
             return "waiting"
         if req_id in self.scheduled:
             return "running"
+        if req_id in self.allocated:
+            return "allocated"
         status = getattr(getattr(req, "status", None), "name", "WAITING")
         core = _CORE_STATUS.get(status, "finished" if req.is_finished() else "waiting")
         if core == "remote" and req_id in self.loaded:
@@ -327,6 +333,7 @@ class LiveProjector:
         touched.update(preempted)
         self.obs.scheduled = set(scheduled)
         self.obs.preempted = set(preempted)
+        self.obs.allocated.clear()
         return ({"scheduled": scheduled, "finished": finished, "preempted": preempted},
                 touched)
 
