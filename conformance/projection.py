@@ -184,7 +184,8 @@ def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
         id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
         state=_job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
         sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
-        keys=_keys(obs, js.keys), blocks=memo.blocks if memo else frozenset(),
+        keys=memo.keys if memo else _keys(obs, js.keys),  # a job's keys are fixed
+        blocks=memo.blocks if memo else frozenset(),
         fenced_blocks=_blocks(fenced), deferred_fence_blocks=_blocks(deferred),
         age=1, flush_requested=jid in obs.flush_requested)
 

@@ -92,15 +92,23 @@ class SchemaVersionMismatch(LogError):
 R = TypeVar("R", RequestRecord, JobRecord, HeldJob)
 
 
+_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
 def record_json(rec: RequestRecord | JobRecord | HeldJob) -> dict[str, Any]:
+    """A record as a JSON object, field by field (frozensets as sorted lists, tuples as
+    lists in their order)."""
+    cls = type(rec)
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(
+            (f.name, "set" if str(f.type).startswith("frozenset") else
+             "seq" if str(f.type).startswith("tuple") else "")
+            for f in fields(cls))
     out: dict[str, Any] = {}
-    for f in fields(rec):
-        v = getattr(rec, f.name)
-        if isinstance(v, frozenset):
-            v = sorted(v)
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
+    for name, kind in names:
+        v = getattr(rec, name)
+        out[name] = sorted(v) if kind == "set" else list(v) if kind == "seq" else v
     return out
 
 
