@@ -649,8 +649,32 @@ class VLLMMachine(OffloadingStateMachine):
         if rule in ("finish", "abort"):
             return FINISHES_AS_THE_SPEC and not self.finish_diverges(ev.req)
         if rule == "step":
-            return not self.whole_prompt_hit(ev)
+            return not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
+        if rule == "preempt":
+            return not self.preempts_a_load(ev)
         return True
+
+    def readmits_preempted(self, ev: M.Event) -> bool:
+        """PREEMPTED-LOAD (CONFORMANCE.md, releases before 0.33.0, feature
+        preempted_load_flush): admitting again in this step a request whose preemption the
+        step reports gives it a load job, and build_connector_meta then asserts that a
+        preempted request holds only stores (offloading/scheduler.py:1138 in 0.26.0, :1862
+        in 0.32.0); 0.33 flushes the load."""
+        m = self.model
+        return (m is not None and not E.has("preempted_load_flush")
+                and not self.allow_known_crashes and ev.kind == "step"
+                and ev.req is not None and ev.req in m.pending_preempted)
+
+    def preempts_a_load(self, ev: M.Event) -> bool:
+        """PREEMPTED-LOAD, the other way in: preempting a request that holds a load job
+        (before 0.33.0)."""
+        m = self.model
+        if (m is None or E.has("preempted_load_flush") or self.allow_known_crashes
+                or ev.req is None):
+            return False
+        req = next((r for r in m.reqs if r.id == ev.req), None)
+        loads = {j.id for j in m.jobs if j.kind == "load"}
+        return req is not None and bool(req.jobs & loads)
 
     def whole_prompt_hit(self, ev: M.Event) -> bool:
         """WHOLE-PROMPT-HIT (CONFORMANCE.md, releases before 0.30.0: no
@@ -742,7 +766,8 @@ class VLLMMachine(OffloadingStateMachine):
             reports = [e for e in self._possible() if e.kind == "report" and not e.failed
                        and e.count == max(1, self._unreported(e.job))]
             admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
-                     and dict(m.core)[e.req].blocks and not self.whole_prompt_hit(e)]
+                     and dict(m.core)[e.req].blocks and not self.whole_prompt_hit(e)
+                     and not self.readmits_preempted(e)]
             aborts = [e for e in self._possible() if e.kind == "abort"
                       and not self.finish_diverges(e.req)]
             step = [M.Event("step")]

@@ -116,6 +116,7 @@ FEATURES: dict[str, str] = {
     "retention_interval": "0.30.0",
     "max_load_tokens": "0.31.0",
     "sync_loads": "0.33.0",
+    "preempted_load_flush": "0.33.0",
     "step_region": "0.33.0",
     "tiering": "0.33.0",
 }
@@ -156,6 +157,10 @@ FEATURE_EVIDENCE: dict[str, str] = {
     "max_num_new_tokens": "0.30.0 S: get_num_new_matched_tokens(..., max_num_new_tokens)",
     "sync_loads": "0.33.0 S: `sync_load_budget_bytes`, `TransferJobStatus.is_sync_load`",
     "step_region": "0.33.0 S: `_step_region`",
+    "preempted_load_flush": "0.33.0 S:2136-2150 flushes a preempted request's jobs whatever "
+                            "their kind; 0.22.0-0.32.0 assert they are stores "
+                            "(`assert self._jobs[any_jid].is_store`, S:1138 in 0.26.0, "
+                            "S:1862 in 0.32.0)",
     "tiering": "0.33.0: the TieringOffloadingManager the tiering adapter drives",
 }
 

@@ -50,6 +50,10 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_machine.py::test_documented_divergences_still_diverge": ("finished_signal",),
     "test_machine.py::test_documented_divergences_still_diverge[D3-loaded-unscheduled]": (
         "finished_signal", "max_num_new_tokens"),
+    # WHOLE-PROMPT-HIT: r1's lookup meets the whole prompt (its last chunk still being
+    # stored) and, without the bound on the hit, defers where the spec hits one chunk
+    "test_regressions.py::test_regression_replays_clean_on_vllm"
+    "[store-block-reused-inside-the-step-shortest]": ("max_num_new_tokens",),
     # the manager call for call: CPUOffloadingManager(num_chunks=...) and the policy's
     # `chunks` (0.30.0; before: num_blocks, `blocks`)
     "test_manager_vs_vllm.py::runTest": ("manager_chunks",),
