@@ -324,10 +324,10 @@ class SpecMonitor:
         touched_jobs = set(event.delta.jobs) | set(event.delta.fence) \
             | set(event.delta.quarantine)
         if event.hook == "reset_cache":
-            part = m.state()
-        else:
+            self._invariants(event, check_invariants(m.state(), without=WHOLE_STATE), out)
+        elif event.delta:  # an event that changed nothing breaks nothing local
             part = m.state(event.delta.requests, touched_jobs)
-        self._invariants(event, check_invariants(part, without=WHOLE_STATE), out)
+            self._invariants(event, check_invariants(part, without=WHOLE_STATE), out)
         if self.whole_every and event.hook == "build_connector_meta" \
                 and event.step % self.whole_every == 0:
             self._whole(event, out)

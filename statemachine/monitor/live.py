@@ -108,9 +108,16 @@ def block_ids_per_group(blocks: Any) -> list[list[int]]:
         return []
     get = getattr(blocks, "get_block_ids", None)
     groups = get() if get is not None else blocks
-    if groups and isinstance(groups[0], int):
-        groups = (groups,)
+    if not groups:
+        return []
+    if isinstance(groups[0], int):
+        return [list(groups)]
+    if len(groups) == 1 and not groups[0]:
+        return _NO_BLOCKS
     return [list(g) if g else [] for g in groups]
+
+
+_NO_BLOCKS: list[list[int]] = [[]]
 
 
 class LiveProjector:
