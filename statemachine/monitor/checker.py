@@ -144,9 +144,9 @@ def _path_of(name: str, hooks: tuple[str, ...], triggers: tuple[str, ...], src: 
     return ()
 
 
-JOB_GONE = (*JOB_MACHINE.finals, J.STALE, J.TIMED_OUT)
-"""Where a job that left the job table and the reset fence may be: ended, or held by a
-release that keeps no fence (it forgets stale jobs)."""
+JOB_GONE = (*JOB_MACHINE.finals, *J.HELD)
+"""Where a job that left the job table and the reset fence may be: ended, or held (`spec.job`
+HELD) by a release that keeps no fence (it forgets stale jobs)."""
 
 
 # ----------------------------------------------------------------------------- the mirror
