@@ -1,0 +1,117 @@
+"""The spec monitor's cost per engine step in vLLM's real core Scheduler.
+
+`bench/scheduler.py` times the connector's hooks alone; this times what an engine pays per
+step: vLLM's `Scheduler.schedule()` and `update_from_output()` with the offloading
+connector inside, at N active requests, the connector plain (`OffloadingConnector`) and
+monitored (`MonitoredOffloadingConnector` in `log` and `warn` mode, loaded through
+`kv_connector_module_path`), on the same seeded workload (`conformance.core_scheduler`:
+prompts of 64 to 640 tokens, half of them sharing one of N/16 prefixes, 16 to 64 output
+tokens each, a finished request replaced at once, acks one step later). Timed: one
+`CoreDriver.step()` (schedule, the harness's model and worker outputs, the same on every
+side, and update_from_output). Sides alternate; the figure per side is the median over
+repetitions of the mean CPU ms per counted step.
+
+    .venv-vllm/bin/python bench/engine_monitor.py [--active 256] [--steps 30] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import conformance.vllm_env  # noqa: E402,F401  (before vLLM: offline, quiet)
+from conformance.core_scheduler import CoreDriver, make_core_scheduler  # noqa: E402
+
+BLOCK = 16
+
+
+def workload(active: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 30000) for _ in range(rng.choice((128, 256, 384)))]
+                for _ in range(max(1, active // 16))]
+    out = []
+    for _ in range(active * 4):
+        body = [rng.randrange(1000, 30000) for _ in range(rng.randrange(64, 640))]
+        prompt = (rng.choice(prefixes) + body)[:640] if rng.random() < 0.5 else body
+        out.append((prompt, rng.randrange(16, 65)))
+    return out
+
+
+def run(side: str, active: int, steps: int, warmup: int, seed: int, log_dir: Path) -> float:
+    extra: dict[str, Any] = {}
+    kw: dict[str, Any] = {}
+    if side != "vLLM":
+        mode = side.split("+")[1]
+        kw = {"kv_connector": "MonitoredOffloadingConnector",
+              "kv_connector_module_path": "statemachine.monitor.connector"}
+        extra = {"kvspec_mode": mode, "kvspec_log": str(log_dir / f"{mode}.jsonl")}
+    core = make_core_scheduler(num_gpu_blocks=active * 48, num_cpu_chunks=active * 8,
+                               max_num_seqs=active, max_model_len=1024,
+                               max_num_batched_tokens=8192, extra_config=extra, **kw)
+    driver = CoreDriver(core, seed=seed, split_acks=False)
+    pending = workload(active, seed)
+    n = 0
+
+    def top_up() -> None:
+        nonlocal n
+        while pending and len(driver.unfinished()) < active:
+            prompt, max_tokens = pending.pop(0)
+            driver.add_request(f"r{n}", prompt, max_tokens)
+            n += 1
+
+    gc.collect()
+    gc.freeze()
+    times = []
+    for k in range(warmup + steps):
+        top_up()
+        t0 = time.process_time_ns()
+        driver.step()
+        if k >= warmup:
+            times.append(time.process_time_ns() - t0)
+    gc.unfreeze()
+    mon = getattr(core.connector, "kvspec", None)
+    if mon is not None and mon.findings:
+        raise SystemExit(f"{side}: the monitor reported {len(mon.findings)} finding(s)")
+    return statistics.fmean(times) / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--active", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    sides = ["vLLM", "vLLM+log", "vLLM+warn"]
+    ms: dict[str, list[float]] = {s: [] for s in sides}
+    log_dir = Path(tempfile.mkdtemp(prefix="kvspec-bench-engine-"))
+    t0 = time.perf_counter()
+    for rep in range(args.reps):
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
+            ms[side].append(run(side, args.active, args.steps, args.warmup, args.seed,
+                                log_dir))
+    base = statistics.median(ms["vLLM"])
+    print(f"engine step CPU ms (Scheduler.schedule + update_from_output, connector inside), "
+          f"{args.active} active requests, {args.steps} counted steps, median of "
+          f"{args.reps}; {time.perf_counter() - t0:.0f} s")
+    for side in sides:
+        m = statistics.median(ms[side])
+        print(f"  {side:10} {m:8.3f} ms  {m / base:5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
