@@ -413,10 +413,19 @@ class VLLMAdapter:
         - step_region (0.33.0): before it vLLM keeps no mark of an open step; the step is
           open from its first lookup or allocation to the end of build_connector_meta, as
           0.33's `_acquire_step`/`_release_step` hold it (S:1239, S:1367, S:2108-2113);
-        - on_new_request (0.23.0): 0.22.x tracks a request only from its first lookup.
+        - on_new_request (0.23.0): 0.22.x tracks a request only from its first lookup;
+        - lookup_resets_cursor (0.33.0): CURSOR-KEPT (CONFORMANCE.md). 0.33 puts a request's
+          store cursor back to 0 at each lookup (S:1241-1245: a restart offers every chunk
+          again); 0.26-0.32 keep it, so after a preemption vLLM's cursor stays ahead of the
+          spec's. The cursor is then not compared (None, as for 0.22-0.25, which have no
+          chunk cursor); what it decides still is: a chunk the restarted request does not
+          offer again would be a missing store job in the comparison of the jobs.
         """
         if not E.has("step_region"):
             state = replace(state, step_open=self.step_open)
+        if not E.has("lookup_resets_cursor"):
+            state = replace(state, requests=tuple(replace(r, store_cursor=None)
+                                                  for r in state.requests))
         if not E.has("on_new_request"):
             state = self._with_requests_not_looked_up(state)
         return state

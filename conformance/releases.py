@@ -56,8 +56,9 @@ class Release:
     extras: tuple[str, ...] = ()
     """pip packages its scheduler-side imports need beyond vllm-venv.sh's common list
     (0.22.0-0.23.0: `gguf`, imported at vllm/transformers_utils/gguf_utils.py:9, which
-    vllm/transformers_utils/config.py:37 imports at module level on the way to `VllmConfig`; 0.24.0 imports it lazily. A build without it fails
-    its import check with ModuleNotFoundError)."""
+    vllm/transformers_utils/config.py:37 imports at module level on the way to
+    `VllmConfig`; 0.24.0 imports it lazily. A build without it fails its import check with
+    ModuleNotFoundError)."""
 
     @property
     def key(self) -> Version:
@@ -117,6 +118,7 @@ FEATURES: dict[str, str] = {
     "max_load_tokens": "0.31.0",
     "sync_loads": "0.33.0",
     "preempted_load_flush": "0.33.0",
+    "lookup_resets_cursor": "0.33.0",
     "step_region": "0.33.0",
     "tiering": "0.33.0",
 }
@@ -157,6 +159,9 @@ FEATURE_EVIDENCE: dict[str, str] = {
     "max_num_new_tokens": "0.30.0 S: get_num_new_matched_tokens(..., max_num_new_tokens)",
     "sync_loads": "0.33.0 S: `sync_load_budget_bytes`, `TransferJobStatus.is_sync_load`",
     "step_region": "0.33.0 S: `_step_region`",
+    "lookup_resets_cursor": "0.33.0 S:1241-1245 get_num_new_matched_tokens puts every group's "
+                            "`next_stored_chunk_idx` back to 0 (a restart offers every chunk "
+                            "again); 0.26.0-0.32.0 keep it",
     "preempted_load_flush": "0.33.0 S:2136-2150 flushes a preempted request's jobs whatever "
                             "their kind; 0.22.0-0.32.0 assert they are stores "
                             "(`assert self._jobs[any_jid].is_store`, S:1138 in 0.26.0, "
