@@ -126,39 +126,47 @@ FEATURES: dict[str, str] = {
 FEATURE_EVIDENCE: dict[str, str] = {
     "fix_48102": "0.26.0 S:1345 reset_cache (S:1323) clears each request's transfer_jobs "
                  "(`status.transfer_jobs.clear()`); 0.25.1's reset_cache (S:1231) does not",
-    "reset_fence": "0.33.0 S: `_reset_fence` (stale job id -> reports due); absent before",
-    "offload_caps": "0.23.0 S: `max_offload_tokens`, `offload_prompt_only` per request; "
-                    "absent in 0.22.x",
+    "reset_fence": "0.33.0 S:654 `_reset_fence` (stale job id -> reports due); absent before",
+    "offload_caps": "0.23.0 S:183-197 `max_offload_tokens`, `offload_prompt_only` per "
+                    "request; absent in 0.22.x",
     "on_new_request": "0.23.0 S:525 `def on_new_request` (0.22.0 creates a request's state "
                       "at its first lookup, S:525-528)",
     "transfer_job_fields": "0.25.0 offloading/common.py:54-66 TransferJob(req_id, src_spec, "
                            "dst_spec); 0.22.0-0.24.0 common.py:15-25 TransferJob(req_id, "
                            "transfer_spec=(src, dst))",
-    "manager_finish_signal": "0.23.0 vllm/v1/kv_offload: `OffloadingManager."
-                             "on_request_finished` (absent in 0.22.x)",
-    "partial_tails": "0.28.0 S: `_build_partial_tail_store_jobs`",
+    "manager_finish_signal": "0.23.0 vllm/v1/kv_offload/base.py:242 `OffloadingManager."
+                             "on_request_finished`, called at S:1014 (absent in 0.22.x)",
+    "partial_tails": "0.28.0 S:1154 `_build_partial_tail_store_jobs`",
     "retention_interval": "0.30.0 S:216 reads `cache_config.prefix_cache_retention_interval`"
                           " (0.29.0 has the config field, the connector does not read it)",
-    "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:42 CPUOffloadingManager("
-                      "num_chunks, ...) and its policy's `chunks`; 0.29.0: num_blocks, `blocks`",
+    "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:44 CPUOffloadingManager("
+                      "num_chunks, ...), policies/lru.py:25 `self.chunks`; 0.29.0: "
+                      "num_blocks, `blocks`",
     "store_admission_at_store": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:106 "
                                 "`_record_accesses` at prepare_store counts a chunk's offers "
                                 "(the spec's store threshold); 0.29.0 and before count "
                                 "lookups (manager.py:120-128 in 0.26.0)",
-    "max_load_tokens": "0.31.0 S: the per-request `max_load_tokens` (kv_transfer_params)",
-    "prefix_match_unit": "0.26.0 vllm/config/cache.py: `prefix_match_unit`",
-    "blocks_per_chunk": "0.26.0 S: `blocks_per_chunk`, `next_stored_chunk_idx`, "
+    "max_load_tokens": "0.31.0 S:367-391 the per-request `max_load_tokens` "
+                       "(kv_transfer_params)",
+    "prefix_match_unit": "0.26.0 vllm/config/cache.py:56 `prefix_match_unit`",
+    "blocks_per_chunk": "0.26.0 S:238 `next_stored_chunk_idx`, S:403 "
                         "`_chunks_being_loaded` (0.25: `next_stored_block_idx`, "
                         "`_blocks_being_loaded`)",
-    "block_copies": "0.26.0 vllm/v1/core/kv_cache_utils.py: `class KVCacheBlockCopy`",
-    "finished_signal": "0.27.0 S: `RequestOffloadState.finished_signaled`",
-    "kv_tensor_layers": "0.29.0 vllm/v1/kv_cache_interface.py: KVCacheTensor(size, layers, "
-                        "layer_stride, block_stride); 0.28.0: KVCacheTensor(size, shared_by)",
-    "block_state_handoffs": "0.29.0 vllm/v1/core/sched/output.py: "
+    "block_copies": "0.26.0 vllm/v1/core/kv_cache_utils.py:179 `class KVCacheBlockCopy`",
+    "finished_signal": "0.27.0 S:290 `RequestOffloadState.finished_signaled` (the manager "
+                       "is signaled after the final store); 0.26.0 signals it in "
+                       "request_finished (S:1292)",
+    "kv_tensor_layers": "0.29.0 vllm/v1/kv_cache_interface.py:325 KVCacheTensor(size, "
+                        "layers, layer_stride, block_stride); 0.28.0 kv_cache_interface.py:"
+                        "935 KVCacheTensor(size, shared_by)",
+    "block_state_handoffs": "0.29.0 vllm/v1/core/sched/output.py:209 "
                             "`class KVConnectorBlockState` (the core's Mamba hand-offs)",
-    "max_num_new_tokens": "0.30.0 S: get_num_new_matched_tokens(..., max_num_new_tokens)",
-    "sync_loads": "0.33.0 S: `sync_load_budget_bytes`, `TransferJobStatus.is_sync_load`",
-    "step_region": "0.33.0 S: `_step_region`",
+    "max_num_new_tokens": "0.30.0 S:754 get_num_new_matched_tokens(..., "
+                          "max_num_new_tokens); before, a full-attention lookup may hit the "
+                          "whole prompt (S:549-554 in 0.26.0 bounds it only with a window)",
+    "sync_loads": "0.33.0 S:168 `sync_load_budget_bytes`, S:89 "
+                  "`TransferJobStatus.is_sync_load`",
+    "step_region": "0.33.0 S:677 `_step_region` (S:1239, S:1367, S:2108-2113)",
     "lookup_resets_cursor": "0.33.0 S:1241-1245 get_num_new_matched_tokens puts every group's "
                             "`next_stored_chunk_idx` back to 0 (a restart offers every chunk "
                             "again); 0.26.0-0.32.0 keep it",
