@@ -106,7 +106,6 @@ FEATURES: dict[str, str] = {
     "transfer_job_fields": "0.25.0",
     "prefix_match_unit": "0.26.0",
     "blocks_per_chunk": "0.26.0",
-    "block_copies": "0.26.0",
     "finished_signal": "0.27.0",
     "partial_tails": "0.28.0",
     "kv_tensor_layers": "0.29.0",
@@ -120,7 +119,6 @@ FEATURES: dict[str, str] = {
     "preempted_load_flush": "0.33.0",
     "lookup_resets_cursor": "0.33.0",
     "step_region": "0.33.0",
-    "tiering": "0.33.0",
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
@@ -152,7 +150,6 @@ FEATURE_EVIDENCE: dict[str, str] = {
     "blocks_per_chunk": "0.26.0 S:238 `next_stored_chunk_idx`, S:403 "
                         "`_chunks_being_loaded` (0.25: `next_stored_block_idx`, "
                         "`_blocks_being_loaded`)",
-    "block_copies": "0.26.0 vllm/v1/core/kv_cache_utils.py:179 `class KVCacheBlockCopy`",
     "finished_signal": "0.27.0 S:290 `RequestOffloadState.finished_signaled` (the manager "
                        "is signaled after the final store); 0.26.0 signals it in "
                        "request_finished (S:1292)",
@@ -174,7 +171,6 @@ FEATURE_EVIDENCE: dict[str, str] = {
                             "their kind; 0.22.0-0.32.0 assert they are stores "
                             "(`assert self._jobs[any_jid].is_store`, S:1138 in 0.26.0, "
                             "S:1862 in 0.32.0)",
-    "tiering": "0.33.0: the TieringOffloadingManager the tiering adapter drives",
 }
 
 
