@@ -133,7 +133,8 @@ def _blocks(ids: Any) -> frozenset[int]:
     return frozenset(model_block(b) for b in (ids or ()) if int(b) != 0)
 
 
-def _job_state(obs: Observations, job_id: int, pending: int) -> str:
+def job_state(obs: Observations, job_id: int, pending: int) -> str:
+    """A shipped job's state: flush requested, partially acknowledged, or shipped."""
     if job_id in obs.flush_requested:
         return J.FLUSH_REQUESTED
     if pending < obs.num_workers:
@@ -182,7 +183,7 @@ def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
     fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
     return JobRecord(
         id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
-        state=_job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
+        state=job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
         sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
         keys=memo.keys if memo else _keys(obs, js.keys),  # a job's keys are fixed
         blocks=memo.blocks if memo else frozenset(),
@@ -278,5 +279,5 @@ def project(setup: Any, obs: Observations) -> AbstractState:
 
 
 __all__ = ["JobMemo", "Observations", "block_fence", "chunks_being_loaded", "fence_of",
-           "model_block", "policy_table", "project", "project_held", "project_job",
+           "job_state", "model_block", "policy_table", "project", "project_held", "project_job",
            "project_request", "step_open", "vllm_block"]

@@ -24,7 +24,7 @@ This module does not import vLLM; it reads the objects it is given.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.projection import (
@@ -33,6 +33,7 @@ from conformance.projection import (
     block_fence,
     chunks_being_loaded,
     fence_of,
+    job_state,
     policy_table,
     project_held,
     project_job,
@@ -137,6 +138,8 @@ class LiveProjector:
         self.block_fence: dict[int, frozenset[int]] = {}
         self.signals: dict[str, int] = {}
         self.scalars: dict[str, Any] = {}
+        self._first: dict[int, JobRecord] = {}
+        """Each live job's first projection (its fixed fields)."""
         self.shipped_below = 0
         """Job ids below this were shipped by a `build_connector_meta` (every job a step
         creates is shipped by its step's metadata)."""
@@ -178,18 +181,28 @@ class LiveProjector:
 
     # -- projection ---------------------------------------------------------------------
     def _job(self, jid: int, js: Any) -> JobRecord:
+        """The job's record: projected whole the first time; after that only what changes
+        over a job's life (state, reports due, flush) is read again (its kind, owner,
+        keys and fenced blocks are fixed when vLLM creates it)."""
         obs = self.obs
-        if jid not in obs.jobs:
+        first = self._first.get(jid)
+        if first is None:
             obs.jobs[jid] = JobMemo("store" if js.is_store else "load",
                                     frozenset(obs.key(k) for k in js.keys),
                                     sync=bool(getattr(js, "is_sync_load", False)))
-        rec = project_job(self.sched, obs, jid, js)
-        if jid >= self.shipped_below:
-            rec = replace(rec, state=J.CREATED)
-        return rec
+            first = self._first[jid] = project_job(self.sched, obs, jid, js)
+        pending = js.pending_count
+        state = J.CREATED if jid >= self.shipped_below else job_state(obs, jid, pending)
+        flush = jid in obs.flush_requested
+        if state == first.state and pending == first.pending_count \
+                and flush == first.flush_requested:
+            return first
+        return JobRecord(jid, first.kind, first.owner, state, pending, first.sync, False,
+                         first.keys, first.blocks, first.fenced_blocks,
+                         first.deferred_fence_blocks, first.age, flush)
 
     def delta(self, requests: Iterable[str], jobs: Iterable[int] = (), *,
-              everything: bool = False, fences: bool = True) -> Delta:
+              everything: bool = False, fences: bool = True, loads: bool = True) -> Delta:
         """What changed in the records of `requests`, the jobs they hold (before and
         after), `jobs`, jobs created since the last call, and the global fields."""
         sched, d = self.sched, Delta()
@@ -227,6 +240,7 @@ class LiveProjector:
                 d.jobs[jid] = new_job
                 if new_job is None:
                     del self.jobs[jid]
+                    self._first.pop(jid, None)
                 else:
                     self.jobs[jid] = new_job
                     if old_job is None and new_job.owner not in d.requests \
@@ -240,10 +254,12 @@ class LiveProjector:
             chunks = policy_table(self.manager)
             keys |= {self.obs.key(k) for k in chunks}
         self._pins(keys, d)
-        self._globals(d, counter, fences or everything)
+        self._globals(d, counter, fences or everything, loads or fences or everything)
         return d
 
-    def _pins(self, keys: Iterable[int], d: Delta) -> None:
+    def _pins(self, keys: set[int], d: Delta) -> None:
+        if not keys:
+            return
         chunks = policy_table(self.manager)
         for k in keys:
             entry = chunks.get(self.obs.vllm_key[k])
@@ -255,11 +271,11 @@ class LiveProjector:
                 else:
                     self.ref_cnt[k] = n
 
-    def _globals(self, d: Delta, counter: int, fences: bool) -> None:
+    def _globals(self, d: Delta, counter: int, fences: bool, loads: bool) -> None:
         """The global fields; the reset fence and the block fence only where `fences` (the
         hooks that can change them: not a lookup or an allocation)."""
         sched, obs = self.sched, self.obs
-        self._scalars(d, counter)
+        self._scalars(d, counter, loads)
         for rid in obs.dirty_signals:
             n = obs.signals.get(rid, 0)
             if self.signals.get(rid) != n:
@@ -281,17 +297,24 @@ class LiveProjector:
                     d.block_fence[b] = fenced.get(b)
             self.block_fence = fenced
 
-    def _scalars(self, d: Delta, counter: int) -> None:
+    def _scalars(self, d: Delta, counter: int, loads: bool) -> None:
+        """The scalar fields; the chunks being loaded only where `loads` (a load may have
+        been created or ended: not on a lookup or a new request)."""
         sched, obs = self.sched, self.obs
-        scalars = {
+        scalars: dict[str, Any] = {
             "job_counter": counter,
             "stale_threshold": int(sched._stale_job_threshold),
-            "chunks_being_loaded": chunks_being_loaded(sched, obs),
-            "jobs_to_flush": frozenset(sched._current_batch_jobs_to_flush),
+            "jobs_to_flush": frozenset(sched._current_batch_jobs_to_flush)
+            if sched._current_batch_jobs_to_flush else frozenset(),
             "step_open": step_open(sched) if self.has_step_region else self.in_step,
             "reset_since_last_step": obs.reset_since_last_step,
-            "stores_after_signal": frozenset(obs.stores_after_signal),
         }
+        if loads or "chunks_being_loaded" not in self.scalars:
+            scalars["chunks_being_loaded"] = chunks_being_loaded(sched, obs)
+        if len(obs.stores_after_signal) != len(self.scalars.get("stores_after_signal", ())):
+            scalars["stores_after_signal"] = frozenset(obs.stores_after_signal)
+        elif "stores_after_signal" not in self.scalars:
+            scalars["stores_after_signal"] = frozenset()
         for name, value in scalars.items():
             if self.scalars.get(name, _UNSET) != value:
                 d.scalars[name] = self.scalars[name] = value
@@ -305,7 +328,8 @@ class LiveProjector:
         if hook in ("get_num_new_matched_tokens", "update_state_after_alloc"):
             self.in_step = True
         return Event(seq=self.seq, step=self.step, hook=hook, args=args,
-                     delta=self.delta(requests, jobs, everything=everything, fences=fences))
+                     delta=self.delta(requests, jobs, everything=everything, fences=fences,
+                                      loads=hook == "update_state_after_alloc"))
 
     def owners(self, job_ids: Iterable[int]) -> set[str]:
         """The requests (as last projected) that hold these jobs."""
