@@ -17,10 +17,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+DEMO_LOG ?= $(or $(TMPDIR),/tmp)/kvspec-demo-monitor.jsonl
 demo: $(STAMP)
 	$(BIN)/kvspec demo
 	$(BIN)/kvspec simulate --seed 1
 	$(BIN)/kvspec simulate --tiers cpu,fs --seed 1
+	$(BIN)/kvspec simulate --seed 2 --monitor-log $(DEMO_LOG) --no-progress
+	$(BIN)/kvspec replay $(DEMO_LOG)
 	$(BIN)/kvspec check
 	$(BIN)/kvspec check --tiering
 

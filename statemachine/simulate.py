@@ -412,7 +412,7 @@ def _run(cfg: SimConfig, progress: Progress | None, tier_dir: str | None) -> Sim
         from statemachine.monitor.recorder import HookRecorder
 
         recorder = HookRecorder(engine.scheduler, LogWriter(cfg.monitor_log, Header(
-            vllm="reference", num_workers=cfg.workers, mode="log")))
+            vllm="the reference scheduler", num_workers=cfg.workers, mode="log")))
     faults = Faults(workload, release_after=cfg.job_timeout_steps + 3)
     engine.fault_hooks.append(faults)
     tier_faults = TierFaults(workload) if engine.tiering is not None else None

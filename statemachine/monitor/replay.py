@@ -43,7 +43,8 @@ class Verdict:
 
     def text(self) -> str:
         h = self.log.header
-        lines = [f"{self.log.path}: vLLM {h.vllm}, {h.num_workers} worker(s), monitor mode "
+        source = f"vLLM {h.vllm}" if h.vllm[:1].isdigit() else h.vllm
+        lines = [f"{self.log.path}: {source}, {h.num_workers} worker(s), monitor mode "
                  f"{h.mode}; {len(self.log.events)} events, {self.steps} steps, "
                  f"{self.requests} requests, {self.jobs} jobs, {self.moves} moves checked"]
         if self.log.truncated is not None:
