@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -40,7 +41,14 @@ from hypothesis.stateful import initialize
 
 from conformance import releases
 from conformance import vllm_env as E
-from conformance.projection import JobMemo, Observations, model_block, project, vllm_block
+from conformance.projection import (
+    JobMemo,
+    Observations,
+    count_manager_calls,
+    model_block,
+    project,
+    vllm_block,
+)
 from spec import model as M
 from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
@@ -141,40 +149,19 @@ class VLLMAdapter:
 
     # -- observation wrappers (count only; they call through unchanged) --------------
     def _wrap_manager(self) -> None:
-        manager = self.setup.manager
         obs = self.obs
-        # 0.22.x has no manager finish signal (feature manager_finish_signal): none counted
-        finished = getattr(manager, "on_request_finished", None)
-        prepare_store = manager.prepare_store
 
-        def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-            for a in (*args, *kwargs.values()):
-                rid = getattr(a, "req_id", None)
-                if isinstance(rid, str):
-                    return rid
-            return None
-
-        def on_request_finished(*args: Any, **kwargs: Any) -> Any:
-            rid = req_id_of(args, kwargs)
-            if rid is not None:
-                obs.signals[rid] = obs.signals.get(rid, 0) + 1
-            assert finished is not None
-            return finished(*args, **kwargs)
-
-        def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
-            rid = req_id_of(args, kwargs)
-            if rid is not None and obs.signals.get(rid, 0) and rid in self.scheduler._req_status:
-                obs.stores_after_signal.append(rid)
+        def recording_victims(store: Callable[[], Any]) -> Any:
             # the victims of each store in turn: a step may evict a chunk for one store and
             # store it again for the next (a hand-off, then the positional store)
             before = self._policy_keys()
-            out = prepare_store(*args, **kwargs)
+            out = store()
             self._evicted.extend(sorted(obs.key_of[k] for k in before - self._policy_keys()))
             return out
 
-        if finished is not None:
-            manager.on_request_finished = on_request_finished
-        manager.prepare_store = counted_prepare_store
+        # 0.22.x has no manager finish signal (feature manager_finish_signal): none counted
+        count_manager_calls(self.setup.manager, obs,
+                            lambda rid: rid in self.scheduler._req_status, recording_victims)
 
     # -- requests -----------------------------------------------------------------
     def _request(self, req_id: str) -> Any:

@@ -36,6 +36,7 @@ maps back to the model key `spec.model.key(family, position, group, groups)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,47 @@ class Observations:
         freed = set(freed_positions(self.groups, self.sliding_window, self.tokens_per_block,
                                     len(table), self.window_end.get(req_id, 0)))
         return tuple(model_block(b) for i, b in enumerate(table) if b != 0 and i not in freed)
+
+
+def count_manager_calls(manager: Any, obs: Observations, tracked: Callable[[str], bool],
+                        around_store: Callable[[Callable[[], Any]], Any] | None = None,
+                        on_signal: Callable[[str], None] | None = None) -> None:
+    """Wraps the manager's `on_request_finished` (where the release has one: 0.22 has none)
+    and `prepare_store` so that they count into `obs` what vLLM's connector does not keep:
+    each request's `on_request_finished` calls (`obs.signals`; `on_signal(req_id)` hears of
+    each) and any `prepare_store` for a request after it while `tracked(req_id)`
+    (`obs.stores_after_signal`). `around_store(call)` runs each `prepare_store` (the
+    adapter records the store's victims there). The wrappers call through unchanged."""
+    finished = getattr(manager, "on_request_finished", None)
+    prepare_store = manager.prepare_store
+
+    def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        for a in (*args, *kwargs.values()):
+            rid = getattr(a, "req_id", None)
+            if isinstance(rid, str):
+                return rid
+        return None
+
+    def on_request_finished(*args: Any, **kwargs: Any) -> Any:
+        rid = req_id_of(args, kwargs)
+        if rid is not None:
+            obs.signals[rid] = obs.signals.get(rid, 0) + 1
+            if on_signal is not None:
+                on_signal(rid)
+        assert finished is not None
+        return finished(*args, **kwargs)
+
+    def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
+        rid = req_id_of(args, kwargs)
+        if rid is not None and obs.signals.get(rid, 0) and tracked(rid):
+            obs.stores_after_signal.append(rid)
+        if around_store is None:
+            return prepare_store(*args, **kwargs)
+        return around_store(lambda: prepare_store(*args, **kwargs))
+
+    if finished is not None:
+        manager.on_request_finished = on_request_finished
+    manager.prepare_store = counted_prepare_store
 
 
 def model_block(vllm_block: int) -> int:
@@ -278,6 +320,7 @@ def project(setup: Any, obs: Observations) -> AbstractState:
     )
 
 
-__all__ = ["JobMemo", "Observations", "block_fence", "chunks_being_loaded", "fence_of",
+__all__ = ["JobMemo", "Observations", "block_fence", "chunks_being_loaded",
+           "count_manager_calls", "fence_of",
            "job_state", "model_block", "policy_table", "project", "project_held", "project_job",
            "project_request", "step_open", "vllm_block"]

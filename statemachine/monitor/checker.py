@@ -216,32 +216,24 @@ class Mirror:
             reqs = [self.requests[r] for r in sorted(want) if r in self.requests]
             js = [self.jobs[j] for j in sorted(held) if j in self.jobs]
         sc = self.scalars
-        if requests is not None:  # the local invariants read no block fence, and the pins
-            keys = {k for j in js for k in j.keys}  # of the part's chunks only
-            return AbstractState(
-                num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
-                job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
-                reset_fence=tuple(sorted(self.fence.values())),
-                quarantine=tuple(sorted(self.quarantine.values())),
-                chunks_being_loaded=sc["chunks_being_loaded"],
-                chunk_ref_cnt=tuple(sorted((k, self.ref_cnt[k]) for k in keys
-                                           if k in self.ref_cnt)),
-                jobs_to_flush=sc["jobs_to_flush"], step_open=sc["step_open"],
-                reset_since_last_step=sc["reset_since_last_step"],
-                finished_signals=tuple((r, self.signals[r]) for r in sorted(want)
-                                       if self.signals.get(r)),
-                stores_after_signal=tuple(sorted(sc["stores_after_signal"])))
+        if requests is None:
+            ref_cnt = tuple(sorted(self.ref_cnt.items()))
+            block_fence = tuple(sorted(self.block_fence.items()))
+            signals = tuple(sorted((r, n) for r, n in self.signals.items() if n))
+        else:  # the local invariants read no block fence, and the pins of the part's chunks
+            keys = {k for j in js for k in j.keys}
+            ref_cnt = tuple(sorted((k, self.ref_cnt[k]) for k in keys if k in self.ref_cnt))
+            block_fence = ()
+            signals = tuple((r, self.signals[r]) for r in sorted(want) if self.signals.get(r))
         return AbstractState(
             num_workers=self.num_workers, requests=tuple(reqs), jobs=tuple(js),
             job_counter=sc["job_counter"], stale_threshold=sc["stale_threshold"],
             reset_fence=tuple(sorted(self.fence.values())),
             quarantine=tuple(sorted(self.quarantine.values())),
-            chunks_being_loaded=sc["chunks_being_loaded"],
-            chunk_ref_cnt=tuple(sorted(self.ref_cnt.items())),
-            block_fence=tuple(sorted(self.block_fence.items())),
-            jobs_to_flush=sc["jobs_to_flush"], step_open=sc["step_open"],
-            reset_since_last_step=sc["reset_since_last_step"],
-            finished_signals=tuple(sorted((r, n) for r, n in self.signals.items() if n)),
+            chunks_being_loaded=sc["chunks_being_loaded"], chunk_ref_cnt=ref_cnt,
+            block_fence=block_fence, jobs_to_flush=sc["jobs_to_flush"],
+            step_open=sc["step_open"], reset_since_last_step=sc["reset_since_last_step"],
+            finished_signals=signals,
             stores_after_signal=tuple(sorted(sc["stores_after_signal"])))
 
     def job_state(self, job_id: int) -> str | None:

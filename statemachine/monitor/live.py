@@ -32,6 +32,7 @@ from conformance.projection import (
     Observations,
     block_fence,
     chunks_being_loaded,
+    count_manager_calls,
     fence_of,
     job_state,
     policy_table,
@@ -153,31 +154,9 @@ class LiveProjector:
 
     # -- observation wrappers (they count, then call through) ---------------------------
     def _wrap_manager(self) -> None:
-        manager, obs = self.manager, self.obs
-        finished, prepare_store = manager.on_request_finished, manager.prepare_store
-
-        def req_id_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-            for a in (*args, *kwargs.values()):
-                rid = getattr(a, "req_id", None)
-                if isinstance(rid, str):
-                    return rid
-            return None
-
-        def on_request_finished(*args: Any, **kwargs: Any) -> Any:
-            rid = req_id_of(args, kwargs)
-            if rid is not None:
-                obs.signals[rid] = obs.signals.get(rid, 0) + 1
-                obs.dirty_signals.add(rid)
-            return finished(*args, **kwargs)
-
-        def counted_prepare_store(*args: Any, **kwargs: Any) -> Any:
-            rid = req_id_of(args, kwargs)
-            if rid is not None and obs.signals.get(rid, 0) and rid in self.sched._req_status:
-                obs.stores_after_signal.append(rid)
-            return prepare_store(*args, **kwargs)
-
-        manager.on_request_finished = on_request_finished
-        manager.prepare_store = counted_prepare_store
+        obs = self.obs
+        count_manager_calls(self.manager, obs, lambda rid: rid in self.sched._req_status,
+                            on_signal=obs.dirty_signals.add)
 
     # -- projection ---------------------------------------------------------------------
     def _job(self, jid: int, js: Any) -> JobRecord:
