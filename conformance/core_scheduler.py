@@ -386,7 +386,8 @@ class CoreDriver:
     def _sort_id_sets(self) -> None:
         sched = self.run.scheduler
         sched.finished_req_ids = SortedIdSet(sched.finished_req_ids)
-        sched.reset_preempted_req_ids = SortedIdSet(sched.reset_preempted_req_ids)
+        if hasattr(sched, "reset_preempted_req_ids"):  # 0.24 on: requests a reset preempted
+            sched.reset_preempted_req_ids = SortedIdSet(sched.reset_preempted_req_ids)
 
     def _call(self, phase: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
