@@ -40,12 +40,13 @@ summary="$out/summary.md"
 cat "$summary"
 status=0
 for v in "${wanted[@]}"; do
-    if [[ $v == 0.33.0 ]]; then venv="$root/.venv-vllm"; else venv="$root/.venv-vllm-$v"; fi
+    if [[ $v == 0.33.0 ]]; then name=.venv-vllm; else name=.venv-vllm-$v; fi  # as the Makefile
+    venv="$root/$name"
     existed=0; [[ -e $venv ]] && existed=1
     log="$out/$v.log"
     rm -f "$out/$v.findings.txt"
     t0=$(date +%s)
-    make -C "$root" --no-print-directory "$venv/.vllm-version" VLLM_VERSION="$v" PY="$py" > "$log" 2>&1
+    make -C "$root" --no-print-directory "$name/.vllm-version" VLLM_VERSION="$v" PY="$py" > "$log" 2>&1
     built=$?
     t1=$(date +%s)
     if ((built != 0)); then
@@ -54,7 +55,7 @@ for v in "${wanted[@]}"; do
     else
         make -C "$root" --no-print-directory conformance VLLM_VERSION="$v" PY="$py" >> "$log" 2>&1
         rc=$?
-        failed=$(grep -E '^(FAILED|ERROR) ' "$log" | sed -E 's/^(FAILED|ERROR) ([^ ]+).*/\2/' \
+        failed=$(grep -E '^(FAILED|ERROR) tests/' "$log" | sed -E 's/^(FAILED|ERROR) ([^ ]+).*/\2/' \
                  | sed -E 's#^tests/conformance/##' | sort -u | paste -sd ' ' -)
         bug=$("$py" -c "import sys; sys.path.insert(0, '$root'); from conformance import releases; print(int(releases.find('$v').bug_48102))")
         head="conforms"
