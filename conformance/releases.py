@@ -112,6 +112,7 @@ FEATURES: dict[str, str] = {
     "block_state_handoffs": "0.29.0",
     "max_num_new_tokens": "0.30.0",
     "manager_chunks": "0.30.0",
+    "manager_key_positions": "0.31.0",
     "store_admission_at_store": "0.30.0",
     "retention_interval": "0.30.0",
     "max_load_tokens": "0.31.0",
@@ -140,6 +141,8 @@ FEATURE_EVIDENCE: dict[str, str] = {
     "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:44 CPUOffloadingManager("
                       "num_chunks, ...), policies/lru.py:25 `self.chunks`; 0.29.0: "
                       "num_blocks, `blocks`",
+    "manager_key_positions": "0.31.0 vllm/v1/kv_offload/base.py:112 "
+                             "`ReqContext.set_offload_key_position` (absent in 0.30.0)",
     "store_admission_at_store": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:106 "
                                 "`_record_accesses` at prepare_store counts a chunk's offers "
                                 "(the spec's store threshold); 0.29.0 and before count "
