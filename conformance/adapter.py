@@ -521,7 +521,9 @@ def features_needed(b: M.Bounds) -> frozenset[str]:
         need.add("block_state_handoffs")
     if b.partial_tails:
         need |= {"partial_tails", "prefix_match_unit"}
-    if b.retention_interval is not None:
+    if b.retention_interval is not None or "sliding" in b.groups:
+        # which window chunks a store keeps: the retention rule from 0.30.0; before, the
+        # chunks of full-attention alignment segments (S:975-996 in 0.26.0), not the spec's
         need.add("retention_interval")
     if b.blocks_per_chunk > 1:
         need.add("blocks_per_chunk")

@@ -137,7 +137,9 @@ FEATURE_EVIDENCE: dict[str, str] = {
                              "on_request_finished`, called at S:1014 (absent in 0.22.x)",
     "partial_tails": "0.28.0 S:1154 `_build_partial_tail_store_jobs`",
     "retention_interval": "0.30.0 S:216 reads `cache_config.prefix_cache_retention_interval`"
-                          " (0.29.0 has the config field, the connector does not read it)",
+                          " (0.29.0 has the config field, the connector does not read it); "
+                          "before, a sliding-window store keeps the trailing chunks of each "
+                          "full-attention alignment segment (S:975-996 in 0.26.0)",
     "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:44 CPUOffloadingManager("
                       "num_chunks, ...), policies/lru.py:25 `self.chunks`; 0.29.0: "
                       "num_blocks, `blocks`",
