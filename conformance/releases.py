@@ -8,7 +8,8 @@ imports need beyond scripts/vllm-venv.sh's common list (found by building each r
 
 The feature table (FEATURES) says from which release on the scheduler side has each
 difference the conformance code translates; `conformance.vllm_env` reads it. Every entry is
-backed by a file:line of the first release that has it (FEATURE_EVIDENCE).
+backed by lines of the first release that has it (FEATURE_EVIDENCE), cited as
+`spec/vllm.py` writes a citation of another release (``S@0.26.0:1345``).
 
 Standard library only, usable from the shell before any venv exists:
 
@@ -95,8 +96,7 @@ RELEASES: tuple[Release, ...] = (
 )
 
 # ----------------------------------------------------------------------------- features
-# feature -> the first release that has it. S = vllm/distributed/kv_transfer/kv_connector/
-# v1/offloading/scheduler.py; the evidence is in FEATURE_EVIDENCE.
+# feature -> the first release that has it; the evidence is in FEATURE_EVIDENCE.
 FEATURES: dict[str, str] = {
     "fix_48102": "0.26.0",
     "reset_fence": "0.33.0",
@@ -123,61 +123,108 @@ FEATURES: dict[str, str] = {
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
-    "fix_48102": "0.26.0 S:1345 reset_cache (S:1323) clears each request's transfer_jobs "
-                 "(`status.transfer_jobs.clear()`); 0.25.1's reset_cache (S:1231) does not",
-    "reset_fence": "0.33.0 S:654 `_reset_fence` (stale job id -> reports due); absent before",
-    "offload_caps": "0.23.0 S:183-197 `max_offload_tokens`, `offload_prompt_only` per "
-                    "request; absent in 0.22.x",
-    "on_new_request": "0.23.0 S:525 `def on_new_request` (0.22.0 creates a request's state "
-                      "at its first lookup, S:525-528)",
-    "transfer_job_fields": "0.25.0 offloading/common.py:54-66 TransferJob(req_id, src_spec, "
-                           "dst_spec); 0.22.0-0.24.0 common.py:15-25 TransferJob(req_id, "
-                           "transfer_spec=(src, dst))",
-    "manager_finish_signal": "0.23.0 vllm/v1/kv_offload/base.py:242 `OffloadingManager."
-                             "on_request_finished`, called at S:1014 (absent in 0.22.x)",
-    "partial_tails": "0.28.0 S:1154 `_build_partial_tail_store_jobs`",
-    "retention_interval": "0.30.0 S:216 reads `cache_config.prefix_cache_retention_interval`"
+    "fix_48102": "S@0.26.0:1345 reset_cache (S@0.26.0:1323) clears each request's "
+                 "transfer_jobs (`status.transfer_jobs.clear()`); 0.25.1's reset_cache "
+                 "(S@0.25.1:1231) does not",
+    "reset_fence": "S:654 `_reset_fence` (stale job id -> reports due); absent before",
+    "offload_caps": "S@0.23.0:97 the `offload_prompt_only` setting, S@0.23.0:183-207 the "
+                    "per-request `max_offload_tokens`; absent in 0.22.x",
+    "on_new_request": "S@0.23.0:525 `def on_new_request` (0.22.0 creates a request's state "
+                      "at its first lookup, S@0.22.0:525-528)",
+    "transfer_job_fields": "C@0.25.0:54-66 TransferJob(req_id, src_spec, dst_spec); "
+                           "0.22.0-0.24.0 TransferJob(req_id, transfer_spec=(src, dst)), "
+                           "C@0.22.0:15-25",
+    "manager_finish_signal": "B@0.23.0:242 `OffloadingManager.on_request_finished`, called "
+                             "at S@0.23.0:1014 (absent in 0.22.x)",
+    "partial_tails": "S@0.28.0:1154 `_build_partial_tail_store_jobs`",
+    "retention_interval": "S@0.30.0:216 reads `cache_config.prefix_cache_retention_interval`"
                           " (0.29.0 has the config field, the connector does not read it); "
                           "before, a sliding-window store keeps the trailing chunks of each "
-                          "full-attention alignment segment (S:975-996 in 0.26.0)",
-    "manager_chunks": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:44 CPUOffloadingManager("
-                      "num_chunks, ...), policies/lru.py:25 `self.chunks`; 0.29.0: "
-                      "num_blocks, `blocks`",
-    "manager_key_positions": "0.31.0 vllm/v1/kv_offload/base.py:112 "
-                             "`ReqContext.set_offload_key_position` (absent in 0.30.0)",
-    "store_admission_at_store": "0.30.0 vllm/v1/kv_offload/cpu/manager.py:106 "
-                                "`_record_accesses` at prepare_store counts a chunk's offers "
-                                "(the spec's store threshold); 0.29.0 and before count "
-                                "lookups (manager.py:120-128 in 0.26.0)",
-    "max_load_tokens": "0.31.0 S:367-391 the per-request `max_load_tokens` "
+                          "full-attention alignment segment (S@0.26.0:975-996)",
+    "manager_chunks": "M@0.30.0:44 CPUOffloadingManager(num_chunks, ...), LRU@0.30.0:25 "
+                      "`self.chunks`; 0.29.0: num_blocks, `blocks`",
+    "manager_key_positions": "B@0.31.0:112 `ReqContext.set_offload_key_position` (absent in "
+                             "0.30.0)",
+    "store_admission_at_store": "M@0.30.0:106 `_record_accesses` at prepare_store counts a "
+                                "chunk's offers (the spec's store threshold); 0.29.0 and "
+                                "before count lookups (M@0.26.0:120-128)",
+    "max_load_tokens": "S@0.31.0:367-391 the per-request `max_load_tokens` "
                        "(kv_transfer_params)",
-    "prefix_match_unit": "0.26.0 vllm/config/cache.py:56 `prefix_match_unit`",
-    "blocks_per_chunk": "0.26.0 S:238 `next_stored_chunk_idx`, S:403 "
+    "prefix_match_unit": "CFG@0.26.0:56 `prefix_match_unit`",
+    "blocks_per_chunk": "S@0.26.0:238 `next_stored_chunk_idx`, S@0.26.0:403 "
                         "`_chunks_being_loaded` (0.25: `next_stored_block_idx`, "
                         "`_blocks_being_loaded`)",
-    "finished_signal": "0.27.0 S:290 `RequestOffloadState.finished_signaled` (the manager "
+    "finished_signal": "S@0.27.0:290 `RequestOffloadState.finished_signaled` (the manager "
                        "is signaled after the final store); 0.26.0 signals it in "
-                       "request_finished (S:1292)",
-    "kv_tensor_layers": "0.29.0 vllm/v1/kv_cache_interface.py:325 KVCacheTensor(size, "
-                        "layers, layer_stride, block_stride); 0.28.0 kv_cache_interface.py:"
-                        "935 KVCacheTensor(size, shared_by)",
-    "block_state_handoffs": "0.29.0 vllm/v1/core/sched/output.py:209 "
-                            "`class KVConnectorBlockState` (the core's Mamba hand-offs)",
-    "max_num_new_tokens": "0.30.0 S:754 get_num_new_matched_tokens(..., "
+                       "request_finished (S@0.26.0:1292)",
+    "kv_tensor_layers": "KCI@0.29.0:1165-1185 KVCacheTensor(size, layers, "
+                        "layer_stride, block_stride); 0.28.0: KVCacheTensor(size, "
+                        "shared_by), KCI@0.28.0:929-937",
+    "block_state_handoffs": "SO@0.29.0:209 `class KVConnectorBlockState` (the core's Mamba "
+                            "hand-offs)",
+    "max_num_new_tokens": "S@0.30.0:754 get_num_new_matched_tokens(..., "
                           "max_num_new_tokens); before, a full-attention lookup may hit the "
-                          "whole prompt (S:549-554 in 0.26.0 bounds it only with a window)",
-    "sync_loads": "0.33.0 S:168 `sync_load_budget_bytes`, S:89 "
-                  "`TransferJobStatus.is_sync_load`",
-    "step_region": "0.33.0 S:677 `_step_region` (S:1239, S:1367, S:2108-2113)",
-    "lookup_resets_cursor": "0.33.0 S:1241-1245 get_num_new_matched_tokens puts every group's "
+                          "whole prompt (S@0.26.0:549-554 bounds it only with a window)",
+    "sync_loads": "S:168 `sync_load_budget_bytes`, S:89 `TransferJobStatus.is_sync_load`",
+    "step_region": "S:677 `_step_region` (S:1239, S:1367, S:2108-2113)",
+    "lookup_resets_cursor": "S:1241-1245 get_num_new_matched_tokens puts every group's "
                             "`next_stored_chunk_idx` back to 0 (a restart offers every chunk "
                             "again); 0.26.0-0.32.0 keep it",
-    "preempted_load_flush": "0.33.0 S:2136-2150 flushes a preempted request's jobs whatever "
+    "preempted_load_flush": "S:2136-2150 flushes a preempted request's jobs whatever "
                             "their kind; 0.22.0-0.32.0 assert they are stores "
-                            "(`assert self._jobs[any_jid].is_store`, S:1138 in 0.26.0, "
-                            "S:1862 in 0.32.0)",
+                            "(`assert self._jobs[any_jid].is_store`, S@0.26.0:1138, "
+                            "S@0.32.0:1862)",
 }
 
+
+FEATURE_TAKEN: dict[str, str] = {
+    "fix_48102": "`adapter.machine_for`: `VLLM025Machine` (finds #48102) before, "
+                 "`VLLMMachine` from; `test_vllm_src.py`",
+    "reset_fence": "the adapter counts the reports still due at a reset itself "
+                   "(`Observations.emulated_fence`) where vLLM has no fence",
+    "on_new_request": "`VLLMAdapter._as_of_release`: a request never looked up is projected "
+                      "IDLE",
+    "offload_caps": "`vllm_env.make_setup` sets `offload_prompt_only` only from 0.23.0; "
+                    "bounds with `max_offload_tokens` left out",
+    "manager_finish_signal": "`conformance.projection.count_manager_calls` counts no signal "
+                             "where the manager has no `on_request_finished`",
+    "transfer_job_fields": "`adapter._transfer_specs`",
+    "prefix_match_unit": "`make_setup` refuses a finer hash; partial-tail bounds left out",
+    "blocks_per_chunk": "bounds with more than one block per chunk left out",
+    "finished_signal": "`adapter.FINISHES_AS_THE_SPEC` (EARLY-FINISH-SIGNAL): no "
+                       "finish/abort events, a drain that does not finish; D2/D3 and the "
+                       "programs that finish skip",
+    "partial_tails": "partial-tail bounds left out; F3 skips",
+    "kv_tensor_layers": "`vllm_env._kv_tensor` (`shared_by` before), and a hybrid chunk's "
+                        "CPU bytes (all layers before: OCF@0.26.0:90-103 sums every tensor)",
+    "block_state_handoffs": "Mamba bounds left out; the Mamba hand-off test and F3 skip",
+    "max_num_new_tokens": "`VLLMMachine.whole_prompt_hit` (WHOLE-PROMPT-HIT); D1, D3 and "
+                          "one regression program skip",
+    "manager_chunks": "`test_manager_vs_vllm.py` skips (it builds "
+                      "`CPUOffloadingManager(num_chunks=...)`)",
+    "manager_key_positions": "`test_manager_vs_vllm.py` skips (its contexts set key "
+                             "positions)",
+    "store_admission_at_store": "the store-threshold bound left out (STORE-ADMISSION)",
+    "retention_interval": "`make_setup` passes `prefix_cache_retention_interval` only from "
+                          "0.30.0; the retention bound left out; F4 skips",
+    "max_load_tokens": "bounds with `max_load_tokens` left out",
+    "sync_loads": "sync-load bounds left out; the sync-load programs skip",
+    "preempted_load_flush": "`VLLMMachine.readmits_preempted` / `preempts_a_load` "
+                            "(PREEMPTED-LOAD); D1 skips",
+    "lookup_resets_cursor": "`VLLMAdapter._as_of_release`: store cursor not compared "
+                            "(CURSOR-KEPT)",
+    "step_region": "`VLLMAdapter._as_of_release`: `step_open` from the adapter",
+}
+"""Feature -> where the conformance code takes a release without it."""
+
+
+def feature_table() -> str:
+    """Markdown: each feature, the first release with it, the evidence, where it is taken
+    (citations in the short form; CONFORMANCE.md renders them as links)."""
+    rows = ["| feature (from) | what changes | where it is taken |", "|---|---|---|"]
+    rows += [f"| `{f}` ({first}) | {FEATURE_EVIDENCE[f]} | {FEATURE_TAKEN[f]} |"
+             for f, first in FEATURES.items()]
+    return "\n".join(rows)
 
 def supported() -> list[str]:
     return [r.version for r in RELEASES]
@@ -197,6 +244,7 @@ def features(version: Version) -> frozenset[str]:
 
 
 def _check_consistent() -> None:
+    assert FEATURES.keys() == FEATURE_EVIDENCE.keys() == FEATURE_TAKEN.keys()
     for r in RELEASES:
         assert r.bug_48102 == (not has("fix_48102", r.key)), r
         assert r.reset_fence == has("reset_fence", r.key), r

@@ -22,6 +22,7 @@ is cached per process (per `max_model_len`), so `make_setup` is cheap after the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import importlib.metadata
@@ -30,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ from conformance import releases
 
 # ----------------------------------------------------------------------------- environment
 _TMP = Path(tempfile.mkdtemp(prefix="kvspec-vllm-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 
 
 def _prepare_environment() -> None:

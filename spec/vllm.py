@@ -7,6 +7,10 @@ at tag v0.33.0 (the tag's files are the files of the 0.33.0 wheel). ``S:1247-125
 Tables, docstrings and comments write the short form; SPEC.md and CONFORMANCE.md render each
 as a link to the tagged file, and `make conformance` checks that every citation in the
 repository names a file of the installed vLLM and lines within it.
+
+A citation of another release names it: ``S@0.26.0:1345`` is line 1345 of the same file at
+tag v0.26.0 (the release tables of CONFORMANCE.md and `conformance/releases.py` cite so). It
+links to that tag, and `make conformance VLLM_VERSION=0.26.0` is the run that checks it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ FILES: dict[str, str] = {
     "S": f"{_CONNECTOR}/v1/offloading/scheduler.py",
     "C": f"{_CONNECTOR}/v1/offloading/common.py",
     "W": f"{_CONNECTOR}/v1/offloading/worker.py",
+    "OCF": f"{_CONNECTOR}/v1/offloading/config.py",
     "OC": f"{_CONNECTOR}/v1/offloading_connector.py",
     "KB": f"{_CONNECTOR}/v1/base.py",
     "KU": f"{_CONNECTOR}/utils.py",
@@ -50,12 +55,18 @@ FILES: dict[str, str] = {
     "CS": "vllm/v1/core/sched/scheduler.py",
     "MX": "vllm/v1/worker/kv_connector_model_runner_mixin.py",
     "GMR": "vllm/v1/worker/gpu_model_runner.py",
+    "SO": "vllm/v1/core/sched/output.py",
+    "KCI": "vllm/v1/kv_cache_interface.py",
+    "CFG": "vllm/config/cache.py",
 }
 """Abbreviation -> path in the vLLM repository (at `TAG`)."""
 
+RELEASE = TAG.removeprefix("v")
+"""The release the unqualified citations are of."""
+
 CITATION = re.compile(r"(?<![\w/.\-])(" + "|".join(sorted(FILES, key=len, reverse=True))
-                      + r"):(\d+)(?:-(\d+))?(?![\w])")
-"""A citation in text: ``S:1247-1252``, ``CS:3177``."""
+                      + r")(?:@(\d+\.\d+\.\d+))?:(\d+)(?:-(\d+))?(?![\w])")
+"""A citation in text: ``S:1247-1252``, ``CS:3177``, ``S@0.25.1:1231``."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class Citation:
     abbr: str
     first: int
     last: int
+    release: str = RELEASE
 
     @property
     def path(self) -> str:
@@ -71,22 +83,27 @@ class Citation:
     @property
     def text(self) -> str:
         lines = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
-        return f"{self.abbr}:{lines}"
+        at = "" if self.release == RELEASE else f"@{self.release}"
+        return f"{self.abbr}{at}:{lines}"
 
     @property
     def url(self) -> str:
         anchor = f"L{self.first}" if self.first == self.last else f"L{self.first}-L{self.last}"
-        return f"{REPOSITORY}/blob/{TAG}/{self.path}#{anchor}"
+        return f"{REPOSITORY}/blob/v{self.release}/{self.path}#{anchor}"
 
     def link(self) -> str:
         """Markdown: the short form, linked to the lines at the tag."""
         return f"[{self.text}]({self.url})"
 
 
+def _citation(m: re.Match[str]) -> Citation:
+    first = int(m.group(3))
+    return Citation(m.group(1), first, int(m.group(4) or first), m.group(2) or RELEASE)
+
+
 def citations(text: str) -> Iterator[Citation]:
     for m in CITATION.finditer(text):
-        first = int(m.group(2))
-        yield Citation(m.group(1), first, int(m.group(3) or first))
+        yield _citation(m)
 
 
 def linkify(markdown: str) -> str:
@@ -97,9 +114,7 @@ def linkify(markdown: str) -> str:
         after = markdown[m.end():m.end() + 2]
         if before == "[" and after.startswith("]("):
             continue  # already the text of a link
-        first = int(m.group(2))
-        c = Citation(m.group(1), first, int(m.group(3) or first))
-        out += [markdown[pos:m.start()], c.link()]
+        out += [markdown[pos:m.start()], _citation(m).link()]
         pos = m.end()
     out.append(markdown[pos:])
     return "".join(out)

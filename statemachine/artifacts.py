@@ -102,6 +102,12 @@ def _readme_blocks() -> Blocks:
     return {"request.mermaid": lambda: f"```mermaid\n{to_mermaid(REQUEST_MACHINE)}```"}
 
 
+def _conformance_md_blocks() -> Blocks:
+    from conformance import releases
+
+    return {"releases.features": lambda: vllm.linkify(releases.feature_table())}
+
+
 def derived(root: Path) -> dict[Path, bytes]:
     """Every text file derived from the tables: DOT and Mermaid sources, and the documents
     with their generated blocks spliced in."""
@@ -110,7 +116,8 @@ def derived(root: Path) -> dict[Path, bytes]:
         for r in diagram_sources(m, root / folder):
             out[r.path] = r.content
     for doc, blocks in ((root / "spec" / "SPEC.md", _spec_md_blocks()),
-                        (root / "README.md", _readme_blocks())):
+                        (root / "README.md", _readme_blocks()),
+                        (root / "CONFORMANCE.md", _conformance_md_blocks())):
         if doc.exists():
             text = doc.read_text()
             out[doc] = md.splice(text, blocks).encode()

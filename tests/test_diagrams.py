@@ -159,6 +159,21 @@ def test_every_citation_in_the_documents_links_to_its_lines_at_the_tag() -> None
                "scheduler.py#L" in text
 
 
+def test_a_citation_of_another_release_names_it_and_links_to_its_tag() -> None:
+    from spec import vllm
+
+    old, now = vllm.citations("fixed at S@0.26.0:1345-1346, S:2432 now")
+    assert (old.abbr, old.release, old.first, old.last) == ("S", "0.26.0", 1345, 1346)
+    assert old.text == "S@0.26.0:1345-1346" and now.text == "S:2432"
+    assert now.release == vllm.RELEASE
+    assert old.url.endswith("/blob/v0.26.0/vllm/distributed/kv_transfer/kv_connector/v1/"
+                            "offloading/scheduler.py#L1345-L1346")
+    assert "/blob/v0.33.0/" in now.url
+    linked = vllm.linkify("at S@0.25.1:994.")
+    assert linked == f"at [S@0.25.1:994]({vllm.Citation('S', 994, 994, '0.25.1').url})."
+    assert vllm.linkify(linked) == linked
+
+
 def test_table_citations_parse() -> None:
     """A row cites vLLM (every part a citation) or says it is beyond vLLM."""
     from spec import vllm
