@@ -291,6 +291,8 @@ class SpecMonitor:
         self.step = 0
         self.events = 0
         self._last: Event | None = None
+        self._verdicts: dict[tuple[str, str, str, str | tuple[str, ...]],
+                             tuple[bool, list[tuple[str, str, str]]]] = {}
 
     # -- the event ---------------------------------------------------------------------
     def observe(self, event: Event) -> list[Finding]:
@@ -345,56 +347,65 @@ class SpecMonitor:
         self.findings.append(f)
         out.append(f)
 
+    def _verdict(self, machine: MachineSpec, hook: str, src: str,
+                 dst: str | tuple[str, ...]) -> tuple[bool, list[tuple[str, str, str]]]:
+        """Whether `src` -> `dst` is a move a call of `hook` may make (`is_move`) and the
+        rows it took (`path_of`), remembered per (machine, hook, src, dst): a handful of
+        combinations recur at every step."""
+        key = (machine.name, hook, src, dst)
+        got = self._verdicts.get(key)
+        if got is None:
+            got = self._verdicts[key] = (
+                is_move(machine, hook, src, dst, self.translations),
+                path_of(machine, hook, src, dst, self.translations))
+        return got
+
     def _moves(self, ev: Event, before_req: dict[str, RequestRecord | None],
                before_job: dict[int, str | None], before_fence: str,
                out: list[Finding]) -> list[Move]:
-        m, moves = self.mirror, []
+        m, moves, hook = self.mirror, [], ev.hook
+        requests, jobs, verdict = m.requests, m.jobs, self._verdict
         for rid, old in before_req.items():
-            new = m.requests.get(rid)
+            new = requests.get(rid)
             src = old.state if old else R.ABSENT
             dst = new.state if new else R.ABSENT
             if src != dst:
-                moves.append(Move("request", rid, src, dst,
-                                  path_of(REQUEST_MACHINE, ev.hook, src, dst,
-                                          self.translations)))
-                if not is_move(REQUEST_MACHINE, ev.hook, src, dst, self.translations):
+                ok, rows = verdict(REQUEST_MACHINE, hook, src, dst)
+                moves.append(Move("request", rid, src, dst, list(rows)))
+                if not ok:
                     self._add(out, Finding(
                         "move", "request table", f"{src} -> {dst} is no path of rows that "
-                        f"{ev.hook} may fire", ev.seq, ev.step, ev.hook, rid))
+                        f"{hook} may fire", ev.seq, ev.step, hook, rid))
         for jid, src_state in before_job.items():
-            dst_state = m.job_state(jid)
+            rec = jobs.get(jid)
+            dst_state = rec.state if rec is not None else m.job_state(jid)
             src = src_state or JOB_MACHINE.initial
-            owner = m.jobs[jid].owner if jid in m.jobs else None
-            if src_state is None and jid in m.jobs \
-                    and m.jobs[jid].pending_count != m.num_workers:
+            owner = rec.owner if rec is not None else None
+            if src_state is None and rec is not None and rec.pending_count != m.num_workers:
                 self._add(out, Finding("invariant", "allocate_job", f"a new job is due "
-                                       f"{m.jobs[jid].pending_count} report(s), not one per "
-                                       f"worker ({m.num_workers})", ev.seq, ev.step, ev.hook,
+                                       f"{rec.pending_count} report(s), not one per "
+                                       f"worker ({m.num_workers})", ev.seq, ev.step, hook,
                                        owner, (jid,)))
             if dst_state is None:
-                ok = is_move(JOB_MACHINE, ev.hook, src, JOB_GONE, self.translations)
+                ok, rows = verdict(JOB_MACHINE, hook, src, JOB_GONE)
                 dst = "(left the table)"
             else:
-                ok = is_move(JOB_MACHINE, ev.hook, src, dst_state, self.translations)
+                ok, rows = verdict(JOB_MACHINE, hook, src, dst_state)
                 dst = dst_state
             if src != dst:
-                moves.append(Move("job", str(jid), src, dst, path_of(
-                    JOB_MACHINE, ev.hook, src, JOB_GONE if dst_state is None else dst,
-                    self.translations)))
+                moves.append(Move("job", str(jid), src, dst, list(rows)))
             if not ok:
                 self._add(out, Finding("move", "job table", f"{src} -> {dst} is no path of "
-                                       f"rows that {ev.hook} may fire", ev.seq, ev.step,
-                                       ev.hook, owner, (jid,)))
+                                       f"rows that {hook} may fire", ev.seq, ev.step,
+                                       hook, owner, (jid,)))
         after_fence = m.fence_state()
         if after_fence != before_fence:
-            moves.append(Move("fence", "reset fence", before_fence, after_fence,
-                              path_of(FENCE_MACHINE, ev.hook, before_fence, after_fence,
-                                      self.translations)))
-            if not is_move(FENCE_MACHINE, ev.hook, before_fence, after_fence,
-                           self.translations):
+            ok, rows = verdict(FENCE_MACHINE, hook, before_fence, after_fence)
+            moves.append(Move("fence", "reset fence", before_fence, after_fence, list(rows)))
+            if not ok:
                 self._add(out, Finding("move", "fence table", f"{before_fence} -> "
-                                       f"{after_fence} is no path of rows that {ev.hook} "
-                                       "may fire", ev.seq, ev.step, ev.hook))
+                                       f"{after_fence} is no path of rows that {hook} "
+                                       "may fire", ev.seq, ev.step, hook))
         return moves
 
     def _due(self, ev: Event) -> dict[int, tuple[str, int, int]]:

@@ -92,23 +92,33 @@ class SchemaVersionMismatch(LogError):
 R = TypeVar("R", RequestRecord, JobRecord, HeldJob)
 
 
-_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
+_ENCODERS: dict[type, Any] = {}
+
+
+def _encoder(cls: type) -> Any:
+    """`record_json` of one record class, compiled once: a single dict display over the
+    fields (the hot path of the live monitor's log writes one per changed record)."""
+    enc = _ENCODERS.get(cls)
+    if enc is None:
+        parts = []
+        for f in fields(cls):
+            text = str(f.type)
+            value = f"r.{f.name}"
+            if text.startswith("frozenset"):
+                value = f"sorted(r.{f.name})"
+            elif text.startswith("tuple"):
+                value = f"list(r.{f.name})"
+            parts.append(f"{f.name!r}: {value}")
+        namespace: dict[str, Any] = {}
+        exec(f"def encode(r):\n    return {{{', '.join(parts)}}}\n", namespace)
+        enc = _ENCODERS[cls] = namespace["encode"]
+    return enc
 
 
 def record_json(rec: RequestRecord | JobRecord | HeldJob) -> dict[str, Any]:
     """A record as a JSON object, field by field (frozensets as sorted lists, tuples as
     lists in their order)."""
-    cls = type(rec)
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple(
-            (f.name, "set" if str(f.type).startswith("frozenset") else
-             "seq" if str(f.type).startswith("tuple") else "")
-            for f in fields(cls))
-    out: dict[str, Any] = {}
-    for name, kind in names:
-        v = getattr(rec, name)
-        out[name] = sorted(v) if kind == "set" else list(v) if kind == "seq" else v
+    out: dict[str, Any] = _encoder(type(rec))(rec)
     return out
 
 
@@ -179,10 +189,12 @@ class Delta:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.requests:
-            out["requests"] = {k: None if v is None else record_json(v)
+            enc = _encoder(RequestRecord)
+            out["requests"] = {k: None if v is None else enc(v)
                                for k, v in self.requests.items()}
         if self.jobs:
-            out["jobs"] = {str(k): None if v is None else record_json(v)
+            enc = _encoder(JobRecord)
+            out["jobs"] = {str(k): None if v is None else enc(v)
                            for k, v in self.jobs.items()}
         if self.fence:
             out["fence"] = {str(k): None if v is None else record_json(v)
@@ -319,6 +331,11 @@ class Event:
         return out
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+"""`json.dumps(obj, separators=(",", ":"))`, its encoder built once (an event holds no
+cycle to look for)."""
+
+
 class LogWriter:
     """Appends events to a JSON-lines file (one write and flush per event, so a crash loses
     at most the line being written)."""
@@ -330,7 +347,7 @@ class LogWriter:
         self._write(header.to_json())
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self._out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._out.write(_ENCODE(obj) + "\n")
         self._out.flush()
 
     def write(self, event: Event) -> None:
