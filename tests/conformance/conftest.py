@@ -179,6 +179,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 + ", ".join(f"{f} (from {releases.FEATURES[f]})" for f in lacks))))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the subprocesses of the tests that will run (tests/conformance/early.py), so
+    they overlap the in-process tests."""
+    selected: dict[Any, set[str]] = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if (module is None or not hasattr(module, "start_early")
+                or item.get_closest_marker("skip") is not None):
+            continue
+        selected.setdefault(module, set()).add(getattr(item, "originalname", item.name))
+    for module, names in selected.items():
+        try:
+            module.start_early(names)
+        except Exception as e:  # the test starts it itself, and reports the error there
+            print(f"\n{module.__name__}.start_early: {type(e).__name__}: {e}")
+
+
 @pytest.fixture(scope="session")
 def vllm_ready() -> Any:
     """Import vLLM and build the cached ModelConfig once (about 20 s)."""

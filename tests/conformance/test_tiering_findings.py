@@ -12,7 +12,6 @@ eviction (the spec's fix of T1). T3 is a divergence the machine translates (FREE
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from conformance.tiering_adapter import VllmTieringSystem
 from spec.tiering import cpu_chunk as CC
 from spec.tiering import tier_copy as TC
 from spec.tiering.cpu_chunk import prefix_scan
+from tests.conformance import early
 from tests.conformance.test_tiering_vllm import Checked
 
 pytestmark = pytest.mark.conformance
@@ -188,6 +188,23 @@ finally:
 """
 
 
+ROOT = Path(__file__).resolve().parents[2]
+_FREE_ORDER_SEEDS = ("0", "1")
+
+
+def _free_order_job(seed: str) -> tuple[list[str], dict[str, str]]:
+    return [sys.executable, "-c", _FREE_ORDER], {**os.environ, "PYTHONHASHSEED": seed}
+
+
+def start_early(selected: set[str]) -> None:
+    """T3's two processes (tests/conformance/early.py)."""
+    if "test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order" \
+            in selected:
+        for seed in _FREE_ORDER_SEEDS:
+            argv, env = _free_order_job(seed)
+            early.start(f"t3-free-order-{seed}", argv, env=env, cwd=ROOT)
+
+
 def test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order() -> None:
     """T3 (vLLM 0.33.0, harmless): a promotion that fails part way (a short read of its
     second key) frees the slots of its failed keys in the iteration order of a Python set of
@@ -199,11 +216,10 @@ def test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_or
 
     Four keys promoted in one job, the second one's copy cut short: the slot of the next
     store under PYTHONHASHSEED 0 and 1 (each in a fresh process)."""
-    root = Path(__file__).resolve().parents[2]
     slots = set()
-    for seed in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", _FREE_ORDER], cwd=root, check=True,
-                             capture_output=True, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed})
+    for seed in _FREE_ORDER_SEEDS:
+        argv, env = _free_order_job(seed)
+        out = early.result(f"t3-free-order-{seed}", argv, env=env, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
         slots.add(int(out.stdout.strip().splitlines()[-1]))
     assert len(slots) == 2, (FIXED, slots)

@@ -20,15 +20,22 @@ The tree comes from `pip download` of the installed release (pip's cache makes t
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.conformance import early
 
 pytestmark = pytest.mark.conformance
 
@@ -51,11 +58,16 @@ print("conforms", flush=True)
 """
 
 
-@pytest.fixture(scope="module")
-def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+Job = tuple[list[str], dict[str, str]]
+"""A subprocess: argv and environment (run in the repository root)."""
+
+
+@functools.cache
+def _source_tree() -> Path:
     """The installed release's Python tree, unpacked from its wheel (no compiled files)."""
     version = importlib.metadata.version("vllm")
-    base = tmp_path_factory.mktemp("vllm-src")
+    base = Path(tempfile.mkdtemp(prefix="kvspec-vllm-src-"))
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                     f"vllm=={version}", "-d", str(base / "wheel")], check=True)
     [wheel] = list((base / "wheel").glob("vllm-*.whl"))
@@ -66,10 +78,24 @@ def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tree
 
 
-def _replay_from(tree: Path) -> subprocess.CompletedProcess[str]:
+SCHEDULER = Path("vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py")
+
+
+@functools.cache
+def _tree_with_the_fix_undone() -> Path:
+    """The same tree with PR #48102 put back: reset_cache no longer clears transfer_jobs."""
+    tree = _source_tree()
+    text = (tree / SCHEDULER).read_text()
+    assert text.count(FIX_48102) == 1, "the fix of PR #48102 moved: update FIX_48102"
+    broken = tree.parent / "undone"
+    _copy_tree(tree / "vllm", broken / "vllm", skip=SCHEDULER)
+    (broken / SCHEDULER).write_text(text.replace(FIX_48102, "            pass\n"))
+    return broken
+
+
+def _replay_from(tree: Path) -> Job:
     env = dict(os.environ, PYTHONPATH=str(tree), VLLM_SRC=str(tree))  # what the Makefile sets
-    return subprocess.run([sys.executable, "-c", REPLAY], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=600)
+    return [sys.executable, "-c", REPLAY], env
 
 
 def _has_the_fix() -> bool:
@@ -78,12 +104,49 @@ def _has_the_fix() -> bool:
     return vllm_env.has("fix_48102")
 
 
-def test_the_source_tree_is_imported_and_conforms(source_tree: Path) -> None:
+def _pytest_vllm_src_check(tree: Path, on_path: bool) -> Job:
+    """`test_a_vllm_src_run_tests_that_tree` in a pytest of its own with VLLM_SRC=tree, the
+    tree on the path as the Makefile puts it (`on_path`) or not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_SRC", "PYTHONPATH")}
+    env["VLLM_SRC"] = str(tree)
+    if on_path:
+        env["PYTHONPATH"] = str(tree)
+    return ([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+             "--hypothesis-profile=kvspec-conformance", "-m", "conformance",
+             f"{Path(__file__).relative_to(ROOT)}::test_a_vllm_src_run_tests_that_tree"],
+            env)
+
+
+JOBS: dict[str, Callable[[], dict[str, Job]]] = {
+    "test_the_source_tree_is_imported_and_conforms":
+        lambda: {"src-replay": _replay_from(_source_tree())},
+    "test_a_tree_with_pr_48102_undone_is_caught":
+        lambda: ({"src-undone-replay": _replay_from(_tree_with_the_fix_undone())}
+                 if _has_the_fix() else {}),
+    "test_the_vllm_src_check_fails_a_run_that_imports_the_wheel":
+        lambda: {"src-check-on-path": _pytest_vllm_src_check(_source_tree(), on_path=True),
+                 "src-check-off-path": _pytest_vllm_src_check(_source_tree(), on_path=False)},
+}
+"""Test -> the subprocesses it checks, by key (started early: tests/conformance/early.py)."""
+
+
+def start_early(selected: set[str]) -> None:
+    for name in sorted(selected & JOBS.keys()):
+        for key, (argv, env) in JOBS[name]().items():
+            early.start(key, argv, cwd=ROOT, env=env)
+
+
+def _run(test: str, key: str) -> subprocess.CompletedProcess[str]:
+    argv, env = JOBS[test]()[key]
+    return early.result(key, argv, cwd=ROOT, env=env)
+
+
+def test_the_source_tree_is_imported_and_conforms() -> None:
     """The unchanged tree, imported ahead of the wheel: the #48102 trace conforms on a
     release with the fix, and shows the bug (INV-1 on r0) on one without it."""
-    run = _replay_from(source_tree)
+    run = _run("test_the_source_tree_is_imported_and_conforms", "src-replay")
     out = run.stdout + run.stderr
-    assert f"imported from {source_tree / 'vllm' / '__init__.py'}" in run.stdout, out
+    assert f"imported from {_source_tree() / 'vllm' / '__init__.py'}" in run.stdout, out
     if _has_the_fix():
         assert run.returncode == 0, out
         assert "conforms" in run.stdout
@@ -92,17 +155,13 @@ def test_the_source_tree_is_imported_and_conforms(source_tree: Path) -> None:
         assert "INV-1" in out and "r0" in out, out[-3000:]
 
 
-def test_a_tree_with_pr_48102_undone_is_caught(source_tree: Path, tmp_path: Path) -> None:
+def test_a_tree_with_pr_48102_undone_is_caught() -> None:
     if not _has_the_fix():
         pytest.skip("the release has the #48102 bug already (feature fix_48102, from 0.26.0)")
-    scheduler = Path("vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py")
-    text = (source_tree / scheduler).read_text()
-    assert text.count(FIX_48102) == 1, "the fix of PR #48102 moved: update FIX_48102"
-    broken = tmp_path / "tree"
-    _copy_tree(source_tree / "vllm", broken / "vllm", skip=scheduler)
-    (broken / scheduler).write_text(text.replace(FIX_48102, "            pass\n"))
-    run = _replay_from(broken)
+    run = _run("test_a_tree_with_pr_48102_undone_is_caught", "src-undone-replay")
     out = run.stdout + run.stderr
+    assert f"imported from {_tree_with_the_fix_undone() / 'vllm' / '__init__.py'}" \
+        in run.stdout, out
     assert run.returncode != 0, out
     assert "INV-1" in out and "r0" in out, out[-3000:]
 
@@ -143,27 +202,15 @@ def test_a_vllm_src_run_tests_that_tree() -> None:
     assert Path(str(scheduler.__file__)).resolve().is_relative_to(tree), scheduler.__file__
 
 
-def _pytest_vllm_src_check(tree: Path, on_path: bool) -> subprocess.CompletedProcess[str]:
-    """`test_a_vllm_src_run_tests_that_tree` in a pytest of its own with VLLM_SRC=tree, the
-    tree on the path as the Makefile puts it (`on_path`) or not."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_SRC", "PYTHONPATH")}
-    env["VLLM_SRC"] = str(tree)
-    if on_path:
-        env["PYTHONPATH"] = str(tree)
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-         "--hypothesis-profile=kvspec-conformance", "-m", "conformance",
-         f"{Path(__file__).relative_to(ROOT)}::test_a_vllm_src_run_tests_that_tree"],
-        cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
-
-
-def test_the_vllm_src_check_fails_a_run_that_imports_the_wheel(source_tree: Path) -> None:
+def test_the_vllm_src_check_fails_a_run_that_imports_the_wheel() -> None:
     """The VLLM_SRC check tests the tree it names: it passes with the tree ahead of the
     wheel, and fails a run that names the tree but imports the installed wheel."""
-    good = _pytest_vllm_src_check(source_tree, on_path=True)
+    test = "test_the_vllm_src_check_fails_a_run_that_imports_the_wheel"
+    source_tree = _source_tree()
+    good = _run(test, "src-check-on-path")
     assert good.returncode == 0 and re.search(r"\b1 passed", good.stdout), \
         good.stdout[-3000:] + good.stderr[-2000:]
-    bad = _pytest_vllm_src_check(source_tree, on_path=False)
+    bad = _run(test, "src-check-off-path")
     assert bad.returncode != 0 and re.search(r"\b1 failed", bad.stdout), \
         bad.stdout[-3000:] + bad.stderr[-2000:]
     assert f"VLLM_SRC={source_tree}, but vllm was imported from" in bad.stdout, \
