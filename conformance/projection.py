@@ -184,9 +184,10 @@ def job_state(obs: Observations, job_id: int, pending: int) -> str:
     return J.SHIPPED
 
 
-def _request_state(sched: Any, obs: Observations, req_id: str, st: Any) -> str:
-    if st.req.is_finished():
-        return R.FINISHED_DRAINING if _first(st, "finished_signaled", default=False) \
+def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
+                   finished: bool | None = None) -> str:
+    if st.req.is_finished() if finished is None else finished:
+        return R.FINISHED_DRAINING if getattr(st, "finished_signaled", False) \
             else R.FINISHED_PENDING_FINAL
     jobs = [sched._jobs.get(j) for j in st.transfer_jobs]
     loads = [j for j in jobs if j is not None and not j.is_store]
@@ -235,10 +236,11 @@ def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
 
 def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> RequestRecord:
     """One tracked request of vLLM's `_req_status` (a `RequestOffloadState`)."""
-    state = _request_state(sched, obs, req_id, st)
+    finished = bool(st.req.is_finished())
+    state = _request_state(sched, obs, req_id, st, finished)
     if state in R.HOLDS_GPU_BLOCKS:
         gpu = obs.held(req_id)
-    elif st.req.is_finished():
+    elif finished:
         # finished while loading: the load's blocks stay held, but not those its window
         # had left behind while the request ran
         still = set(obs.held(req_id, obs.final_blocks.get(req_id, ())))
@@ -250,8 +252,7 @@ def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> Requ
         gpu = ()
     return RequestRecord(
         id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
-        finished=bool(st.req.is_finished()),
-        finished_signaled=bool(_first(st, "finished_signaled", default=False)),
+        finished=finished, finished_signaled=bool(getattr(st, "finished_signaled", False)),
         load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu,
         store_cursor=_store_cursor(st))
 
@@ -285,8 +286,12 @@ def chunks_being_loaded(sched: Any, obs: Observations) -> frozenset[int]:
 
 def block_fence(sched: Any) -> tuple[tuple[int, frozenset[int]], ...]:
     """vLLM's `_block_id_to_pending_jobs` in model blocks."""
-    return tuple(sorted((model_block(b), frozenset(ids))
-                        for b, ids in sched._block_id_to_pending_jobs.items()))
+    return tuple(sorted(block_fence_map(sched).items()))
+
+
+def block_fence_map(sched: Any) -> dict[int, frozenset[int]]:
+    """`block_fence` as a map (model block -> job ids), unsorted."""
+    return {int(b) - 1: frozenset(ids) for b, ids in sched._block_id_to_pending_jobs.items()}
 
 
 def step_open(sched: Any) -> bool:
@@ -320,7 +325,7 @@ def project(setup: Any, obs: Observations) -> AbstractState:
     )
 
 
-__all__ = ["JobMemo", "Observations", "block_fence", "chunks_being_loaded",
+__all__ = ["JobMemo", "Observations", "block_fence", "block_fence_map", "chunks_being_loaded",
            "count_manager_calls", "fence_of",
            "job_state", "model_block", "policy_table", "project", "project_held", "project_job",
            "project_request", "step_open", "vllm_block"]

@@ -30,7 +30,7 @@ from typing import Any
 from conformance.projection import (
     JobMemo,
     Observations,
-    block_fence,
+    block_fence_map,
     chunks_being_loaded,
     count_manager_calls,
     fence_of,
@@ -166,8 +166,11 @@ class LiveProjector:
         obs = self.obs
         first = self._first.get(jid)
         if first is None:
-            obs.jobs[jid] = JobMemo("store" if js.is_store else "load",
-                                    frozenset(obs.key(k) for k in js.keys),
+            key_of, key, keys = obs.key_of, obs.key, []
+            for k in js.keys:
+                i = key_of.get(k)
+                keys.append(key(k) if i is None else i)
+            obs.jobs[jid] = JobMemo("store" if js.is_store else "load", frozenset(keys),
                                     sync=bool(getattr(js, "is_sync_load", False)))
             first = self._first[jid] = project_job(self.sched, obs, jid, js)
         pending = js.pending_count
@@ -269,7 +272,7 @@ class LiveProjector:
                     d.fence[jid] = None if jid not in fence else project_held(
                         obs, jid, fence[jid])
             self.fence = fence
-        fenced = dict(block_fence(sched))
+        fenced = block_fence_map(sched)
         if fenced != self.block_fence:
             for b in set(fenced) | set(self.block_fence):
                 if fenced.get(b) != self.block_fence.get(b):
@@ -331,12 +334,20 @@ class LiveProjector:
             touched.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for i, rid in enumerate(cached.req_ids):
-            blocks = cached.new_block_ids[i]
-            scheduled[rid] = [int(tokens.get(rid, 0)), block_ids_per_group(blocks),
-                              rid in resumed]
+        get = tokens.get
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if blocks is None:
+                ids: list[list[int]] = []
+            elif type(blocks) is tuple and len(blocks) == 1 \
+                    and type(blocks[0]) is list:  # one KV cache group (the common case)
+                ids = [list(blocks[0])] if blocks[0] else _NO_BLOCKS
+            else:
+                ids = block_ids_per_group(blocks)
             if rid in resumed:
+                scheduled[rid] = [int(get(rid, 0)), ids, True]
                 touched.add(rid)
+            else:
+                scheduled[rid] = [int(get(rid, 0)), ids, False]
         finished = sorted(scheduler_output.finished_req_ids or ())
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         touched.update(finished)
