@@ -1,11 +1,12 @@
-"""The monitor's event log: one JSON object per line, schema `kvspec-monitor` version 1.
+"""The monitor's event log: one JSON object per line, schema `kvspec-monitor` version 2.
 
 Line 1 is the header; every later line is one scheduler-side hook call of the connector:
 
-    {"schema": "kvspec-monitor", "schema_version": 1, "vllm": "0.33.0", "num_workers": 2,
-     "mode": "warn", "stuck_after_steps": 64}
+    {"schema": "kvspec-monitor", "schema_version": 2, "vllm": "0.33.0", "num_workers": 2,
+     "mode": "warn", "stuck_after_steps": 64, "translations": [],
+     "records": {"request": ["id", "state", ...], "job": [...], "held": [...]}}
     {"seq": 1, "step": 0, "hook": "on_new_request", "args": {"request": "r0", ...},
-     "delta": {"requests": {"r0": {"state": "IDLE", ...}}}}
+     "delta": {"requests": {"r0": ["r0", "IDLE", [], false, ...]}}}
 
 An event's fields:
 - `seq`: 1, 2, 3, ... (a gap or a repeat is a malformed log);
@@ -26,11 +27,16 @@ An event's fields:
 - `error` (optional): the exception the hook raised, `Type: message (file:line)` (the
   event's `result` is then null and its delta what the hook left behind).
 
-Records are written field by field as `spec.state` names them; frozensets are sorted lists.
+A record is an array of its fields in the order the header's `records` names them (for a
+`spec.state` `RequestRecord`, `JobRecord` and `HeldJob`: their fields' order in `spec.state`);
+frozensets are sorted lists, tuples lists. (Version 1 wrote each record as an object keyed
+by field name: the same content, twice the bytes and twice the time to encode.) The file
+is UTF-8: text outside ASCII is written as itself.
 A log of another schema or version is refused (`SchemaVersionMismatch`); a line that is not
 a JSON object, a missing or mistyped field, a seq out of order: `MalformedLog` names the line
-and the field. A last line cut short (the process died while writing it) is not an error:
-`read_log` reports it as `truncated` and checks the lines before it.
+and the field (a record's field by its name). A last line cut short (the process died while
+writing it) is not an error: `read_log` reports it as `truncated` and checks the lines
+before it.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from spec.state import HeldJob, JobRecord, RequestRecord
 from statemachine.errors import KVSpecError
 
 SCHEMA = "kvspec-monitor"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 HOOK_ARGS: dict[str, tuple[str, ...]] = {
     "on_new_request": ("request", "prompt_tokens"),
@@ -57,7 +63,7 @@ HOOK_ARGS: dict[str, tuple[str, ...]] = {
     "request_finished": ("request", "block_ids", "result"),
     "reset_cache": ("result",),
 }
-"""The argument fields each hook's events carry (schema version 1). `scheduled`: request id
+"""The argument fields each hook's events carry (schema versions 1 and 2). `scheduled`: request id
 -> [tokens scheduled, new block ids per group, resumed]; `shipped`: the job ids the step's
 metadata hands the workers, per kind (`store`, `load`, `flush`); `acks`: job id ->
 reports (summed over the workers). An implementation with failure reports (ours) adds
@@ -92,11 +98,20 @@ class SchemaVersionMismatch(LogError):
 R = TypeVar("R", RequestRecord, JobRecord, HeldJob)
 
 
+RECORDS: dict[str, type] = {"request": RequestRecord, "job": JobRecord, "held": HeldJob}
+"""The record classes a delta carries, by the name the header's `records` gives them."""
+
+
+def record_fields() -> dict[str, list[str]]:
+    """The header's `records`: each record class's fields, in the order a record lists them."""
+    return {name: [f.name for f in fields(cls)] for name, cls in RECORDS.items()}
+
+
 _ENCODERS: dict[type, Any] = {}
 
 
 def _encoder(cls: type) -> Any:
-    """`record_json` of one record class, compiled once: a single dict display over the
+    """`record_json` of one record class, compiled once: a single list display over the
     fields (the hot path of the live monitor's log writes one per changed record)."""
     enc = _ENCODERS.get(cls)
     if enc is None:
@@ -108,17 +123,17 @@ def _encoder(cls: type) -> Any:
                 value = f"sorted(r.{f.name})"
             elif text.startswith("tuple"):
                 value = f"list(r.{f.name})"
-            parts.append(f"{f.name!r}: {value}")
+            parts.append(value)
         namespace: dict[str, Any] = {}
-        exec(f"def encode(r):\n    return {{{', '.join(parts)}}}\n", namespace)
+        exec(f"def encode(r):\n    return [{', '.join(parts)}]\n", namespace)
         enc = _ENCODERS[cls] = namespace["encode"]
     return enc
 
 
-def record_json(rec: RequestRecord | JobRecord | HeldJob) -> dict[str, Any]:
-    """A record as a JSON object, field by field (frozensets as sorted lists, tuples as
-    lists in their order)."""
-    out: dict[str, Any] = _encoder(type(rec))(rec)
+def record_json(rec: RequestRecord | JobRecord | HeldJob) -> list[Any]:
+    """A record as a JSON array of its fields in their order (frozensets as sorted lists,
+    tuples as lists in their order)."""
+    out: list[Any] = _encoder(type(rec))(rec)
     return out
 
 
@@ -140,15 +155,14 @@ def _kinds(cls: type) -> dict[str, type]:
 
 
 def record_from_json(cls: type[R], data: object, where: str) -> R:
-    """A record from its JSON object; `ValueError` naming the field where it does not fit."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: a record must be an object, not {type(data).__name__}")
+    """A record from its JSON array; `ValueError` naming the field where it does not fit."""
     kinds = _kinds(cls)
-    unknown = sorted(set(data) - set(kinds))
-    if unknown:
-        raise ValueError(f"{where}.{unknown[0]}: no such field of {cls.__name__}")
+    if not isinstance(data, list) or len(data) != len(kinds):
+        got = f"{len(data)} values" if isinstance(data, list) else type(data).__name__
+        raise ValueError(f"{where}: a record must be an array of the {len(kinds)} fields of "
+                         f"{cls.__name__} ({', '.join(kinds)}), not {got}")
     kw: dict[str, Any] = {}
-    for name, value in data.items():
+    for name, value in zip(kinds, data, strict=True):
         kind = kinds[name]
         if kind in (frozenset, tuple):
             if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
@@ -197,10 +211,12 @@ class Delta:
             out["jobs"] = {str(k): None if v is None else enc(v)
                            for k, v in self.jobs.items()}
         if self.fence:
-            out["fence"] = {str(k): None if v is None else record_json(v)
+            enc = _encoder(HeldJob)
+            out["fence"] = {str(k): None if v is None else enc(v)
                             for k, v in self.fence.items()}
         if self.quarantine:
-            out["quarantine"] = {str(k): None if v is None else record_json(v)
+            enc = _encoder(HeldJob)
+            out["quarantine"] = {str(k): None if v is None else enc(v)
                                  for k, v in self.quarantine.items()}
         if self.ref_cnt:
             out["ref_cnt"] = {str(k): v for k, v in self.ref_cnt.items()}
@@ -305,7 +321,8 @@ class Header:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "vllm": self.vllm,
                 "num_workers": self.num_workers, "mode": self.mode,
                 "stuck_after_steps": self.stuck_after_steps,
-                "translations": list(self.translations), **self.extra}
+                "translations": list(self.translations), "records": record_fields(),
+                **self.extra}
 
 
 @dataclass
@@ -331,9 +348,12 @@ class Event:
         return out
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
-"""`json.dumps(obj, separators=(",", ":"))`, its encoder built once (an event holds no
-cycle to look for)."""
+_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False,
+                           ensure_ascii=False).encode
+"""`json.dumps(obj, separators=(",", ":"), ensure_ascii=False)`, its encoder built once (an
+event holds no cycle to look for). The file is UTF-8, so text outside ASCII is written as
+itself (a third cheaper than escaping every string); the JSON read back is the same."""
+_ENCODE_ASCII = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
 class LogWriter:
@@ -347,7 +367,11 @@ class LogWriter:
         self._write(header.to_json())
 
     def _write(self, obj: dict[str, Any]) -> None:
-        self._out.write(_ENCODE(obj) + "\n")
+        line = _ENCODE(obj) + "\n"
+        try:
+            self._out.write(line)
+        except UnicodeEncodeError:  # a lone surrogate in a string: escaped, as JSON allows
+            self._out.write(_ENCODE_ASCII(obj) + "\n")
         self._out.flush()
 
     def write(self, event: Event) -> None:
@@ -387,8 +411,12 @@ def _header(path: str, line: int, data: Any) -> Header:
     if not isinstance(names, list) or any(n not in TRANSLATIONS for n in names):
         raise MalformedLog(path, line, "translations", f"a list of translation names "
                            f"({', '.join(TRANSLATIONS)}) expected, got {names!r}")
+    records = data.get("records")
+    if records != record_fields():
+        raise MalformedLog(path, line, "records", "each record's fields in this kvspec's "
+                           f"order expected ({record_fields()}), got {records!r}")
     known = {"schema", "schema_version", "vllm", "num_workers", "mode", "stuck_after_steps",
-             "translations"}
+             "translations", "records"}
     return Header(vllm=str(data.get("vllm", "?")), num_workers=workers,
                   mode=str(data.get("mode", "log")), stuck_after_steps=stuck,
                   translations=tuple(names),
@@ -464,6 +492,6 @@ def read_log(path: str | Path) -> Log:
     return Log(path=name, header=header, events=events, truncated=truncated)
 
 
-__all__ = ["HOOK_ARGS", "SCALARS", "SCHEMA", "SCHEMA_VERSION", "Delta", "Event", "Header",
-           "Log", "LogError", "LogWriter", "MalformedLog", "SchemaVersionMismatch",
-           "read_log", "record_from_json", "record_json"]
+__all__ = ["HOOK_ARGS", "RECORDS", "SCALARS", "SCHEMA", "SCHEMA_VERSION", "Delta", "Event",
+           "Header", "Log", "LogError", "LogWriter", "MalformedLog", "SchemaVersionMismatch",
+           "read_log", "record_fields", "record_from_json", "record_json"]
