@@ -377,8 +377,11 @@ class OffloadingStateMachine(RuleBasedStateMachine):
             raise
 
     def _record_failure(self, exc: BaseException) -> None:
+        """The run's first failure; it carries the program that led to it, in the events'
+        own notation (a line `kvspec` and the regression programs read back)."""
         if self.failure is None:
             self.failure = exc
+            exc.add_note(f"program: {' ; '.join(self.trace)}")
 
     def _step_checked(self, ev: M.Event) -> None:
         assert self.model is not None
