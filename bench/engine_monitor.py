@@ -9,7 +9,10 @@ prompts of 64 to 640 tokens, half of them sharing one of N/16 prefixes, 16 to 64
 tokens each, a finished request replaced at once, acks one step later). Timed: one
 `CoreDriver.step()` (schedule, the harness's model and worker outputs, the same on every
 side, and update_from_output). Sides alternate; the figure per side is the median over
-repetitions of the mean CPU ms per counted step.
+repetitions of the mean CPU ms per counted step, and the floor: each counted step's least
+CPU time over the repetitions (the workload is seeded, so step k is the same step in every
+repetition), summed and divided by the steps. On a loaded machine other processes only add
+to a step's time, so the floor is the steadier figure there.
 
     .venv-vllm/bin/python bench/engine_monitor.py [--active 256] [--steps 30] [--reps 3]
 """
@@ -49,7 +52,9 @@ def workload(active: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run(side: str, active: int, steps: int, warmup: int, seed: int, log_dir: Path) -> float:
+def run(side: str, active: int, steps: int, warmup: int, seed: int,
+        log_dir: Path) -> list[int]:
+    """The CPU ns of each counted step."""
     extra: dict[str, Any] = {}
     kw: dict[str, Any] = {}
     if side != "vLLM":
@@ -84,7 +89,7 @@ def run(side: str, active: int, steps: int, warmup: int, seed: int, log_dir: Pat
     mon = getattr(core.connector, "kvspec", None)
     if mon is not None and mon.findings:
         raise SystemExit(f"{side}: the monitor reported {len(mon.findings)} finding(s)")
-    return statistics.fmean(times) / 1e6
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,19 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sides = ["vLLM", "vLLM+log", "vLLM+warn"]
     ms: dict[str, list[float]] = {s: [] for s in sides}
+    floor: dict[str, list[int]] = {}
     log_dir = Path(tempfile.mkdtemp(prefix="kvspec-bench-engine-"))
     t0 = time.perf_counter()
     for rep in range(args.reps):
         for side in (sides if rep % 2 == 0 else sides[::-1]):
-            ms[side].append(run(side, args.active, args.steps, args.warmup, args.seed,
-                                log_dir))
+            times = run(side, args.active, args.steps, args.warmup, args.seed, log_dir)
+            ms[side].append(statistics.fmean(times) / 1e6)
+            floor[side] = [min(a, b) for a, b in zip(floor.get(side, times), times,
+                                                     strict=True)]
     base = statistics.median(ms["vLLM"])
+    base_floor = statistics.fmean(floor["vLLM"]) / 1e6
     print(f"engine step CPU ms (Scheduler.schedule + update_from_output, connector inside), "
-          f"{args.active} active requests, {args.steps} counted steps, median of "
-          f"{args.reps}; {time.perf_counter() - t0:.0f} s")
+          f"{args.active} active requests, {args.steps} counted steps, {args.reps} reps; "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(f"  {'':10} {'median':>8}       {'':6} {'floor':>8}")
     for side in sides:
         m = statistics.median(ms[side])
-        print(f"  {side:10} {m:8.3f} ms  {m / base:5.2f}x")
+        f = statistics.fmean(floor[side]) / 1e6
+        print(f"  {side:10} {m:8.3f} ms  {m / base:5.2f}x {f:8.3f} ms  {f / base_floor:5.2f}x")
     return 0
 
 

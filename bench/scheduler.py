@@ -632,6 +632,14 @@ class Row:
                 else self.monitored[side])
         return self._ms(runs, self.steps, wall)
 
+    def floor(self, side: str) -> float:
+        """Each counted step's least CPU ms over the repetitions (the same trace, so the same
+        step), averaged: the steadier figure on a loaded machine (others only add time)."""
+        runs = (self.ours if side == "ours" else self.vllm if side == "vLLM"
+                else self.monitored[side])
+        return statistics.fmean(min(r.step_ns[k] for r in runs)
+                                for k in range(self.steps)) / 1e6
+
 
 def measure(trace: Trace, sides: list[Side], reps: int,
             counted: int | None = None) -> dict[str, list[Run]]:
@@ -787,6 +795,19 @@ def main(argv: list[str] | None = None) -> int:
     if env is not None and modes:
         print("vLLM+MODE: vLLM's connector as MonitoredOffloadingConnector, the spec monitor in "
               "that mode, its event log written (statemachine/monitor/connector.py)")
+        print("\nthe floor (each counted step's least CPU ms over the repetitions, averaged)")
+        print(f"{'active':>7} {'vLLM ms':>9}" + "".join(
+            f" {'+' + m + ' ms':>10} {'+' + m + '/vLLM':>11}" for m in modes))
+        for row in rows:
+            if not row.monitored or not row.vllm:
+                continue
+            base = row.floor("vLLM")
+            line = f"{row.active:7} {base:9.3f}"
+            for m in modes:
+                if f"vLLM+{m}" in row.monitored:
+                    f = row.floor(f"vLLM+{m}")
+                    line += f" {f:10.3f} {f / base:11.2f}"
+            print(line)
     shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
