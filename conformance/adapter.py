@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -135,6 +136,10 @@ class VLLMAdapter:
         self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
             self.scheduler)
         self._evicted: list[int] = []
+        self.deferred: set[str] = set()
+        """Requests whose last lookup answered None while they held no job (the
+        LOOKUP_DEFERRED mark, where vLLM keeps none: `_as_of_release`)."""
+        self.marks_deferred = _marks_deferred_lookups(type(self.scheduler))
         self._wrap_manager()
 
     # -- identity -----------------------------------------------------------------
@@ -262,7 +267,14 @@ class VLLMAdapter:
                                                                        local * self.tok)
         self.last_async[req_id] = bool(is_async)
         if hits is None:
+            # deferred on a chunk (marked in 0.26+), not on the request's own jobs (unmarked)
+            status = self.scheduler._req_status.get(req_id)
+            if status is not None and not status.transfer_jobs:
+                self.deferred.add(req_id)
+            else:
+                self.deferred.discard(req_id)
             return None, bool(is_async)
+        self.deferred.discard(req_id)
         self.hit_tokens[req_id] = int(hits)
         try:
             return model_hit(int(hits), "sliding" in self.bounds.groups, self.tok), \
@@ -415,6 +427,11 @@ class VLLMAdapter:
                                                   for r in state.requests))
         if not E.has("on_new_request"):
             state = self._with_requests_not_looked_up(state)
+        if not self.marks_deferred:
+            state = replace(state, requests=tuple(
+                replace(r, state=RS.LOOKUP_DEFERRED)
+                if r.state == RS.IDLE and r.id in self.deferred else r
+                for r in state.requests))
         return state
 
     def _with_requests_not_looked_up(self, state: AbstractState) -> AbstractState:
@@ -431,6 +448,18 @@ class VLLMAdapter:
                  if r not in known and r not in self.looked_up
                  and self.obs.core_status.get(r) != "finished"]
         return replace(state, requests=tuple(sorted((*state.requests, *extra))))
+
+
+def _marks_deferred_lookups(scheduler_type: type) -> bool:
+    """Whether vLLM marks a deferred lookup (`RequestOffloadState.deferred_lookup_start_time`,
+    S@0.26.0:260, set where the lookup of the chunks answers None, S@0.26.0:766-768, not where
+    the request's own jobs defer it; the projection reads it for LOOKUP_DEFERRED). 0.22-0.25
+    defer the same lookups (the manager's answer or a hit chunk being loaded,
+    S@0.25.1:593-625) with no mark: the adapter keeps it (`VLLMAdapter.deferred`)."""
+    module = inspect.getmodule(scheduler_type)
+    state_type = getattr(module, "RequestOffloadState", None)
+    fields = getattr(state_type, "__dataclass_fields__", None)
+    return fields is None or "deferred_lookup_start_time" in fields
 
 
 def _transfer_specs(job: Any) -> tuple[Any, Any]:
@@ -577,8 +606,8 @@ VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "lat
 """The machine's swarm without "failure" (vLLM asserts on a failed transfer)."""
 
 
-VLLM025_SWARM = ("reset", "partial", "complete", "late")
-"""0.25.1: no abort, finish or preempt events (see VLLM025Machine)."""
+VLLM025_SWARM = ("preempt", "reset", "partial", "complete", "late")
+"""0.22-0.25: no abort or finish events (EARLY-FINISH-SIGNAL, see VLLM025Machine)."""
 
 FINISHES_AS_THE_SPEC = E.has("finished_signal")
 """EARLY-FINISH-SIGNAL (CONFORMANCE.md): before 0.27.0 (feature finished_signal)
@@ -785,6 +814,11 @@ class VLLMMachine(OffloadingStateMachine):
     def _drain_without_finishing(self) -> None:
         if self.model is None:
             return
+        self._deliver_and_step()
+        self._nothing_left()
+
+    def _deliver_and_step(self) -> None:
+        """Deliver every report and step until nothing changes."""
         for _ in range(200):
             evs = [e for e in self._possible()
                    if (e.kind == "report" and not e.failed
@@ -797,6 +831,10 @@ class VLLMMachine(OffloadingStateMachine):
             self._step(evs[0])
             if self.model == before and evs[0].kind == "step":
                 break
+
+    def _nothing_left(self) -> None:
+        """No request holds a job, no job is live, no chunk is pinned."""
+        assert self.model is not None
         state = normalize(self.impl.abstract_state(), self.model.bounds)
         stuck = [r for r in state.requests if r.transfer_jobs]
         assert not stuck, ("requests stuck after the drain (every report delivered): "
@@ -816,20 +854,26 @@ class VLLMHybridMachine(VLLMMachine):
 class VLLM025Machine(VLLMMachine):
     """The machine against vLLM 0.22-0.25 (before PR #48102 and the reset fence).
 
-    Narrower than `VLLMMachine` (reasons in CONFORMANCE.md): these releases signal the
-    manager and drop a finished request at `request_finished` (no final store), so no
-    finish or abort events and a drain that does not finish requests; each request has its
-    own prefix and is never preempted, since lookups there offer the whole block-aligned
-    prompt with no way to bound them; no sync loads. Resets, partial, complete and late
-    acks stay: the path of the #48102 bug.
+    The 0.26-0.32 machine's restrictions, nothing more (reasons in CONFORMANCE.md):
+    EARLY-FINISH-SIGNAL (these releases signal the manager and drop a finished request at
+    `request_finished`, before its final store: no finish or abort events, a drain that does
+    not finish requests), WHOLE-PROMPT-HIT (no admission of a request whose last chunk is in
+    the CPU tier: the lookup may offer the whole block-aligned prompt) and PREEMPTED-LOAD (no
+    preemption of a request holding a load, no admission in the step that reports its
+    preemption); no sync loads. Requests share prefixes (loads, deferred lookups) and are
+    preempted; resets, partial, complete and late acks: the paths of the #48102 bug.
     """
 
     bounds_choices: ClassVar[tuple[M.Bounds, ...]] = (
         M.Bounds(requests=2, tokens=2, shared_prefix=False, workers=2, cpu_chunks=3,
                  gpu_blocks=4, resets=2, failures=0, preemptions=0),
-        M.Bounds(requests=3, tokens=3, shared_prefix=False, workers=1, cpu_chunks=4,
-                 gpu_blocks=6, resets=2, failures=0, preemptions=0),
+        M.Bounds(requests=2, tokens=2, workers=2, cpu_chunks=3, gpu_blocks=4, resets=2,
+                 failures=0, preemptions=2),
+        M.Bounds(requests=3, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=6, resets=2,
+                 failures=0, preemptions=2),
     )
+    """Own prefixes and no preemption (the #48102 path alone), then shared prefixes with
+    preemptions (loads, deferred lookups, preempted flushes)."""
     DRAIN_FINISHES: ClassVar[bool] = False
 
     @initialize(which=st.integers(0, 100), swarm=st.sets(st.sampled_from(VLLM025_SWARM),
@@ -839,17 +883,91 @@ class VLLM025Machine(VLLMMachine):
         OffloadingStateMachine.start(self, which, swarm)
 
 
-class VLLM025LivenessMachine(VLLM025Machine):
-    """`VLLM025Machine` checking liveness alone: no refinement, no invariants, only the
-    drain (every report delivered, steps) asking that no request is left holding a job.
-    It shows that the #48102 state is a hang, found as such, not only an invariant."""
+class Deferred(Exception):
+    """vLLM deferred a lookup the model answers (the liveness machine's adapter)."""
 
+    def __init__(self, req_id: str, held: tuple[int, ...]) -> None:
+        super().__init__(req_id, held)
+        self.req_id, self.held = req_id, held
+
+
+class VLLM025LivenessAdapter(VLLMAdapter):
+    """The adapter of `VLLM025LivenessMachine`: a lookup that vLLM defers where the model
+    answers raises `Deferred` (nothing else of the step is called), so that the machine can
+    let the request wait instead of failing the comparison of the answers."""
+
+    def call(self, call: M.Call) -> Any:
+        got = super().call(call)
+        if (call.hook == "get_num_new_matched_tokens" and got[0] is None
+                and call.answer is not None and call.answer[0] is not None):
+            req_id = call.args[0]
+            self.admitted.discard(req_id)
+            self.step_open = False
+            st_ = self.scheduler._req_status.get(req_id)
+            raise Deferred(req_id, tuple(sorted(st_.transfer_jobs)) if st_ else ())
+        return got
+
+
+class VLLM025LivenessMachine(VLLM025Machine):
+    """`VLLM025Machine` checking liveness alone: no refinement, no invariants, only vLLM's
+    own asserts and the drain (every report delivered, steps, then every waiting request
+    admitted), asking that no request is left holding a job and that every waiting request
+    runs again. It shows that the #48102 state is a hang or a crash, found as such, not only
+    an invariant. A lookup that vLLM defers where the model answers is not a failure in the
+    run (the request waits, the model does not take the step); in the drain, with every
+    report delivered, it is: the request never runs again."""
+
+    adapter_factory: ClassVar[type] = VLLM025LivenessAdapter
     CHECK_REFINEMENT: ClassVar[bool] = False
     CHECK_INVARIANTS_FIRST: ClassVar[bool] = False
     CHECK_EVERY_HOOK: ClassVar[bool] = False
 
+    found: ClassVar[dict[str, tuple[list[str], str]]] = {}
+    """Each distinct failure (by where it was raised) with its trace: hypothesis replays
+    each shrunk failure last."""
+
     def invariants_hold(self) -> None:
         """Not an invariant here (liveness alone)."""
+
+    def _step(self, ev: M.Event) -> None:
+        trace, events = list(self.trace), list(self.events)
+        try:
+            super()._step(ev)
+        except Deferred:
+            self.trace, self.events = trace, events  # the model does not take the step
+
+    def _record_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, Deferred):
+            return
+        if self.failure is None:
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = type(exc).__name__
+            if frames:
+                path = "/".join(frames[-1].filename.split("/")[-2:])
+                where += f" at {path}:{frames[-1].lineno} ({frames[-1].name})"
+            type(self).found[where] = (list(self.trace), f"{type(exc).__name__}: {exc}")
+        super()._record_failure(exc)
+
+    def _drain_without_finishing(self) -> None:
+        """Deliver every report and step; admit every waiting request in turn (each then
+        runs, its reports delivered); then nothing may be left."""
+        if self.model is None:
+            return
+        self._deliver_and_step()
+        for _ in range(20):
+            admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
+                     and self.allows("step", e)]
+            if not admit:
+                break
+            try:
+                VLLMMachine._step(self, admit[0])
+            except Deferred as d:
+                raise AssertionError(
+                    f"request {d.req_id!r} never runs again: with every report delivered, "
+                    f"vLLM defers its lookup (it holds job ids {list(d.held)}, live jobs "
+                    f"{sorted(self.impl.scheduler._jobs)})") from None
+            self._deliver_and_step()
+        self._nothing_left()
 
 
 def machine_for(version: tuple[int, int, int]) -> type[VLLMMachine]:
@@ -864,6 +982,8 @@ __all__ = [
     "RELEASE_SWARM",
     "VLLM025_SWARM",
     "VLLM_SWARM",
+    "Deferred",
+    "VLLM025LivenessAdapter",
     "VLLM025LivenessMachine",
     "VLLM025Machine",
     "VLLMAdapter",

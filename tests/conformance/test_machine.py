@@ -5,8 +5,11 @@
   a sliding-window group, 1, 2 and 4 blocks per chunk). The documented divergences
   (CONFORMANCE.md) are each replayed with the machine's restriction lifted, to show they
   still diverge as written.
-- vLLM 0.22-0.25 (0.25.1): the same machine must find the PR #48102 stuck request by itself
-  (hypothesis search and shrinking, deterministic), shrunk to at most 12 steps.
+- vLLM 0.22-0.25 (0.25.1): the same machine (shared prefixes, preemptions, resets; no
+  finish, EARLY-FINISH-SIGNAL) must find the PR #48102 stuck request by itself (hypothesis
+  search and shrinking, deterministic), shrunk to at most 12 steps; with liveness alone it
+  must reach what users of those releases saw: the crash on a stale job id in a later hook
+  and a request that never runs again. On 0.26+ the same machine and its programs conform.
 
 KVSPEC_CONFORMANCE_EXAMPLES sets the number of hypothesis runs of the long test.
 """
@@ -45,7 +48,7 @@ def _needs(vllm_env: Any, at_least: bool) -> None:
 def _fresh(machine: Any, name: str) -> Any:
     """A subclass with its own counters and settings (hypothesis keeps per-class state)."""
     return type(name, (machine,), {"steps_taken": 0, "runs": 0, "last_trace": [],
-                                   "last_error": "", "seconds": 0.0})
+                                   "last_error": "", "seconds": 0.0, "found": {}})
 
 
 # ============================================================================ 0.26 and later
@@ -205,7 +208,52 @@ def test_the_48102_trace_conforms_after_the_fix(vllm_ready: Any) -> None:
                              "ack(job 0, count 2)")
 
 
+REACH_BOUNDS = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=4,
+                       resets=2, failures=0, preemptions=2)
+"""One request of two blocks, preempted and reset (the search that found the programs
+below: `test_liveness_search_reaches_what_users_saw`)."""
+STALE_ID_AT_PREEMPTION = ("arrive(r0) ; step(admit=r0) ; preempt(r0) ; reset() ; "
+                          "ack(job 0, count 1) ; step()")
+"""0.22-0.25: the preempted request's flush looks its stale job id up in `_jobs` (KeyError:
+0 in build_connector_meta, S@0.25.1:1043)."""
+STALE_ID_AT_STORE = "arrive(r0) ; step(admit=r0) ; reset() ; ack(job 0, count 1) ; step()"
+"""0.22-0.25: the request's next store job looks its stale job id up (KeyError: 0 in
+_build_store_jobs, S@0.25.1:994)."""
+NEVER_RUNS_AGAIN = ("arrive(r0) ; step(admit=r0) ; preempt(r0) ; step() ; reset() ; "
+                    "ack(job 0, count 1) ; step() ; step()")
+"""0.22-0.25: preempted while its store is in flight, then a reset: the store's id stays in
+the request's `transfer_jobs`, its ack is dropped (below the threshold), and every later
+lookup is deferred (S@0.25.1:674-679): the drain's admission of r0 is deferred with every
+report delivered."""
+
+
+def test_the_025_machine_conforms_after_the_fix(vllm_ready: Any) -> None:
+    """The 0.22-0.25 machine's events (shared prefixes, preemptions, resets, no finish) on a
+    release with the fix: the programs that crash or hang on 0.25.1 conform, under
+    refinement and under the liveness drain (every waiting request admitted again), and a
+    short search of both machines finds nothing."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import VLLM025LivenessMachine, VLLM025Machine
+
+    for trace in (STALE_ID_AT_PREEMPTION, STALE_ID_AT_STORE, NEVER_RUNS_AGAIN):
+        _replay(VLLM025Machine, REACH_BOUNDS, trace)
+        _replay(VLLM025LivenessMachine, REACH_BOUNDS, trace)
+    assert any(b.shared_prefix and b.preemptions for b in VLLM025Machine.bounds_choices)
+    for base, examples in ((VLLM025Machine, 30), (VLLM025LivenessMachine, 10)):
+        machine = _fresh(base, f"{base.__name__}AfterTheFix")
+        machine.TestCase.settings = _settings(examples, 20)
+        machine.TestCase().runTest()
+        assert machine.steps_taken > examples, machine.steps_taken
+
+
 # ============================================================================ before 0.26
+OWN_PREFIXES = (M.Bounds(requests=2, tokens=2, shared_prefix=False, workers=2, cpu_chunks=3,
+                         gpu_blocks=4, resets=2, failures=0, preemptions=0),)
+"""The default run's searches: each request its own prefix, no preemption (a search of the
+machine's full bounds finds the same failures, but its shrinking takes minutes: the opt-in
+`test_liveness_search_reaches_what_users_saw`)."""
+
+
 def test_machine_finds_the_48102_stuck_request(vllm_ready: Any, record_property: Any,
                                                 tmp_path: Any) -> None:
     """The machine, not a scenario, finds PR #48102: after a reset a request keeps a job id
@@ -214,7 +262,10 @@ def test_machine_finds_the_48102_stuck_request(vllm_ready: Any, record_property:
     from conformance.adapter import VLLM025Machine
 
     machine = _fresh(VLLM025Machine, "VLLM025Search")
-    machine.TestCase.settings = _settings(50, 20)
+    machine.bounds_choices = OWN_PREFIXES
+    # the first failure only, shrunk (with preemptions a run can also break INV-1 inside a
+    # step, a second failure of the same finding that hypothesis would shrink on its own)
+    machine.TestCase.settings = settings(_settings(50, 20), report_multiple_bugs=False)
     t0 = time.perf_counter()
     try:
         machine.TestCase().runTest()
@@ -240,13 +291,15 @@ def test_machine_finds_the_48102_stuck_request(vllm_ready: Any, record_property:
 
 def test_liveness_alone_finds_the_48102_hang(vllm_ready: Any, record_property: Any) -> None:
     """With refinement and invariants off, the machine still finds #48102, by what it does
-    next: the stale job id makes vLLM's next store for the request look it up in `_jobs`
-    (KeyError: 0, offloading/scheduler.py:994 in 0.25.1), or, where no store follows, the
-    drain finds the request stuck holding a job no ack can remove."""
+    next: the stale job id makes vLLM's next store for the request, or the flush of its
+    preemption, look it up in `_jobs` (KeyError: 0 in offloading/scheduler.py, S@0.25.1:994
+    or :1043); or, where no store follows, the drain finds the request stuck holding a job
+    no ack can remove, or deferred forever (it never runs again)."""
     _needs(vllm_ready, at_least=False)
     from conformance.adapter import VLLM025LivenessMachine
 
     machine = _fresh(VLLM025LivenessMachine, "VLLM025Liveness")
+    machine.bounds_choices = OWN_PREFIXES
     # without refinement a run goes on past the divergence, where vLLM fails in several
     # ways: report the simplest failure only
     machine.TestCase.settings = settings(_settings(100, 20), report_multiple_bugs=False)
@@ -259,10 +312,80 @@ def test_liveness_alone_finds_the_48102_hang(vllm_ready: Any, record_property: A
     trace = list(machine.last_trace)
     print(f"shrunk trace of {len(trace)} steps: {' ; '.join(trace)}\n{machine.last_error}")
     record_property("trace", " ; ".join(trace))
-    if isinstance(found, KeyError):  # the stale id, looked up by vLLM's own scheduler
+    _is_what_users_saw(found)
+    assert "reset()" in trace and 0 < len(trace) <= MAX_TRACE, trace
+
+
+def _is_what_users_saw(found: BaseException) -> str:
+    """The #48102 failure `found` is: "crash" (vLLM's own scheduler looks the stale id 0 up
+    in `_jobs`), "stuck" (the drain: a request holds a job no ack can remove) or "never
+    runs again" (the drain: its lookup is deferred with every report delivered)."""
+    if isinstance(found, KeyError):
         assert found.args == (0,), found
         frames = [f.filename for f in traceback.extract_tb(found.__traceback__)]
         assert frames[-1].endswith("offloading/scheduler.py"), frames[-3:]
-    else:
-        assert "requests stuck after the drain" in str(found), found
-    assert "reset()" in trace and 0 < len(trace) <= MAX_TRACE, trace
+        return "crash"
+    assert isinstance(found, AssertionError), found
+    if "never runs again" in str(found):
+        assert "request 'r" in str(found) and "live jobs []" in str(found), found
+        return "never runs again"
+    assert "requests stuck after the drain" in str(found), found
+    return "stuck"
+
+
+@pytest.mark.parametrize("trace,what,where", [
+    (STALE_ID_AT_PREEMPTION, "crash", "build_connector_meta"),
+    (STALE_ID_AT_STORE, "crash", "_build_store_jobs"),
+    (NEVER_RUNS_AGAIN, "never runs again", "_drain_without_finishing"),
+], ids=["crash-at-the-preemption", "crash-at-the-next-store", "never-runs-again"])
+def test_liveness_reaches_what_users_saw(vllm_ready: Any, trace: str, what: str,
+                                         where: str) -> None:
+    """The programs the liveness machine's search found (`REACH_BOUNDS`, shrunk; the search
+    itself is `test_liveness_search_reaches_what_users_saw`), replayed: the crash on the
+    stale job id in a later hook (the preempted request's flush, the next store) and a
+    request that never runs again. The same programs conform after the fix
+    (`test_the_025_machine_conforms_after_the_fix`)."""
+    _needs(vllm_ready, at_least=False)
+    from conformance.adapter import VLLM025LivenessMachine, VLLM025Machine
+
+    with pytest.raises((AssertionError, KeyError)) as err:
+        _replay(VLLM025LivenessMachine, REACH_BOUNDS, trace)
+    assert _is_what_users_saw(err.value) == what
+    assert where in [str(e.name) for e in err.traceback], err.traceback
+    # the refinement machine stops earlier, at the reset: INV-1 on r0's stale job 0
+    with pytest.raises(AssertionError, match=r"INV-1.*request 'r0'; job 0"):
+        _replay(VLLM025Machine, REACH_BOUNDS, trace)
+
+
+@pytest.mark.skipif(not os.environ.get("KVSPEC_REACH_SEARCH"),
+                    reason="a search of minutes: set KVSPEC_REACH_SEARCH=1")
+def test_liveness_search_reaches_what_users_saw(vllm_ready: Any) -> None:
+    """The liveness machine's search on `REACH_BOUNDS` (preemptions and resets always on),
+    every distinct failure shrunk (`report_multiple_bugs`): it reaches the crash on the
+    stale id at a preemption and at the next store, and a request that never runs again
+    (besides the drain's stuck request). About 5 minutes on 2 loaded cores."""
+    _needs(vllm_ready, at_least=False)
+    from hypothesis import strategies as st
+    from hypothesis.stateful import initialize
+
+    from conformance.adapter import VLLM025LivenessMachine
+    from statemachine.testing import OffloadingStateMachine
+
+    class Reach(_fresh(VLLM025LivenessMachine, "VLLM025Reach")):  # type: ignore[misc]
+        bounds_choices = (REACH_BOUNDS,)
+
+        @initialize(which=st.integers(0, 100),
+                    swarm=st.sets(st.sampled_from(("partial", "late"))))
+        def start(self, which: int, swarm: set[str]) -> None:
+            OffloadingStateMachine.start(self, which, swarm | {"preempt", "reset", "complete"})
+
+    Reach.TestCase.settings = _settings(50, 12)
+    with pytest.raises(BaseException):  # noqa: B017 (an ExceptionGroup of the failures)
+        Reach.TestCase().runTest()
+    for where, (trace, error) in sorted(Reach.found.items()):
+        print(f"{where}: {' ; '.join(trace)}\n  {error}")
+    wheres = " ".join(Reach.found)
+    errors = " ".join(e for _t, e in Reach.found.values())
+    assert "KeyError at offloading/scheduler.py" in wheres and "(build_connector_meta)" \
+        in wheres and "(_build_store_jobs)" in wheres, wheres
+    assert "never runs again" in errors, errors
