@@ -68,6 +68,7 @@ from conformance.vllm_env import (
     _model_config,
     _v,
     manager_num_chunks,
+    transfer_specs,
     vllm_version,
 )
 
@@ -409,8 +410,9 @@ class CoreDriver:
 
         load_jobs = {int(j): str(job.req_id) for j, job in meta.load_jobs.items()}
         store_jobs = {int(j): str(job.req_id) for j, job in meta.store_jobs.items()}
-        load_spans = {int(j): (int(job.dst_spec.block_indices[0]), len(job.dst_spec.block_ids))
-                      for j, job in meta.load_jobs.items()}
+        load_spans = {int(j): (int(dst.block_indices[0]), len(dst.block_ids))
+                      for j, job in meta.load_jobs.items()
+                      for dst in (transfer_specs(job)[1],)}
         split: list[int] = []
         for job_id, job in sorted({**meta.load_jobs, **meta.store_jobs}.items()):
             is_async_load = job_id in load_jobs and not getattr(job, "sync", False)

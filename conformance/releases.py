@@ -104,6 +104,7 @@ FEATURES: dict[str, str] = {
     "offload_caps": "0.23.0",
     "manager_finish_signal": "0.23.0",
     "transfer_job_fields": "0.25.0",
+    "lookup_defers_in_flight": "0.24.0",
     "prefix_match_unit": "0.26.0",
     "blocks_per_chunk": "0.26.0",
     "finished_signal": "0.27.0",
@@ -136,6 +137,9 @@ FEATURE_EVIDENCE: dict[str, str] = {
                            "C@0.22.0:15-25",
     "manager_finish_signal": "B@0.23.0:242 `OffloadingManager.on_request_finished`, called "
                              "at S@0.23.0:1014 (absent in 0.22.x)",
+    "lookup_defers_in_flight": "S@0.24.0:662-667 get_num_new_matched_tokens answers (None, "
+                               "False) while the request holds jobs in flight; 0.22.0-0.23.0 "
+                               "look it up, and the Scheduler admits it again",
     "partial_tails": "S@0.28.0:1154 `_build_partial_tail_store_jobs`",
     "retention_interval": "S@0.30.0:216 reads `cache_config.prefix_cache_retention_interval`"
                           " (0.29.0 has the config field, the connector does not read it); "
@@ -188,7 +192,10 @@ FEATURE_TAKEN: dict[str, str] = {
                     "bounds with `max_offload_tokens` left out",
     "manager_finish_signal": "`conformance.projection.count_manager_calls` counts no signal "
                              "where the manager has no `on_request_finished`",
-    "transfer_job_fields": "`adapter._transfer_specs`",
+    "transfer_job_fields": "`vllm_env.transfer_specs`",
+    "lookup_defers_in_flight": "`test_core_scheduler.py`: on 0.22.0-0.23.0 the #48102 holder, "
+                               "admitted again, crashes its next store on the stale id "
+                               "(S@0.22.0:805); on 0.24.0-0.25.1 it is deferred for ever",
     "prefix_match_unit": "`make_setup` refuses a finer hash; partial-tail bounds left out",
     "blocks_per_chunk": "bounds with more than one block per chunk left out",
     "finished_signal": "`adapter.FINISHES_AS_THE_SPEC` (EARLY-FINISH-SIGNAL): no "

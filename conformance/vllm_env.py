@@ -202,6 +202,16 @@ def has(feature: str) -> bool:
     return releases.has(feature, release_version())
 
 
+def transfer_specs(job: Any) -> tuple[Any, Any]:
+    """A metadata `TransferJob`'s (source, destination) specs: from 0.25.0 its `src_spec`
+    and `dst_spec` (C@0.25.0:54-66), before the pair `transfer_spec` (C@0.22.0:15-25;
+    feature transfer_job_fields)."""
+    if has("transfer_job_fields"):
+        return job.src_spec, job.dst_spec
+    src, dst = job.transfer_spec
+    return src, dst
+
+
 def missing(*features: str) -> list[str]:
     """The `features` the vLLM under test lacks (a test skips naming them)."""
     return [f for f in features if not has(f)]

@@ -24,11 +24,17 @@ class Translation:
 TRANSLATIONS: dict[str, Translation] = {t.name: t for t in (
     Translation(
         "FINISH-AT-ONCE",
-        "releases before the finish lifecycle (no `finished_signaled`, vLLM < 0.26): "
+        "releases before the finish lifecycle (no `finished_signaled`, vLLM < 0.27): "
         "`request_finished` signals the manager and drops a request with no job at once, and "
         "the last report of a finished request's job drops it; 0.33 finalizes both in the next "
         "`build_connector_meta`",
         {"request_finished": ("finalize",), "update_connector_output": ("finalize",)}),
+    Translation(
+        "ARRIVE-AT-LOOKUP",
+        "releases without `on_new_request` (vLLM < 0.23): the connector creates a request's "
+        "state at its first `get_num_new_matched_tokens` (S@0.22.0:525-528), so that call "
+        "fires the `add` row before the lookup's own",
+        {"get_num_new_matched_tokens": ("add",)}),
 )}
 
 
@@ -50,6 +56,8 @@ def translations_of(sched: Any) -> tuple[str, ...]:
     names = []
     if state is not None and "finished_signaled" not in fields:
         names.append("FINISH-AT-ONCE")
+    if not hasattr(type(sched), "on_new_request"):
+        names.append("ARRIVE-AT-LOOKUP")
     return tuple(names)
 
 
