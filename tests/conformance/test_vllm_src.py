@@ -42,13 +42,16 @@ pytestmark = pytest.mark.conformance
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = "arrive(r0) ; step(admit=r0) ; reset() ; step() ; ack(job 0, count 2)"
 FIX_48102 = "            status.transfer_jobs.clear()\n"
-"""The line of `reset_cache` that is the fix of PR #48102 (the same from 0.26.0, scheduler.py:1345,
-to 0.33.0, scheduler.py:2432)."""
+"""The line of `reset_cache` that is the fix of PR #48102 (the same from 0.26.0,
+S@0.26.0:1345, to 0.33.0, S:2432)."""
 
 REPLAY = f"""
 import sys
 from conformance import vllm_env
 print("imported from", vllm_env.vllm_file(), flush=True)
+from tests.conformance.test_vllm_src import test_a_vllm_src_run_tests_that_tree
+test_a_vllm_src_run_tests_that_tree()
+print("VLLM_SRC check passed", flush=True)
 from conformance.adapter import machine_for
 from statemachine.testing import replay
 from spec.model import parse_events
@@ -104,19 +107,6 @@ def _has_the_fix() -> bool:
     return vllm_env.has("fix_48102")
 
 
-def _pytest_vllm_src_check(tree: Path, on_path: bool) -> Job:
-    """`test_a_vllm_src_run_tests_that_tree` in a pytest of its own with VLLM_SRC=tree, the
-    tree on the path as the Makefile puts it (`on_path`) or not."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_SRC", "PYTHONPATH")}
-    env["VLLM_SRC"] = str(tree)
-    if on_path:
-        env["PYTHONPATH"] = str(tree)
-    return ([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-             "--hypothesis-profile=kvspec-conformance", "-m", "conformance",
-             f"{Path(__file__).relative_to(ROOT)}::test_a_vllm_src_run_tests_that_tree"],
-            env)
-
-
 JOBS: dict[str, Callable[[], dict[str, Job]]] = {
     "test_the_source_tree_is_imported_and_conforms":
         lambda: {"src-replay": _replay_from(_source_tree())},
@@ -124,8 +114,7 @@ JOBS: dict[str, Callable[[], dict[str, Job]]] = {
         lambda: ({"src-undone-replay": _replay_from(_tree_with_the_fix_undone())}
                  if _has_the_fix() else {}),
     "test_the_vllm_src_check_fails_a_run_that_imports_the_wheel":
-        lambda: {"src-check-on-path": _pytest_vllm_src_check(_source_tree(), on_path=True),
-                 "src-check-off-path": _pytest_vllm_src_check(_source_tree(), on_path=False)},
+        lambda: {"src-replay": _replay_from(_source_tree())},
 }
 """Test -> the subprocesses it checks, by key (started early: tests/conformance/early.py)."""
 
@@ -202,16 +191,17 @@ def test_a_vllm_src_run_tests_that_tree() -> None:
     assert Path(str(scheduler.__file__)).resolve().is_relative_to(tree), scheduler.__file__
 
 
-def test_the_vllm_src_check_fails_a_run_that_imports_the_wheel() -> None:
-    """The VLLM_SRC check tests the tree it names: it passes with the tree ahead of the
-    wheel, and fails a run that names the tree but imports the installed wheel."""
-    test = "test_the_vllm_src_check_fails_a_run_that_imports_the_wheel"
-    source_tree = _source_tree()
-    good = _run(test, "src-check-on-path")
-    assert good.returncode == 0 and re.search(r"\b1 passed", good.stdout), \
-        good.stdout[-3000:] + good.stderr[-2000:]
-    bad = _run(test, "src-check-off-path")
-    assert bad.returncode != 0 and re.search(r"\b1 failed", bad.stdout), \
-        bad.stdout[-3000:] + bad.stderr[-2000:]
-    assert f"VLLM_SRC={source_tree}, but vllm was imported from" in bad.stdout, \
-        bad.stdout[-3000:]
+def test_the_vllm_src_check_fails_a_run_that_imports_the_wheel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The VLLM_SRC check tests the tree it names: it passes in the process that has the
+    tree ahead of the wheel (the replay's, as the Makefile sets it up), and fails here, a
+    run that names the tree but imported the installed wheel."""
+    if os.environ.get("VLLM_SRC"):
+        pytest.skip("a VLLM_SRC run (this test names a tree of its own)")
+    tree = _source_tree()
+    good = _run("test_the_vllm_src_check_fails_a_run_that_imports_the_wheel", "src-replay")
+    assert "VLLM_SRC check passed" in good.stdout, good.stdout[-3000:] + good.stderr[-2000:]
+    monkeypatch.setenv("VLLM_SRC", str(tree))
+    with pytest.raises(AssertionError, match=re.escape(
+            f"VLLM_SRC={tree}, but vllm was imported from")):
+        test_a_vllm_src_run_tests_that_tree()
