@@ -239,7 +239,7 @@ def test_the_025_machine_conforms_after_the_fix(vllm_ready: Any) -> None:
         _replay(VLLM025Machine, REACH_BOUNDS, trace)
         _replay(VLLM025LivenessMachine, REACH_BOUNDS, trace)
     assert any(b.shared_prefix and b.preemptions for b in VLLM025Machine.bounds_choices)
-    for base, examples in ((VLLM025Machine, 30), (VLLM025LivenessMachine, 10)):
+    for base, examples in ((VLLM025Machine, 20), (VLLM025LivenessMachine, 6)):
         machine = _fresh(base, f"{base.__name__}AfterTheFix")
         machine.TestCase.settings = _settings(examples, 20)
         machine.TestCase().runTest()
