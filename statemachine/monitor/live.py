@@ -168,7 +168,7 @@ class LiveProjector:
         if first is None:
             key_of, key, keys = obs.key_of, obs.key, []
             for k in js.keys:
-                i = key_of.get(k)
+                i = key_of.get(k) if type(k) is bytes else None  # interned by its bytes
                 keys.append(key(k) if i is None else i)
             obs.jobs[jid] = JobMemo("store" if js.is_store else "load", frozenset(keys),
                                     sync=bool(getattr(js, "is_sync_load", False)))
