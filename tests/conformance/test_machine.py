@@ -220,7 +220,7 @@ STALE_ID_AT_STORE = "arrive(r0) ; step(admit=r0) ; reset() ; ack(job 0, count 1)
 """0.22-0.25: the request's next store job looks its stale job id up (KeyError: 0 in
 _build_store_jobs, S@0.25.1:994)."""
 NEVER_RUNS_AGAIN = ("arrive(r0) ; step(admit=r0) ; preempt(r0) ; step() ; reset() ; "
-                    "ack(job 0, count 1) ; step() ; step()")
+                    "step() ; ack(job 0, count 1) ; step()")
 """0.22-0.25: preempted while its store is in flight, then a reset: the store's id stays in
 the request's `transfer_jobs`, its ack is dropped (below the threshold), and every later
 lookup is deferred (S@0.25.1:674-679): the drain's admission of r0 is deferred with every
