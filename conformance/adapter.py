@@ -212,7 +212,7 @@ class VLLMAdapter:
             return
         for table, gpu_side in ((meta.load_jobs, 1), (meta.store_jobs, 0)):
             for jid, job in table.items():
-                gpu = _transfer_specs(job)[gpu_side]
+                gpu = E.transfer_specs(job)[gpu_side]
                 blocks = frozenset(model_block(b) for b in gpu.block_ids.tolist() if b != 0)
                 memo = obs.jobs.get(jid)
                 if memo is not None:
@@ -460,16 +460,6 @@ def _marks_deferred_lookups(scheduler_type: type) -> bool:
     state_type = getattr(module, "RequestOffloadState", None)
     fields = getattr(state_type, "__dataclass_fields__", None)
     return fields is None or "deferred_lookup_start_time" in fields
-
-
-def _transfer_specs(job: Any) -> tuple[Any, Any]:
-    """A metadata `TransferJob`'s (source, destination) specs: 0.25+ names them `src_spec`
-    and `dst_spec` (offloading/common.py:54-66 in 0.25.1), 0.22-0.24 keep the pair in
-    `transfer_spec` (offloading/common.py:15-25 in 0.22.0; feature transfer_job_fields)."""
-    if E.has("transfer_job_fields"):
-        return job.src_spec, job.dst_spec
-    src, dst = job.transfer_spec
-    return src, dst
 
 
 def _flat(table: Any) -> tuple[int, ...]:
