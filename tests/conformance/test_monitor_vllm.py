@@ -89,7 +89,16 @@ def test_a_fixed_release_is_clean_live_and_in_replay(
         warn_run: tuple[CoreRun, RunSummary, Path], capsys: pytest.CaptureFixture[str]) -> None:
     run, summary, log = warn_run
     assert summary.idle and not summary.stuck and summary.error is None
-    assert findings(run) == []
+    live = findings(run)
+    if not conformance.vllm_env.has("finished_signal"):
+        # 0.26: EARLY-FINISH-SIGNAL (CONFORMANCE.md): request_finished signals the manager
+        # (S@0.26.0:1292) before the final store the next step makes: INV-11, nothing else
+        assert live and {(f.rule, f.message, f.hook) for f in live} == {
+            ("INV-11", "prepare_store after on_request_finished", "build_connector_meta")}
+        assert [(f.rule, f.seq) for f in replay(log).findings] == \
+            [(f.rule, f.seq) for f in live]
+        return
+    assert live == []
     v = replay(log)
     assert v.clean, v.text()
     hooks = {e.hook for e in v.log.events}
