@@ -666,7 +666,8 @@ class VLLMMachine(OffloadingStateMachine):
         if rule in ("finish", "abort"):
             return FINISHES_AS_THE_SPEC and not self.finish_diverges(ev.req)
         if rule == "step":
-            return not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
+            return (not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
+                    and not self.restarts_past_a_kept_cursor(ev))
         if rule == "preempt":
             return not self.preempts_a_load(ev)
         return True
@@ -681,6 +682,22 @@ class VLLMMachine(OffloadingStateMachine):
         return (m is not None and not E.has("preempted_load_flush")
                 and not self.allow_known_crashes and ev.kind == "step"
                 and ev.req is not None and ev.req in m.pending_preempted)
+
+    def restarts_past_a_kept_cursor(self, ev: M.Event) -> bool:
+        """CURSOR-KEPT (CONFORMANCE.md, releases before 0.33.0, feature
+        lookup_resets_cursor): a request admitted again after it stored keeps vLLM's store
+        cursor (`next_stored_chunk_idx`), where the spec offers its chunks again from 0; a
+        chunk evicted from the CPU tier meanwhile is stored again by the spec, not by vLLM
+        (found on 0.26.0 and 0.27.0: `arrive(r0) ; arrive(r1) ; arrive(r2) ; reset() ;
+        step(admit=r0) ; ack(job 0, count 1) ; preempt(r0) ; step(admit=r1) ; ack(job 1,
+        count 1) ; step() ; step(admit=r0)`, one worker, two CPU chunks). The machine does
+        not admit again a request whose cursor has moved."""
+        m = self.model
+        if (m is None or E.has("lookup_resets_cursor") or ev.kind != "step"
+                or ev.req is None):
+            return False
+        req = next((r for r in m.reqs if r.id == ev.req), None)
+        return req is not None and req.cursor > 0
 
     def preempts_a_load(self, ev: M.Event) -> bool:
         """PREEMPTED-LOAD, the other way in: preempting a request that holds a load job
@@ -784,7 +801,8 @@ class VLLMMachine(OffloadingStateMachine):
                        and e.count == max(1, self._unreported(e.job))]
             admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
                      and dict(m.core)[e.req].blocks and not self.whole_prompt_hit(e)
-                     and not self.readmits_preempted(e)]
+                     and not self.readmits_preempted(e)
+                     and not self.restarts_past_a_kept_cursor(e)]
             aborts = [e for e in self._possible() if e.kind == "abort"
                       and not self.finish_diverges(e.req)]
             step = [M.Event("step")]
