@@ -631,6 +631,22 @@ def _reset_moment(driver: CoreDriver, earliest: int, latest: int) -> bool:
                                             for s in statuses)
 
 
+RESET_OUTCOMES = ("finishes", "strands", "crashes")
+
+
+def reset_outcome() -> str:
+    """Where `scenario`'s reset leads on the vLLM under test (two workers): "finishes" with
+    the fix of PR #48102 (0.26+: every request finishes); "strands" with the bug where a
+    lookup of a request holding jobs answers "not yet" (0.24-0.25: the preempted holder of
+    the stale id waits for ever); "crashes" with the bug and no such deferral (0.22-0.23:
+    the holder is admitted again and its next store raises KeyError on the stale id)."""
+    from conformance import vllm_env
+
+    if vllm_env.has("fix_48102"):
+        return "finishes"
+    return "strands" if vllm_env.has("lookup_defers_in_flight") else "crashes"
+
+
 def scenario(run: CoreRun, *, seed: int = 0, max_steps: int = 300,
              reset_earliest: int = 4, reset_latest: int = 40,
              requests: Sequence[ScenarioRequest] | None = None) -> RunSummary:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import conformance.vllm_env  # (before vLLM: offline, quiet, temporary caches)
+import conformance.vllm_env  # noqa: F401  (before vLLM: offline, quiet, temporary caches)
 
 # isort: split
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -35,18 +35,16 @@ from conformance.core_scheduler import (
     CoreRun,
     RunSummary,
     make_core_scheduler,
+    reset_outcome,
     scenario,
     scenario_requests,
 )
 
 pytestmark = pytest.mark.conformance
 
-FIXED = conformance.vllm_env.has("fix_48102")
+OUTCOME = reset_outcome()
+FIXED = OUTCOME == "finishes"
 """0.26.0 clears each request's `transfer_jobs` in `reset_cache` (PR #48102)."""
-DEFERS = conformance.vllm_env.has("lookup_defers_in_flight")
-"""0.24.0 answers a lookup of a request with jobs in flight with "not yet"."""
-CRASHES_AFTER_THE_RESET = not FIXED and not DEFERS
-"""0.22-0.23: the two-worker scenario ends in the KeyError on the stale id."""
 CPU_CHUNKS = 64  # room for every block of the scenario: nothing is evicted from the CPU
 
 
@@ -101,7 +99,7 @@ def test_scenario_exercises_the_lifecycle(two_workers: tuple[CoreRun, RunSummary
     assert reset.in_flight and set(reset.in_flight) <= set(summary.stores)
     assert 0 < reset.after_step < summary.steps
     assert set(reset.holders.values()) == {"PREEMPTED"}
-    if CRASHES_AFTER_THE_RESET:
+    if OUTCOME == "crashes":
         return  # the rest of the scenario is cut short (test_buggy_release_crashes_...)
     assert summary.error is None, summary.error
     # a request sharing the prefix loads part of it from the CPU cache
@@ -200,7 +198,7 @@ def test_fixed_release_finishes_everything(two_workers: tuple[CoreRun, RunSummar
         assert _scheduled_after(summary, req_id, reset.after_step)
 
 
-@pytest.mark.skipif(not CRASHES_AFTER_THE_RESET,
+@pytest.mark.skipif(OUTCOME != "crashes",
                     reason="0.26+ clear transfer_jobs at a reset; 0.24-0.25 defer the holder")
 def test_buggy_release_crashes_on_the_stale_id_after_the_reset(
         two_workers: tuple[CoreRun, RunSummary]) -> None:
@@ -223,7 +221,7 @@ def test_buggy_release_crashes_on_the_stale_id_after_the_reset(
     assert error.error.args[0] not in run.offloading._jobs
 
 
-@pytest.mark.skipif(FIXED or not DEFERS,
+@pytest.mark.skipif(OUTCOME != "strands",
                     reason="0.26+ clear transfer_jobs at a reset; 0.22-0.23 crash instead")
 def test_buggy_release_strands_a_request(two_workers: tuple[CoreRun, RunSummary]) -> None:
     run, summary = two_workers

@@ -28,7 +28,7 @@ from statemachine.monitor.connector import MonitoredOffloadingConnector
 
 pytestmark = pytest.mark.conformance
 
-FIXED = E.vllm_version() >= (0, 26, 0)
+FIXED = E.has("fix_48102")
 
 
 def monitored_setup(**kwargs: Any) -> E.VLLMSetup:

@@ -29,6 +29,7 @@ from conformance.core_scheduler import (
     HookError,
     RunSummary,
     make_core_scheduler,
+    reset_outcome,
     scenario,
 )
 from statemachine.cli import main as kvspec
@@ -37,11 +38,9 @@ from statemachine.monitor.replay import replay
 
 pytestmark = pytest.mark.conformance
 
-FIXED = conformance.vllm_env.has("fix_48102")
-"""0.26.0 clears each request's `transfer_jobs` in `reset_cache` (PR #48102)."""
-CRASHES_AFTER_THE_RESET = not FIXED and not conformance.vllm_env.has("lookup_defers_in_flight")
-"""0.22-0.23 admit the preempted holder again: its next store raises KeyError on the stale id
-(the two-worker scenario ends there; 0.24-0.25 defer the holder for ever instead)."""
+OUTCOME = reset_outcome()
+"""Where the scenario's reset leads on this release (`conformance.core_scheduler`)."""
+FIXED = OUTCOME == "finishes"
 CPU_CHUNKS = 64
 STUCK_AFTER = 8
 
@@ -80,7 +79,7 @@ def test_the_scenario_reaches_preemption_loads_and_the_reset(
     assert summary.preemptions >= 1 and summary.stores
     assert summary.resets and any(r.in_flight for r in summary.resets)
     assert any(summary.output_tokens.values())
-    if not CRASHES_AFTER_THE_RESET:  # the shared prefix is loaded after the reset
+    if OUTCOME != "crashes":  # the shared prefix is loaded after the reset
         assert summary.loads
 
 
@@ -108,7 +107,7 @@ def test_a_fixed_release_is_clean_live_and_in_replay(
     assert "clean" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not CRASHES_AFTER_THE_RESET,
+@pytest.mark.skipif(OUTCOME != "crashes",
                     reason="the release has the PR #48102 fix, or defers the holder")
 def test_a_buggy_release_flags_the_cause_then_the_crash_live_and_in_replay(
         warn_run: tuple[CoreRun, RunSummary, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,7 +134,7 @@ def test_a_buggy_release_flags_the_cause_then_the_crash_live_and_in_replay(
     assert "first violation: INV-1" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(FIXED or CRASHES_AFTER_THE_RESET,
+@pytest.mark.skipif(OUTCOME != "strands",
                     reason="the release has the PR #48102 fix, or crashes instead")
 def test_a_buggy_release_flags_the_stuck_request_live_and_in_replay(
         warn_run: tuple[CoreRun, RunSummary, Path], capsys: pytest.CaptureFixture[str]) -> None:
