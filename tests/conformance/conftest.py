@@ -198,20 +198,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the subprocesses of the tests that will run (tests/conformance/early.py), so
-    they overlap the in-process tests."""
+    """Start the subprocesses of the tests that will run (`EARLY_JOBS`,
+    tests/conformance/early.py), so they overlap the in-process tests."""
+    from tests.conformance import early
+
     selected: dict[Any, set[str]] = {}
     for item in session.items:
         module = getattr(item, "module", None)
-        if (module is None or not hasattr(module, "start_early")
+        if (module is None or not hasattr(module, "EARLY_JOBS")
                 or item.get_closest_marker("skip") is not None):
             continue
         selected.setdefault(module, set()).add(getattr(item, "originalname", item.name))
     for module, names in selected.items():
         try:
-            module.start_early(names)
+            early.start_selected(module.EARLY_JOBS, names)
         except Exception as e:  # the test starts it itself, and reports the error there
-            print(f"\n{module.__name__}.start_early: {type(e).__name__}: {e}")
+            print(f"\n{module.__name__}: early start: {type(e).__name__}: {e}")
 
 
 @pytest.fixture(scope="session")

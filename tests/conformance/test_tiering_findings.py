@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,21 +187,18 @@ finally:
 """
 
 
-ROOT = Path(__file__).resolve().parents[2]
 _FREE_ORDER_SEEDS = ("0", "1")
 
 
-def _free_order_job(seed: str) -> tuple[list[str], dict[str, str]]:
-    return [sys.executable, "-c", _FREE_ORDER], {**os.environ, "PYTHONHASHSEED": seed}
+def _free_order_jobs() -> dict[str, early.Job]:
+    return {f"t3-free-order-{seed}": ([sys.executable, "-c", _FREE_ORDER],
+                                      {**os.environ, "PYTHONHASHSEED": seed})
+            for seed in _FREE_ORDER_SEEDS}
 
 
-def start_early(selected: set[str]) -> None:
-    """T3's two processes (tests/conformance/early.py)."""
-    if "test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order" \
-            in selected:
-        for seed in _FREE_ORDER_SEEDS:
-            argv, env = _free_order_job(seed)
-            early.start(f"t3-free-order-{seed}", argv, env=env, cwd=ROOT)
+T3 = "test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order"
+EARLY_JOBS: early.Jobs = {T3: _free_order_jobs}
+"""T3's two processes, one per hash seed (tests/conformance/early.py)."""
 
 
 def test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_order() -> None:
@@ -217,9 +213,8 @@ def test_tiering_finding_t3_a_partly_failed_promotion_frees_its_slots_in_hash_or
     Four keys promoted in one job, the second one's copy cut short: the slot of the next
     store under PYTHONHASHSEED 0 and 1 (each in a fresh process)."""
     slots = set()
-    for seed in _FREE_ORDER_SEEDS:
-        argv, env = _free_order_job(seed)
-        out = early.result(f"t3-free-order-{seed}", argv, env=env, cwd=ROOT)
+    for key in _free_order_jobs():
+        out = early.result_of(EARLY_JOBS, T3, key)
         assert out.returncode == 0, out.stderr[-3000:]
         slots.add(int(out.stdout.strip().splitlines()[-1]))
     assert len(slots) == 2, (FIXED, slots)

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,6 @@ from tests.conformance import early
 
 pytestmark = pytest.mark.conformance
 
-ROOT = Path(__file__).resolve().parents[2]
 TRACE = "arrive(r0) ; step(admit=r0) ; reset() ; step() ; ack(job 0, count 2)"
 FIX_48102 = "            status.transfer_jobs.clear()\n"
 """The line of `reset_cache` that is the fix of PR #48102 (the same from 0.26.0,
@@ -59,10 +57,6 @@ from tests.conformance.test_machine import B0
 replay(parse_events({TRACE!r}), B0, machine_for(vllm_env.vllm_version()))
 print("conforms", flush=True)
 """
-
-
-Job = tuple[list[str], dict[str, str]]
-"""A subprocess: argv and environment (run in the repository root)."""
 
 
 @functools.cache
@@ -96,7 +90,7 @@ def _tree_with_the_fix_undone() -> Path:
     return broken
 
 
-def _replay_from(tree: Path) -> Job:
+def _replay_from(tree: Path) -> early.Job:
     env = dict(os.environ, PYTHONPATH=str(tree), VLLM_SRC=str(tree))  # what the Makefile sets
     return [sys.executable, "-c", REPLAY], env
 
@@ -107,7 +101,7 @@ def _has_the_fix() -> bool:
     return vllm_env.has("fix_48102")
 
 
-JOBS: dict[str, Callable[[], dict[str, Job]]] = {
+EARLY_JOBS: early.Jobs = {
     "test_the_source_tree_is_imported_and_conforms":
         lambda: {"src-replay": _replay_from(_source_tree())},
     "test_a_tree_with_pr_48102_undone_is_caught":
@@ -119,15 +113,8 @@ JOBS: dict[str, Callable[[], dict[str, Job]]] = {
 """Test -> the subprocesses it checks, by key (started early: tests/conformance/early.py)."""
 
 
-def start_early(selected: set[str]) -> None:
-    for name in sorted(selected & JOBS.keys()):
-        for key, (argv, env) in JOBS[name]().items():
-            early.start(key, argv, cwd=ROOT, env=env)
-
-
 def _run(test: str, key: str) -> subprocess.CompletedProcess[str]:
-    argv, env = JOBS[test]()[key]
-    return early.result(key, argv, cwd=ROOT, env=env)
+    return early.result_of(EARLY_JOBS, test, key)
 
 
 def test_the_source_tree_is_imported_and_conforms() -> None:
