@@ -695,10 +695,25 @@ class VLLMMachine(OffloadingStateMachine):
         liveness: a machine that does not check refinement keeps the path."""
         m = self.model
         if (m is None or not self.CHECK_REFINEMENT or E.has("lookup_resets_cursor")
-                or ev.kind != "step" or ev.req is None):
+                or not self.admits_with_a_lookup(ev)):
             return False
         req = next((r for r in m.reqs if r.id == ev.req), None)
         return req is not None and req.cursor > 0
+
+    def admits_with_a_lookup(self, ev: M.Event) -> bool:
+        """`ev` admits a waiting request through a lookup (it restarts from token 0). Not
+        a request whose async load ended: it runs on the blocks it holds, with no lookup,
+        in vLLM and in the spec alike. The restrictions on admissions (CURSOR-KEPT,
+        WHOLE-PROMPT-HIT) are about the lookup; taking them at the end of a load too left
+        a loaded request that could neither run nor finish (D3) in the drain (found on
+        0.27.0: `step() ; arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; ack(job
+        0, count 2) ; step() ; ack(job 1, count 2) ; step(admit=r1) ; ack(job 2, count 2)
+        ; ack(job 3, count 2) ; abort(r0) ; abort(r2)`, then the drain)."""
+        m = self.model
+        if m is None or ev.kind != "step" or ev.req is None:
+            return False
+        core = dict(m.core).get(ev.req)
+        return core is None or not core.blocks
 
     def preempts_a_load(self, ev: M.Event) -> bool:
         """PREEMPTED-LOAD, the other way in: preempting a request that holds a load job
@@ -720,7 +735,7 @@ class VLLMMachine(OffloadingStateMachine):
         where the request's last chunk is in the model's CPU tier (a whole-prompt hit needs
         it; a shorter hit is then not taken either)."""
         m = self.model
-        if (m is None or ev.kind != "step" or ev.req is None or self.allow_known_divergences
+        if (m is None or not self.admits_with_a_lookup(ev) or self.allow_known_divergences
                 or getattr(self.impl, "bound_last_token", True)):
             return False
         b = m.bounds

@@ -73,6 +73,19 @@ REGRESSIONS: tuple[Regression, ...] = (
                failures=2, sync_loads=True),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 2) ; step(admit=r0) ; "
         "reset()"),
+    Regression(
+        "loaded-request-left-in-the-drain",
+        "make conformance-all on vLLM 0.27.0 (the drain left r1 behind)",
+        "the conformance machine's restrictions on admissions (CURSOR-KEPT, WHOLE-PROMPT-HIT, "
+        "releases before 0.33.0 and 0.30.0) are about the lookup, but they also refused the "
+        "admission that ends an async load, which makes no lookup; the drain could then "
+        "neither run the loaded r1 nor finish it (D3) and left it. Fixed in "
+        "conformance/adapter.py (`VLLMMachine.admits_with_a_lookup`).",
+        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+               failures=0, preemptions=2),
+        "step() ; arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; ack(job 0, count 2) ; "
+        "step() ; ack(job 1, count 2) ; step(admit=r1) ; ack(job 2, count 2) ; "
+        "ack(job 3, count 2) ; abort(r0) ; abort(r2)"),
 )
 
 
