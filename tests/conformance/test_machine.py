@@ -57,7 +57,7 @@ def _long_run(vllm_env: Any, machine: Any, name: str, record_property: Any) -> s
     model steps in all); the figures, as printed."""
     _needs(vllm_env, at_least=True)
     machine = _fresh(machine, name)
-    examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "200"))
+    examples = int(os.environ.get("KVSPEC_CONFORMANCE_EXAMPLES", "150"))
     t0 = time.perf_counter()
     machine.TestCase.settings = _settings(examples, 50)
     machine.TestCase().runTest()
