@@ -129,21 +129,39 @@ class ReferenceAdapter:
         """The scheduler checks every invariant after each of its hooks itself."""
         return bool(self.scheduler.config.check_invariants)
 
+    def _template(self, req_id: str) -> M.Template:
+        return next(t for t in self.bounds.templates() if t.req_id == req_id)
+
     def _request(self, req_id: str) -> Request:
         if req_id not in self.requests:
-            t = next(t for t in self.bounds.templates() if t.req_id == req_id)
-            tpb = self.bounds.tokens_per_block
+            t = self._template(req_id)
             tokens = [M.key(t.family, p) * BLOCK + i for p in range(t.tokens)
                       for i in range(BLOCK)]
             if self.bounds.partial_tails:  # a hash per model token (BLOCK tokens)
                 hashes = [M.key(t.family, p) for p in range(t.tokens)]
             else:
-                hashes = [M.block_key(t.family, c, tpb) for c in range(t.tokens // tpb)]
+                hashes = self._hashes(t, t.tokens)
             self.requests[req_id] = Request(
                 req_id, tokens, block_hashes=hashes,
                 kv_transfer_params=transfer_params(t.settings) or None,
                 skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         return self.requests[req_id]
+
+    def _hashes(self, t: M.Template, tokens: int) -> list[int]:
+        """The block hashes of the first `tokens` model tokens of request `t`."""
+        tpb = self.bounds.tokens_per_block
+        return [t.block_key(c, tpb) for c in range(tokens // tpb)]
+
+    def _sampled(self, outputs: dict[str, int]) -> None:
+        """Each request's output grown to the model's count after a step (the engine's
+        `update_from_output` appends the sampled tokens), with its block hashes."""
+        for r, n in outputs.items():
+            req, t = self._request(r), self._template(r)
+            have = len(req.output_token_ids) // BLOCK
+            req.output_token_ids += [M.key(t.output_family, p) * BLOCK + i
+                                     for p in range(t.tokens + have, t.tokens + n)
+                                     for i in range(BLOCK)]
+            req.block_hashes = self._hashes(t, t.tokens + n)
 
     def call(self, call: M.Call) -> Any:
         s = self.scheduler
@@ -160,7 +178,7 @@ class ReferenceAdapter:
             ext = self._hit_tokens.get(a[0], 0) if a[2] else 0
             return s.update_state_after_alloc(self._request(a[0]), self._tables(a[1]), ext)
         if call.hook == "build_connector_meta":
-            new, cached, sched, fin, pre, computed, given, copies = a
+            new, cached, sched, fin, pre, computed, given, copies, outputs = a
             for r, (n, _aborted) in computed.items():
                 self._request(r).num_computed_tokens = n * BLOCK
             sched = {r: n * BLOCK for r, n in sched.items()}
@@ -172,6 +190,7 @@ class ReferenceAdapter:
                 tuple(copies))
             shipped = s.build_connector_meta(out)
             self._note_evictions()
+            self._sampled(outputs)
             return shipped
         if call.hook == "update_connector_output":
             job, done, failed, recving = a
@@ -320,12 +339,29 @@ tokens loaded and stored (a cap inside a chunk; with a hybrid model and 2-block 
 and store admission: a chunk stored only at its second offer."""
 
 
+DECODE_BOUNDS: tuple[M.Bounds, ...] = (
+    M.Bounds(requests=3, tokens=2, workers=2, cpu_chunks=4, gpu_blocks=8, resets=1,
+             failures=1, preemptions=2, decode_tokens=3),
+    M.Bounds(requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1,
+             failures=1, preemptions=2, decode_tokens=2, sync_loads=True, request_settings=(
+                 M.RequestSettings(max_offload_tokens=4),)),
+    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=5, gpu_blocks=10,
+             resets=1, failures=1, preemptions=2, tokens_per_block=2, decode_tokens=3),
+    M.Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
+             failures=1, preemptions=2, groups=("full", "sliding"), sliding_window=2,
+             blocks_per_chunk=2, decode_tokens=3),
+)
+"""Requests that decode after their prompt: output tokens stored chunk by chunk and at the
+finish, a preempted request's lookup and recompute over them, an offload cap inside the
+output; blocks of two tokens; a sliding window over chunks of two blocks."""
+
+
 class OffloadingStateMachine(RuleBasedStateMachine):
     """The model-based test. Subclass to change the adapter or the bounds."""
 
     adapter_factory: ClassVar[type] = ReferenceAdapter
     bounds_choices: ClassVar[tuple[M.Bounds, ...]] = \
-        ONE_GROUP_BOUNDS + HYBRID_BOUNDS + SETTINGS_BOUNDS
+        ONE_GROUP_BOUNDS + HYBRID_BOUNDS + SETTINGS_BOUNDS + DECODE_BOUNDS
     """Each example draws one. An adapter for an implementation of one full-attention group
     and one block per chunk sets `ONE_GROUP_BOUNDS`."""
     faults: ClassVar[M.Faults] = M.NO_FAULTS

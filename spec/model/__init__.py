@@ -39,6 +39,7 @@ from spec.model.state import (
     ModelState,
     MReq,
     NotEnabled,
+    OUTPUT_FAMILY,
     RequestSettings,
     Template,
     World,
@@ -57,7 +58,7 @@ def coverage_universe() -> set[tuple[str, int]]:
     return SPEC_TABLES.coverage_universe()
 
 
-__all__ = ["MACHINES", "NO_FAULTS", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
+__all__ = ["MACHINES", "NO_FAULTS", "OUTPUT_FAMILY", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
            "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
            "NotEnabled", "RequestSettings", "Tables", "Template", "World", "abstract", "apply",
            "block_key", "canonical", "coverage_universe", "events", "fair_class", "fire",

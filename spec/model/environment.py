@@ -129,6 +129,23 @@ def _free_before_window(w: World) -> None:
             w.core[r] = c._replace(blocks=tuple(table))
 
 
+def _decode_blocks(w: World, r: str) -> tuple[int, ...] | None:
+    """The blocks the core adds to running request `r`'s table for its next token (one per
+    group, group by group, when the token starts a block; none otherwise), taken from the
+    free pool and added to its table; None: no free block, so the core does not schedule it
+    this step (vLLM would preempt a request for room: the environment's `preempt`)."""
+    c, b = w.core[r], w.bounds
+    n = len(b.groups)
+    if b.blocks_of(c.computed + 1) <= len(c.blocks) // n:
+        return ()
+    if len(w.free_blocks) < n:
+        return None
+    grown = tuple(sorted(w.free_blocks)[:n])
+    w.free_blocks.difference_update(grown)
+    w.core[r] = c._replace(blocks=w.extend_table(c.blocks, grown))
+    return grown
+
+
 def _behind_a_sync_load(w: World, j: MJob) -> bool:
     """An earlier sync load of the same request still has reports due. A worker waits for a
     sync load before the step's forward pass and reports it in that step (W:256-270,
@@ -175,7 +192,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
             c = w.core.get(r)
             if c is None or c.status != "waiting":
                 raise NotEnabled("not waiting")
-            tokens = w.template(r).tokens
+            tokens = w.num_tokens(r)
             if not c.blocks:
                 hit, is_async = lookup(w, r)
                 calls.append(Call("get_num_new_matched_tokens", (r, 0), (hit, is_async)))
@@ -191,9 +208,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                     _inside(w, calls[-1])
                     loader = w.last_job if hit else None  # the load just created
                     if hit and is_async:
-                        w.core[r] = MCore("remote", 0, blocks, loading=hit, load_job=loader)
+                        w.core[r] = MCore("remote", 0, blocks, loading=hit, load_job=loader,
+                                          generated=c.generated)
                     else:
-                        w.core[r] = MCore("running", hit, blocks, load_job=loader)
+                        w.core[r] = MCore("running", hit, blocks, load_job=loader,
+                                          generated=c.generated)
                         new[r] = blocks
                         sched[r] = 1
             else:  # an async load ended: it runs now, without a lookup
@@ -201,9 +220,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                 new[r] = c.blocks
                 sched[r] = 1
         for r, c in sorted(w.core.items()):
-            if c.status == "running" and r not in sched and c.computed < w.template(r).tokens:
-                cached[r] = ()
-                sched[r] = 1
+            if c.status == "running" and r not in sched and c.computed < w.tokens_to_compute(r):
+                grown = _decode_blocks(w, r)
+                if grown is not None:
+                    cached[r] = grown
+                    sched[r] = 1
         fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
         given = handoffs(w, sched)
         tails, copies = tail_handoffs(w, new, sched)
@@ -213,11 +234,15 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         build_meta(w, new, cached, sched, fin, pre, given)
         free(w, tuple(dst for _, dst in copies))
         computed = {r: (c.computed, c.aborted) for r, c in w.core.items()}
-        calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
-                                                   fin, pre, computed, given, copies)))
         for r, n in sched.items():
             c = w.core[r]
-            w.core[r] = c._replace(computed=min(c.computed + n, w.template(r).tokens))
+            w.core[r] = c._replace(computed=min(c.computed + n, w.num_tokens(r)))
+            w.sample(r)
+        # the output each request holds once the step ran (vLLM's update_from_output)
+        outputs = {r: c.generated for r, c in sorted(w.core.items()) if c.generated}
+        calls.append(Call("build_connector_meta", (dict(new), dict(cached), dict(sched),
+                                                   fin, pre, computed, given, copies,
+                                                   outputs)))
         _free_before_window(w)
         w.pending_finished.clear()
         w.pending_preempted.clear()
@@ -272,7 +297,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         c = w.core.get(r)
         if c is None or c.status == "finished":
             raise NotEnabled("not live")
-        if ev.kind == "finish" and (c.status != "running" or c.computed < w.template(r).tokens):
+        if ev.kind == "finish" and not w.may_finish(r):
             raise NotEnabled("not done")
         keep = c.status == "remote"
         if not keep:
@@ -292,7 +317,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
             raise NotEnabled("preemption budget")
         w.budget[2] += 1
         free(w, c.blocks)
-        w.core[r] = MCore("waiting")
+        w.core[r] = MCore("waiting", generated=c.generated)
         w.pending_preempted.add(r)
     elif ev.kind == "reset":
         if w.budget[0] >= b.resets:

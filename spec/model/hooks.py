@@ -96,7 +96,7 @@ def _hit(w: World, r: str, local: int) -> int | None:
         return 0  # S:1258-1259
     order = tuple(g for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS) \
         + b.window_groups()
-    max_hit = w.template(r).tokens - 1
+    max_hit = w.num_tokens(r) - 1  # a restarted request's output too
     cap = settings.max_load_tokens
     if cap is not None:
         max_hit = min(max_hit, local + cap)  # S:867-871
@@ -234,7 +234,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
     for r, blocks in [*new.items(), *cached.items()]:
         w.batch_alloc.update(blocks)
         cur = tracked(w, r)
-        table = blocks if r in new else (*cur.blocks, *blocks)
+        table = blocks if r in new else w.extend_table(cur.blocks, blocks)
         if cur.state in R.SCHEDULED:
             put_req(w, cur._replace(blocks=table))
         else:  # the table says from where a request may be scheduled
@@ -242,7 +242,8 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
     if w.bounds.window_groups():
         for r, n in sched.items():
             put_req(w, tracked(w, r)._replace(window_end=w.core[r].computed + n))
-    _forget_reallocated_window_blocks(w, set(new))
+    _forget_reallocated_window_blocks(w, set(new), {
+        r: len(w.group_blocks(blocks, 0)) for r, blocks in cached.items()})
     for r in sorted(preempted - w.preempted_early):
         opt = w.reqs.get(r)
         if opt is not None and opt.state in R.SCHEDULED:
@@ -277,11 +278,13 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
     _end_step(w)
 
 
-def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
+def _forget_reallocated_window_blocks(w: World, full_tables: set[str],
+                                      grown: dict[str, int]) -> None:
     """A sliding-window block the core freed (before the window) and handed out again in
-    this step is stale in its old request's table: from the store cursor on it is zeroed,
-    so no store reads it (`_update_req_states`, S:1533-1552). A table the step replaced
-    whole has nothing stale."""
+    this step is stale in its old request's table: from the store cursor to the table's
+    end before the step extended it (by `grown[r]` blocks a group) it is zeroed, so no
+    store reads it (`_update_req_states`, S:1533-1552). A table the step replaced whole has
+    nothing stale."""
     b = w.bounds
     if not b.window_groups() or not w.batch_alloc:
         return
@@ -291,7 +294,9 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
         if r in full_tables or r in loading or not req.blocks:
             continue  # a table given in this step (vLLM's is empty until it is scheduled)
         table = list(req.blocks)
-        for i in window_positions(b.groups, len(table), req.cursor * bpc):
+        end = len(table) // len(b.groups) - grown.get(r, 0)
+        for i in window_positions(b.groups, len(table), req.cursor * bpc,
+                                  lambda _g, end=end: end):
             if table[i] in w.batch_alloc:
                 table[i] = NULL_BLOCK
         if tuple(table) != req.blocks:
@@ -299,7 +304,9 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str]) -> None:
 
 
 def _offloadable(w: World, r: str, tokens: int) -> int:
-    """`tokens` under the request's `max_offload_tokens` (S:762-771)."""
+    """`tokens` under the request's `max_offload_tokens` (S:762-771). vLLM's
+    `offload_prompt_only` clamp to the prompt is not modelled: the model runs its default
+    (off), so a decoding request's output is stored too."""
     cap = w.template(r).settings.max_offload_tokens
     return tokens if cap is None else min(tokens, cap)
 
@@ -310,8 +317,8 @@ def _store(w: World, r: str, scheduled: int) -> None:
         return  # no store reads KV that a failed load invalidated
     core = w.core[r]
     t = w.template(r)
-    if req.finished:
-        tokens = core.computed if core.aborted else max(t.tokens, t.tokens - 1)
+    if req.finished:  # a finished request's last sampled token is never computed
+        tokens = core.computed if core.aborted else max(t.tokens, w.num_tokens(r) - 1)
     else:
         tokens = core.computed + scheduled
     tokens = _offloadable(w, r, tokens)

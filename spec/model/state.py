@@ -77,15 +77,32 @@ class RequestSettings(NamedTuple):
 NO_SETTINGS = RequestSettings()
 
 
+OUTPUT_FAMILY = 100
+"""Request i's generated tokens hash as family `OUTPUT_FAMILY + i`: its own keys, shared
+with no other request (a block past the prompt hashes the whole prefix, sampled tokens
+included)."""
+
+
 @dataclass(frozen=True)
 class Template:
-    """A request the environment may send: its id, its prefix family, prompt length and
-    settings."""
+    """A request the environment may send: its id, its prefix family, prompt length,
+    settings, and the tokens it generates after its prompt (`Bounds.decode_tokens`), whose
+    keys are of family `output_family`."""
 
     req_id: str
     family: int
     tokens: int
     settings: RequestSettings = NO_SETTINGS
+    decode_tokens: int = 0
+    output_family: int = OUTPUT_FAMILY
+
+    def block_key(self, block: int, tokens_per_block: int, group: int = 0,
+                  num_groups: int = 1) -> int:
+        """The key of the request's block `block` (`block_key`): of its prefix family within
+        the prompt, of its own output family once the block ends past the prompt."""
+        last = (block + 1) * tokens_per_block - 1
+        family = self.family if last < self.tokens else self.output_family
+        return key(family, last, group, num_groups)
 
 
 def key(family: int, position: int, group: int = 0, num_groups: int = 1) -> int:
@@ -155,6 +172,14 @@ class Bounds:
     with one block per chunk, a Mamba group whose blocks are above one hash, and no sliding
     window."""
 
+    decode_tokens: int = 0
+    """Tokens each request generates after its prompt (vLLM's output tokens, in the model's
+    tokens): once its prompt is computed, a running request is scheduled one token a step,
+    each step's token sampled from the last, until it holds this many; a preempted request
+    recomputes them with its prompt. Their keys are the request's own (`Template.block_key`).
+    0: prompts only. Not beside a Mamba group (the core's state hand-offs during decode are
+    not modelled)."""
+
     retention_interval: int | None = None
     """Which window blocks are kept for reuse (vLLM's `prefix_cache_retention_interval`, in
     the model's tokens): None, every chunk's window tail (dense); 0, only the tail at the
@@ -175,6 +200,9 @@ class Bounds:
             raise ValueError("partial_tails needs blocks_per_chunk 1, tokens_per_block >= 2, "
                              "a mamba group and no sliding group (vLLM's "
                              "supports_partial_tail, S:274-292)")
+        if self.decode_tokens < 0 or (self.decode_tokens and "mamba" in self.groups):
+            raise ValueError(f"decode_tokens must be >= 0, and 0 beside a mamba group, got "
+                             f"{self.decode_tokens!r}")
         r = self.retention_interval
         if not retention_interval_ok(r, self.tokens_per_chunk) or \
                 (r is not None and not self.window_groups()):
@@ -254,7 +282,8 @@ class Bounds:
         def settings(i: int) -> RequestSettings:
             return self.request_settings[i] if i < len(self.request_settings) else NO_SETTINGS
 
-        return tuple(Template(f"r{i}", family(i), self.tokens, settings(i))
+        return tuple(Template(f"r{i}", family(i), self.tokens, settings(i),
+                              self.decode_tokens, OUTPUT_FAMILY + i)
                      for i in range(self.requests))
 
 
@@ -317,6 +346,9 @@ class MCore(NamedTuple):
     invalid load produced (until the core restarts it from token zero)."""
     load_job: int | None = None
     """The load that fills its blocks since the core last (re)started it."""
+    generated: int = 0
+    """Output tokens sampled so far (vLLM: `len(request.output_token_ids)`); a preemption
+    keeps them."""
 
 
 @dataclass(frozen=True)
@@ -470,12 +502,52 @@ class World:
                 return t
         raise ModelError(f"no request template {req_id!r}")
 
+    def num_tokens(self, req_id: str) -> int:
+        """The request's tokens, its prompt and the output sampled so far (vLLM:
+        `request.num_tokens`)."""
+        c = self.core.get(req_id)
+        return self.template(req_id).tokens + (c.generated if c is not None else 0)
+
+    def tokens_to_compute(self, req_id: str) -> int:
+        """Where the core stops scheduling the request: every token it holds, but the last
+        sampled one once it generated all its `decode_tokens` (vLLM would finish it there,
+        and never computes a finished request's last token)."""
+        c, t = self.core[req_id], self.template(req_id)
+        done = t.decode_tokens > 0 and c.generated >= t.decode_tokens
+        return self.num_tokens(req_id) - done
+
+    def may_finish(self, req_id: str) -> bool:
+        """The request can stop (a stop token or its length): it runs, its prompt is
+        computed, and so is every token but its last sampled one (vLLM stops a request only
+        as it samples)."""
+        c = self.core[req_id]
+        return c.status == "running" and \
+            c.computed >= max(self.template(req_id).tokens, self.num_tokens(req_id) - 1)
+
+    def sample(self, req_id: str) -> None:
+        """After a step: a request that computed every token it holds samples the next one,
+        until it generated its `decode_tokens` (vLLM's `update_from_output`)."""
+        c = self.core[req_id]
+        if c.computed == self.num_tokens(req_id) and \
+                c.generated < self.template(req_id).decode_tokens:
+            self.core[req_id] = c._replace(generated=c.generated + 1)
+
     def keys_of(self, req_id: str, group: int = 0) -> list[int]:
-        """The chunk keys of group `group` of the request: one per full chunk."""
+        """The chunk keys of group `group` of the request: one per full chunk of its tokens
+        (the prompt's, then the output's)."""
         t, b = self.template(req_id), self.bounds
         bpc = b.blocks_per_chunk
-        return [block_key(t.family, (c + 1) * bpc - 1, b.tokens_per_block, group,
-                          len(b.groups)) for c in range(t.tokens // b.tokens_per_chunk)]
+        return [t.block_key((c + 1) * bpc - 1, b.tokens_per_block, group, len(b.groups))
+                for c in range(self.num_tokens(req_id) // b.tokens_per_chunk)]
+
+    def extend_table(self, blocks: tuple[int, ...], new: tuple[int, ...]) -> tuple[int, ...]:
+        """A flat table (group by group) with `new` (as many blocks per group) appended to
+        each group's part."""
+        if not new:
+            return blocks
+        n = len(self.bounds.groups)
+        old = split_groups(blocks, n) if blocks else tuple(() for _ in range(n))
+        return tuple(x for o, a in zip(old, split_groups(new, n), strict=True) for x in (*o, *a))
 
     def tail_key(self, req_id: str, boundary: int, group: int) -> int:
         """The key of group `group`'s partial tail at `boundary` (vLLM's

@@ -79,6 +79,8 @@ def fits(b: M.Bounds) -> str | None:
                 "(the compiled model has one full-attention group, one block per chunk)")
     if b.store_threshold > 1:
         return "a store threshold (the compiled model stores every chunk offered)"
+    if b.decode_tokens:
+        return "decoding requests (the compiled model's requests only prefill their prompt)"
     return None
 
 

@@ -1,0 +1,121 @@
+"""Decoding in the abstract model (`Bounds.decode_tokens`): after its prompt a running request
+is scheduled one token a step and samples the next, its output tokens have keys of their
+own, it stores them as it runs and at its finish up to `max(prompt, num_tokens - 1)`
+(vLLM 0.33.0, S:1830-1846), and a preempted request looks up and recomputes them with its
+prompt. The checker explores small decoding bounds (the compiled checker refuses them, the
+Python one takes them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec import model as M
+from spec.progress import PROGRESS
+from statemachine.checker import check, compiled
+
+DECODING = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=8, gpu_blocks=8, resets=0,
+                    failures=0, preemptions=1, decode_tokens=3)
+OUT = M.OUTPUT_FAMILY  # request r0's output family
+
+
+def _run(b: M.Bounds, program: str) -> M.ModelState:
+    s = M.initial(b)
+    for ev in M.parse_events(program):
+        s, _calls, _w = M.apply(s, ev)
+    return s
+
+
+def _ack_all(s: M.ModelState) -> M.ModelState:
+    """Every shipped job reported by every worker."""
+    for j in [j for j in s.jobs if j.age is not None]:
+        s, _c, _w = M.apply(s, M.Event("report", job=j.id, count=j.unreported))
+    return s
+
+
+def _core(s: M.ModelState, r: str = "r0") -> M.MCore:
+    return dict(s.core)[r]
+
+
+def test_a_request_decodes_one_token_a_step_until_its_output_is_generated() -> None:
+    s = _run(DECODING, "arrive(r0) ; step(admit=r0) ; step()")
+    assert (_core(s).computed, _core(s).generated) == (2, 1)  # the prompt, one sampled
+    s = _run(DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; step() ; step()")
+    assert (_core(s).computed, _core(s).generated) == (4, 3)  # never its last sampled token
+    with pytest.raises(M.NotEnabled):  # no prompt yet: no finish
+        _run(DECODING, "arrive(r0) ; step(admit=r0) ; finish(r0)")
+    assert dict(_run(DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; "
+                               "finish(r0)").core)["r0"].status == "finished"  # mid-decode
+
+
+def test_a_decoding_request_stores_its_output_under_keys_of_its_own() -> None:
+    s = _run(DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; step()")
+    stored = {k for k, _ in s.chunks}
+    assert {M.key(0, 0), M.key(0, 1)} <= stored  # the prompt, in its family
+    assert {M.key(OUT, 2), M.key(OUT, 3)} <= stored  # the output, in the request's own
+    assert M.key(0, 2) not in stored
+
+
+def test_a_finished_request_stores_up_to_its_last_sampled_token_not_it() -> None:
+    """Finished, not aborted: `max(prompt, num_tokens - 1)` tokens are offloadable; the
+    last sampled token's slot is never computed."""
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=8, gpu_blocks=8, resets=0,
+                 failures=0, preemptions=0, decode_tokens=2)
+    s = _ack_all(_run(b, "arrive(r0) ; step(admit=r0) ; step() ; step()"))
+    s = _run_from(s, "finish(r0) ; step()")
+    stored = {k for k, _ in s.chunks}
+    assert stored == {M.key(0, 0), M.key(0, 1), M.key(OUT, 2)}  # num_tokens 4: 3 stored
+
+
+def _run_from(s: M.ModelState, program: str) -> M.ModelState:
+    for ev in M.parse_events(program):
+        s, _calls, _w = M.apply(s, ev)
+    return s
+
+
+def test_a_preempted_decoding_request_looks_up_and_recomputes_its_output() -> None:
+    s = _ack_all(_run(DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step()"))
+    assert (_core(s).computed, _core(s).generated) == (3, 2)  # num_tokens 4
+    s = _run_from(s, "preempt(r0) ; step()")
+    s, calls, _w = M.apply(s, M.Event("step", "r0"))
+    lookup = next(c for c in calls if c.hook == "get_num_new_matched_tokens")
+    assert lookup.answer == (3, True)  # max hit num_tokens - 1: the prompt and one output
+    s = _run_from(_ack_all(s), "step(admit=r0)")  # loaded: it computes its 4th token
+    assert (_core(s).computed, _core(s).generated) == (4, 3)
+
+
+def test_decoding_keeps_the_token_count_in_one_place() -> None:
+    s = _run(DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step()")
+    w = M.World.thaw(s)
+    assert w.num_tokens("r0") == 2 + 2
+    assert len(w.keys_of("r0")) == 4
+    assert w.may_finish("r0")
+
+
+def test_without_decoding_nothing_is_sampled() -> None:
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=0,
+                 failures=0, preemptions=0)
+    s = _run(b, "arrive(r0) ; step(admit=r0) ; step() ; step()")
+    assert (_core(s).computed, _core(s).generated) == (2, 0)
+
+
+@pytest.mark.parametrize(("b", "states"), [
+    (M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1,
+              failures=1, preemptions=1, decode_tokens=2), 6316),
+    (M.Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
+              failures=1, preemptions=1, decode_tokens=1), 12192),
+], ids=["one-request-decode-2", "two-requests-decode-1"])
+def test_the_checker_finds_no_violation_and_liveness_holds_under_decoding(
+        b: M.Bounds, states: int) -> None:
+    assert compiled.fits(b) is not None  # the compiled model refuses: the Python one runs
+    r = check(b)
+    assert r.engine.startswith("python")
+    assert r.ok and r.complete, r.counterexample.render() if r.counterexample else ""
+    assert set(r.liveness) == {p.id for p in PROGRESS}  # every progress property held
+    assert r.states == states
+
+
+def test_decode_bounds_are_validated() -> None:
+    with pytest.raises(ValueError):
+        M.Bounds(decode_tokens=-1)
+    with pytest.raises(ValueError):
+        M.Bounds(groups=("full", "mamba"), decode_tokens=1)
