@@ -179,19 +179,40 @@ class VLLMAdapter:
             self.setup, req_id, prompt,
             kv_transfer_params=transfer_params(t.settings, self.tok) or None,
             skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
-        hashes = list(req.block_hashes)
-        # a hash per block, or per model token where partial tails hash finer
-        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
-        if len(hashes) != t.tokens // unit:
-            raise AssertionError(f"{req_id}: {len(hashes)} block hashes for "
-                                 f"{t.tokens // unit} full hash blocks")
-        for c, h in enumerate(hashes):
-            for g in range(self.groups):
-                self.obs.key_of[bytes(E.offload_key(h, g))] = M.block_key(
-                    t.family, c, unit, g, self.groups)
+        self._map_keys(t, req, 0, t.tokens)
         self.requests[req_id] = req
         self.family[req_id] = t.family
         return req
+
+    def _map_keys(self, t: M.Template, req: Any, first: int, tokens: int) -> None:
+        """Map the offload keys of `req`'s block hashes from hash `first` on (of its first
+        `tokens` model tokens) back to the model's keys."""
+        hashes = list(req.block_hashes)
+        # a hash per block, or per model token where partial tails hash finer
+        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
+        if len(hashes) != tokens // unit:
+            raise AssertionError(f"{t.req_id}: {len(hashes)} block hashes for "
+                                 f"{tokens // unit} full hash blocks")
+        for c in range(first, len(hashes)):
+            for g in range(self.groups):
+                self.obs.key_of[bytes(E.offload_key(hashes[c], g))] = t.block_key(
+                    c, unit, g, self.groups)
+
+    def _sampled(self, outputs: dict[str, int]) -> None:
+        """Each request's output grown to the model's count after a step, as vLLM's core
+        appends the sampled tokens (`Request.append_output_token_ids`, which extends its
+        block hashes): a model token's `tok` vLLM tokens at once."""
+        for r, n in outputs.items():
+            req = self.requests[r]
+            t = next(t for t in self.bounds.templates() if t.req_id == r)
+            have = len(req.output_token_ids) // self.tok
+            if have >= n:
+                continue
+            first = len(req.block_hashes)
+            req.append_output_token_ids([tok for p in range(t.tokens + have, t.tokens + n)
+                                         for tok in block_tokens(t.output_family, p,
+                                                                 self.tok)])
+            self._map_keys(t, req, first, t.tokens + n)
 
     def _policy_keys(self) -> set[bytes]:
         policy = self.setup.manager._policy
@@ -309,7 +330,8 @@ class VLLMAdapter:
                sched: dict[str, int], finished: frozenset[str], preempted: frozenset[str],
                computed: dict[str, tuple[int, bool]],
                handoffs: dict[str, tuple[tuple[int, int, int], ...]],
-               copies: tuple[tuple[int, int], ...]) -> Any:
+               copies: tuple[tuple[int, int], ...],
+               outputs: dict[str, int] | None = None) -> Any:
         obs = self.obs
         for r in sorted(preempted):
             if r in new or r in self.admitted or r not in self.requests:
@@ -352,6 +374,7 @@ class VLLMAdapter:
         meta = self.connector.build_connector_meta(out)  # victims: counted_prepare_store
         self.step_open = False
         self._memo_jobs(meta)
+        self._sampled(outputs or {})
         obs.reset_since_last_step = False
         self.admitted.clear()
         return meta
@@ -506,6 +529,12 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
                  gpu_blocks=4, resets=1, failures=0, preemptions=1),
         M.Bounds(requests=3, tokens=3, families=2, workers=1, cpu_chunks=4, gpu_blocks=6,
                  resets=2, failures=0, preemptions=2),
+        # requests that decode: output stored as it runs and at the finish, a preempted
+        # request's lookup over it
+        M.Bounds(requests=3, tokens=2, workers=2, cpu_chunks=4, gpu_blocks=8, resets=1,
+                 failures=0, preemptions=2, decode_tokens=3),
+        M.Bounds(requests=2, tokens=3, shared_prefix=False, workers=1, cpu_chunks=3,
+                 gpu_blocks=6, resets=1, failures=0, preemptions=2, decode_tokens=2),
     ]
     if sync_loads:
         out.append(M.Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6,
@@ -548,6 +577,8 @@ def features_needed(b: M.Bounds) -> frozenset[str]:
         need.add("blocks_per_chunk")
     if b.store_threshold > 1:
         need.add("store_admission_at_store")
+    if b.decode_tokens:
+        need.add("finished_commit_point")
     return frozenset(need)
 
 

@@ -115,6 +115,7 @@ FEATURES: dict[str, str] = {
     "manager_chunks": "0.30.0",
     "manager_key_positions": "0.31.0",
     "store_admission_at_store": "0.30.0",
+    "finished_commit_point": "0.30.0",
     "retention_interval": "0.30.0",
     "max_load_tokens": "0.31.0",
     "sync_loads": "0.33.0",
@@ -154,6 +155,10 @@ FEATURE_EVIDENCE: dict[str, str] = {
                                 "before count lookups (M@0.26.0:120-128)",
     "max_load_tokens": "S@0.31.0:367-391 the per-request `max_load_tokens` "
                        "(kv_transfer_params)",
+    "finished_commit_point": "S@0.30.0:1479-1485 a finished request offloads up to "
+                             "`max(num_prompt_tokens, num_tokens - 1)` (its last sampled "
+                             "token's slot is never committed); 0.26.0-0.29.0 up to "
+                             "`num_tokens` (S@0.29.0:1337-1340)",
     "prefix_match_unit": "CFG@0.26.0:56 `prefix_match_unit`",
     "blocks_per_chunk": "S@0.26.0:238 `next_stored_chunk_idx`, S@0.26.0:403 "
                         "`_chunks_being_loaded` (0.25: `next_stored_block_idx`, "
@@ -215,6 +220,7 @@ FEATURE_TAKEN: dict[str, str] = {
     "retention_interval": "`make_setup` passes `prefix_cache_retention_interval` only from "
                           "0.30.0; the retention bound left out; F4 skips",
     "max_load_tokens": "bounds with `max_load_tokens` left out",
+    "finished_commit_point": "decoding bounds (`Bounds.decode_tokens`) left out",
     "sync_loads": "sync-load bounds left out; the sync-load programs skip",
     "preempted_load_flush": "`VLLMMachine.readmits_preempted` / `preempts_a_load` "
                             "(PREEMPTED-LOAD); D1 skips",

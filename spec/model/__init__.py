@@ -32,6 +32,7 @@ from spec.model.faults import NO_FAULTS, Fault, Faults
 from spec.model.interpreter import MACHINES, SPEC_TABLES, Tables, fire, unresolved
 from spec.model.projection import abstract, canonical, renumbering
 from spec.model.state import (
+    OUTPUT_FAMILY,
     Bounds,
     MCore,
     MJob,
@@ -39,7 +40,6 @@ from spec.model.state import (
     ModelState,
     MReq,
     NotEnabled,
-    OUTPUT_FAMILY,
     RequestSettings,
     Template,
     World,
@@ -58,8 +58,8 @@ def coverage_universe() -> set[tuple[str, int]]:
     return SPEC_TABLES.coverage_universe()
 
 
-__all__ = ["MACHINES", "NO_FAULTS", "OUTPUT_FAMILY", "SPEC_TABLES", "Bounds", "Call", "Event", "FairClass",
-           "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
+__all__ = ["MACHINES", "NO_FAULTS", "OUTPUT_FAMILY", "SPEC_TABLES", "Bounds", "Call", "Event",
+           "FairClass", "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
            "NotEnabled", "RequestSettings", "Tables", "Template", "World", "abstract", "apply",
            "block_key", "canonical", "coverage_universe", "events", "fair_class", "fire",
            "initial", "key", "parse_events", "renumbering", "successors"]

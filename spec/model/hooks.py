@@ -8,6 +8,8 @@ job, `finish` request_finished, `reset` reset_cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from spec import job as J
 from spec import request as R
 from spec.groups import (
@@ -278,6 +280,11 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
     _end_step(w)
 
 
+def _every_group(end: int) -> Callable[[int], int]:
+    """The same table end for every group (`window_positions`' `stop`)."""
+    return lambda _g: end
+
+
 def _forget_reallocated_window_blocks(w: World, full_tables: set[str],
                                       grown: dict[str, int]) -> None:
     """A sliding-window block the core freed (before the window) and handed out again in
@@ -295,8 +302,7 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str],
             continue  # a table given in this step (vLLM's is empty until it is scheduled)
         table = list(req.blocks)
         end = len(table) // len(b.groups) - grown.get(r, 0)
-        for i in window_positions(b.groups, len(table), req.cursor * bpc,
-                                  lambda _g, end=end: end):
+        for i in window_positions(b.groups, len(table), req.cursor * bpc, _every_group(end)):
             if table[i] in w.batch_alloc:
                 table[i] = NULL_BLOCK
         if tuple(table) != req.blocks:

@@ -142,6 +142,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             settings += f", retention interval {b.retention_interval}"
         if b.sync_loads:
             settings += ", sync loads"
+        if b.decode_tokens:
+            settings += f", decoding {b.decode_tokens} tokens"
         block = f"{b.tokens_per_block} tokens/block, " if b.tokens_per_block > 1 else ""
         return (f"{b.requests}x{b.tokens} tokens, {groups}{window}, {block}"
                 f"{b.blocks_per_chunk} block(s)/chunk, {b.workers} worker(s){settings}")
