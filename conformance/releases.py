@@ -122,6 +122,8 @@ FEATURES: dict[str, str] = {
     "preempted_load_flush": "0.33.0",
     "lookup_resets_cursor": "0.33.0",
     "step_region": "0.33.0",
+    "lru_request_ranks": "0.33.0",
+    "failed_store_cleanup_event": "0.33.0",
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
@@ -183,6 +185,18 @@ FEATURE_EVIDENCE: dict[str, str] = {
                             "their kind; 0.22.0-0.32.0 assert they are stores "
                             "(`assert self._jobs[any_jid].is_store`, S@0.26.0:1138, "
                             "S@0.32.0:1862)",
+    "lru_request_ranks": "LRU:108-117 an inserted key takes its request's rank "
+                         "`(request_rank, -position)` (LRU:51-61), LRU:133-153 a reused key is "
+                         "raised to it on access (M:181-182 `on_request_access`): within an "
+                         "active request the tail is evicted before the head; 0.31.0-0.32.0 "
+                         "rank each key by insertion (LRU@0.31.0:77-80), the request's order "
+                         "only at its finish (LRU@0.31.0:96-104)",
+    "failed_store_cleanup_event": "M:402-410 a failed store's keys get a removal event "
+                                  "with `metadata_only=True` (B:176-177; M:466-479 drop "
+                                  "the keys a retry re-allocated); 0.31.0-0.32.0 free them "
+                                  "without an event (M@0.31.0:375-381) and "
+                                  "`OffloadingEvent` has no `metadata_only` "
+                                  "(B@0.31.0:165-173)",
 }
 
 
@@ -227,6 +241,12 @@ FEATURE_TAKEN: dict[str, str] = {
     "lookup_resets_cursor": "`VLLMAdapter._as_of_release`: store cursor not compared "
                             "(CURSOR-KEPT)",
     "step_region": "`VLLMAdapter._as_of_release`: `step_open` from the adapter",
+    "lru_request_ranks": "`test_manager_vs_vllm.py`: the LRU run skips (our LRU ranks an "
+                         "active request's keys as 0.33.0 does; the evictions differ); ARC "
+                         "runs",
+    "failed_store_cleanup_event": "`test_manager_vs_vllm.py`: our metadata-only removals "
+                                  "left out of the event comparison, vLLM's events read "
+                                  "as not metadata-only",
 }
 """Feature -> where the conformance code takes a release without it."""
 
