@@ -111,6 +111,7 @@ FEATURES: dict[str, str] = {
     "partial_tails": "0.28.0",
     "kv_tensor_layers": "0.29.0",
     "block_state_handoffs": "0.29.0",
+    "block_state_resolver": "0.30.0",
     "max_num_new_tokens": "0.30.0",
     "manager_chunks": "0.30.0",
     "manager_key_positions": "0.31.0",
@@ -173,6 +174,9 @@ FEATURE_EVIDENCE: dict[str, str] = {
                         "shared_by), KCI@0.28.0:929-937",
     "block_state_handoffs": "SO@0.29.0:209 `class KVConnectorBlockState` (the core's Mamba "
                             "hand-offs)",
+    "block_state_resolver": "SO@0.30.0:212-214 `KVConnectorBlockState(req_ids, "
+                            "resolve_block_ids, ...)` resolves a table on access; 0.29.0 takes "
+                            "the tables as a snapshot (SO@0.29.0:213 `block_ids`)",
     "max_num_new_tokens": "S@0.30.0:754 get_num_new_matched_tokens(..., "
                           "max_num_new_tokens); before, a full-attention lookup may hit the "
                           "whole prompt (S@0.26.0:549-554 bounds it only with a window)",
@@ -224,6 +228,9 @@ FEATURE_TAKEN: dict[str, str] = {
     "kv_tensor_layers": "`vllm_env._kv_tensor` (`shared_by` before), and a hybrid chunk's "
                         "CPU bytes (all layers before: OCF@0.26.0:90-103 sums every tensor)",
     "block_state_handoffs": "Mamba bounds left out; the Mamba hand-off test and F3 skip",
+    "block_state_resolver": "`vllm_env.scheduler_output` builds the block state with "
+                            "`block_ids={}` on 0.29.0 (its connector reads only the "
+                            "hand-offs, S@0.29.0:1221-1222)",
     "max_num_new_tokens": "`VLLMMachine.whole_prompt_hit` (WHOLE-PROMPT-HIT); D1, D3 and "
                           "one regression program skip",
     "manager_chunks": "`test_manager_vs_vllm.py` skips (it builds "

@@ -573,10 +573,14 @@ def scheduler_output(setup: VLLMSetup, *,
         def no_tables(req_id: str) -> tuple[list[int], ...]:
             raise NotImplementedError("the offloading connector reads only the hand-offs")
 
+        handoffs = {r: [tuple(map(int, e)) for e in entries]
+                    for r, entries in boundary_state_offloads.items()}
+        tables: dict[str, Any] = (
+            {"req_ids": set(sched) | set(boundary_state_offloads),
+             "resolve_block_ids": no_tables} if has("block_state_resolver")
+            else {"block_ids": {}})  # 0.29.0: a snapshot, which its connector does not read
         out.kv_connector_block_state = v.KVConnectorBlockState(
-            req_ids=set(sched) | set(boundary_state_offloads), resolve_block_ids=no_tables,
-            boundary_state_offloads={r: [tuple(map(int, e)) for e in entries]
-                                     for r, entries in boundary_state_offloads.items()})
+            **tables, boundary_state_offloads=handoffs)
     return out
 
 
