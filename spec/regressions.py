@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec.model import Bounds, Event, parse_events
+from spec.model import Bounds, Event, RequestSettings, parse_events
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,21 @@ REGRESSIONS: tuple[Regression, ...] = (
         "step() ; arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; ack(job 0, count 2) ; "
         "step() ; ack(job 1, count 2) ; step(admit=r1) ; ack(job 2, count 2) ; "
         "ack(job 3, count 2) ; abort(r0) ; abort(r2)"),
+    Regression(
+        "failed-load-keeps-the-output",
+        "make soak (model machine, seed 2, 46,567 steps), the first soak with decoding",
+        "the model restarted a request whose sync load failed (or whose async load failed "
+        "or timed out) as a fresh one, dropping the output tokens it had sampled; the "
+        "reference, as vLLM, restarts it over prompt and output, so its next lookup may "
+        "reach one token further. The model now restarts through `MCore.restarted` (output "
+        "kept), as a preemption did.",
+        Bounds(tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, preemptions=2,
+               sync_loads=True, request_settings=(
+                   RequestSettings(max_offload_tokens=4),), decode_tokens=2),
+        "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step() ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; step() ; preempt(r1) ; ack(job 2, count 1) ; step(admit=r0) ; "
+        "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; preempt(r1) ; "
+        "step(admit=r1)"),
 )
 
 

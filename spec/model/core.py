@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from spec import request as R
 from spec.groups import NULL_BLOCK
-from spec.model.state import MCore, World
+from spec.model.state import World
 
 
 def free(w: World, blocks: tuple[int, ...]) -> None:
@@ -35,11 +35,11 @@ def follow_connector(w: World) -> None:
                 w.core[r] = c._replace(status="waiting", computed=c.loading, loading=0)
             elif state in R.MUST_RECOMPUTE:
                 free(w, c.blocks)
-                w.core[r] = MCore("waiting")
+                w.core[r] = c.restarted()
         elif c.status == "running":
             if state in R.PREEMPTED_IF_RUNNING:
                 free(w, c.blocks)
-                w.core[r] = MCore("waiting")
+                w.core[r] = c.restarted()
         elif c.status == "finished" and c.blocks:
             loading = req is not None and any(
                 w.jobs[j].kind == "load" for j in req.jobs if j in w.jobs)

@@ -317,7 +317,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
             raise NotEnabled("preemption budget")
         w.budget[2] += 1
         free(w, c.blocks)
-        w.core[r] = MCore("waiting", generated=c.generated)
+        w.core[r] = c.restarted()
         w.pending_preempted.add(r)
     elif ev.kind == "reset":
         if w.budget[0] >= b.resets:

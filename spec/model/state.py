@@ -347,8 +347,14 @@ class MCore(NamedTuple):
     load_job: int | None = None
     """The load that fills its blocks since the core last (re)started it."""
     generated: int = 0
-    """Output tokens sampled so far (vLLM: `len(request.output_token_ids)`); a preemption
+    """Output tokens sampled so far (vLLM: `len(request.output_token_ids)`); a restart
     keeps them."""
+
+    def restarted(self) -> MCore:
+        """The request back to waiting from token zero (a preemption, a failed or timed-out
+        load): its blocks freed by the caller, its KV to recompute, its output tokens kept
+        (vLLM restarts a request over prompt and output alike)."""
+        return MCore("waiting", generated=self.generated)
 
 
 @dataclass(frozen=True)
