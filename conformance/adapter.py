@@ -173,7 +173,7 @@ class VLLMAdapter:
         req = self.requests.get(req_id)
         if req is not None:
             return req
-        t = next(t for t in self.bounds.templates() if t.req_id == req_id)
+        t = self.bounds.template(req_id)
         prompt = [tok for p in range(t.tokens) for tok in block_tokens(t.family, p, self.tok)]
         req = E.make_request(
             self.setup, req_id, prompt,
@@ -204,7 +204,7 @@ class VLLMAdapter:
         block hashes): a model token's `tok` vLLM tokens at once."""
         for r, n in outputs.items():
             req = self.requests[r]
-            t = next(t for t in self.bounds.templates() if t.req_id == r)
+            t = self.bounds.template(r)
             have = len(req.output_token_ids) // self.tok
             if have >= n:
                 continue
@@ -777,7 +777,8 @@ class VLLMMachine(OffloadingStateMachine):
         b = m.bounds
         if b.window_groups():
             return False
-        t = next(t for t in b.templates() if t.req_id == ev.req)
+        assert ev.req is not None  # admits_with_a_lookup
+        t = b.template(ev.req)
         tpc = b.tokens_per_chunk
         if t.settings.skip_reading_prefix_cache or t.tokens % tpc or t.tokens < tpc:
             return False

@@ -273,6 +273,13 @@ class Bounds:
             return None
         return boundary
 
+    def template(self, req_id: str) -> Template:
+        """Request `req_id`'s template."""
+        for t in self.templates():
+            if t.req_id == req_id:
+                return t
+        raise ModelError(f"no request template {req_id!r}")
+
     def templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
             if self.families is not None:
@@ -503,10 +510,7 @@ class World:
             put_job(self, subject)
 
     def template(self, req_id: str) -> Template:
-        for t in self.bounds.templates():
-            if t.req_id == req_id:
-                return t
-        raise ModelError(f"no request template {req_id!r}")
+        return self.bounds.template(req_id)
 
     def num_tokens(self, req_id: str) -> int:
         """The request's tokens, its prompt and the output sampled so far (vLLM:
