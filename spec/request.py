@@ -123,6 +123,16 @@ GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, STORE_CANDIDATES, HOLDS_GPU_B
           MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, MAY_HOLD_JOBS, AWAITING_ADMISSION, QUIESCENT,
           WAITING_ON_CONNECTOR)
 
+
+def finished_keeps_destinations(kind: str, sync: bool) -> bool:
+    """Whether a finished request still holds the GPU blocks a live job of it names: only an
+    async load's destinations, which the core keeps until the load's finished_recving (an
+    abort while loading, CS:3017-3027). A sync load's copy ended with the step that ran it
+    (W:256-270), so the core freed its destinations at the finish like the request's other
+    blocks, and may hand them to another request while the load's reports are still due."""
+    return kind == "load" and not sync
+
+
 GUARDS = (
     Guard("other_jobs_remain", "after the ending job leaves, the request still holds a job"),
     Guard("has_transfer_jobs", "the request holds at least one job"),

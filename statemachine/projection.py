@@ -33,14 +33,13 @@ def _gpu_blocks(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
     if req.state in R.HOLDS_GPU_BLOCKS:
         return _in_window(s, req)
     if req.is_finished:
-        # finished while loading: the core keeps the load's destinations until it ends,
-        # but not those a sliding window had left behind while the request ran (a sync
-        # load's copy ended with its step)
+        # aborted while loading: the core keeps the async load's destinations until it
+        # ends, but not those a sliding window had left behind while the request ran
         still = set(_in_window(s, req))
         held: list[int] = []
         for jid in sorted(req.transfer_jobs):
             job = s.jobs.get(jid)
-            if job is not None and not job.is_store:
+            if job is not None and R.finished_keeps_destinations(job.kind, job.sync):
                 held.extend(b for b in job.gpu_block_ids if b in still)
         return tuple(held)
     return ()

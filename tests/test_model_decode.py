@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+import spec
 from spec import model as M
 from spec.progress import PROGRESS
 from statemachine.checker import check, compiled
-from statemachine.errors import InvariantViolation
 
 DECODING = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=8, gpu_blocks=8, resets=0,
                     failures=0, preemptions=1, decode_tokens=3)
@@ -128,18 +128,27 @@ def test_decode_bounds_are_validated() -> None:
 SOAK_INV15 = ("arrive(r1) ; arrive(r0) ; step(admit=r0) ; ack(job 0, count 1) ; "
               "step(admit=r1) ; step() ; finish(r1) ; step()")
 """Found by `make soak` at e9bef63 (model machine, seeds 8 and 12): a decoding request gets a
-new block mid-life, the one a request that just finished held while its sync load is still
-due reports; the reference's INV-15 then fails for the new store of that block. Open: the
-model's or the reference's handling of a block appended to a running request (the
-re-allocation fence) is to be settled; this pins the failure until then."""
+new block mid-life, the one a request that just finished held while its sync load's reports
+are still due. The core freed it at the finish (the sync copy ended with its step), but both
+projections still counted a finished request's sync-load destinations as held, so INV-15 saw
+the new store's source block with the wrong holder. Fixed at the root: a finished request
+holds only its async loads' destinations (`spec.request.finished_keeps_destinations`)."""
 
 
-@pytest.mark.xfail(strict=True, raises=InvariantViolation,
-                   reason="open soak finding SOAK_INV15 (issue 15's closing note)")
 def test_a_block_appended_while_a_finished_requests_load_is_due_keeps_inv15() -> None:
     from statemachine.testing import replay
 
     b = M.Bounds(tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, preemptions=2,
                  sync_loads=True, decode_tokens=2,
                  request_settings=(M.RequestSettings(max_offload_tokens=4),))
-    replay(M.parse_events(SOAK_INV15), b)
+    events = M.parse_events(SOAK_INV15)
+    replay(events, b)  # the reference scheduler against the model, invariants after each hook
+    a = M.abstract(_run(b, SOAK_INV15))
+    r1 = next(r for r in a.requests if r.id == "r1")
+    sync_load = next(j for j in a.jobs if j.owner == "r1" and j.kind == "load")
+    assert sync_load.sync and r1.finished and r1.gpu_blocks == ()
+    store = next(j for j in a.jobs if j.owner == "r0" and j.kind == "store"
+                 and sync_load.blocks & j.blocks)  # r0 stores the block r1's load wrote
+    r0 = next(r for r in a.requests if r.id == "r0")
+    assert store.blocks <= set(r0.gpu_blocks)
+    assert spec.check(a) == []

@@ -30,11 +30,11 @@ def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
         if q.state in R.HOLDS_GPU_BLOCKS:
             blocks = _held(s, q.blocks, q.window_end)
         elif q.finished:
-            # finished while loading: the core keeps the load's destinations until it ends,
-            # but not those a sliding window had left behind while the request ran (a sync
-            # load's copy ended with its step)
+            # aborted while loading: the core keeps the async load's destinations until it
+            # ends, but not those a sliding window had left behind while the request ran
             still = set(_held(s, q.blocks, q.window_end))
-            blocks = tuple(b for j in s.jobs if j.owner == q.id and j.kind == "load"
+            blocks = tuple(b for j in s.jobs if j.owner == q.id
+                           and R.finished_keeps_destinations(j.kind, j.sync)
                            for b in j.blocks if b in still)
         else:
             blocks = ()

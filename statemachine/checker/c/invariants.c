@@ -30,7 +30,8 @@ static uint16_t gpu_blocks(const State *s, int r, uint8_t *seq, int *n) {
     } else if (q->flags & RF_FINISHED) {
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
-            if (live(j) && j->owner == r && j->kind == KIND_LOAD)
+            /* an async load's destinations (spec.request.finished_keeps_destinations) */
+            if (live(j) && j->owner == r && j->kind == KIND_LOAD && !(j->flags & JF_SYNC))
                 for (int k = 0; k < j->nblocks && *n < 2 * MAXT; k++) {
                     seq[(*n)++] = j->blocks[k];
                     m |= (uint16_t)(1u << j->blocks[k]);
