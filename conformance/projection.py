@@ -241,11 +241,13 @@ def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> Requ
     if state in R.HOLDS_GPU_BLOCKS:
         gpu = obs.held(req_id)
     elif finished:
-        # finished while loading: the load's blocks stay held, but not those its window
-        # had left behind while the request ran
+        # aborted while loading: the async load's blocks stay held, but not those its
+        # window had left behind while the request ran
         still = set(obs.held(req_id, obs.final_blocks.get(req_id, ())))
         gpu = tuple(b for j in sorted(st.transfer_jobs) if j in sched._jobs
-                    and not sched._jobs[j].is_store
+                    and R.finished_keeps_destinations(
+                        "store" if sched._jobs[j].is_store else "load",
+                        bool(_first(sched._jobs[j], "is_sync_load", default=False)))
                     for b in sorted(obs.jobs[j].blocks if j in obs.jobs else ())
                     if b in still)
     else:
