@@ -43,7 +43,14 @@ from typing import Any
 from spec import job as J
 from spec import request as R
 from spec.groups import freed_positions
-from spec.state import AbstractState, HeldJob, JobRecord, RequestRecord
+from spec.state import (
+    AbstractState,
+    HeldJob,
+    JobRecord,
+    RequestRecord,
+    fast_job_record,
+    fast_request_record,
+)
 
 
 @dataclass
@@ -189,12 +196,18 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
     if st.req.is_finished() if finished is None else finished:
         return R.FINISHED_DRAINING if getattr(st, "finished_signaled", False) \
             else R.FINISHED_PENDING_FINAL
-    jobs = [sched._jobs.get(j) for j in st.transfer_jobs]
-    loads = [j for j in jobs if j is not None and not j.is_store]
-    if any(not _first(j, "is_sync_load", default=False) for j in loads):
-        return R.LOADING_ASYNC
+    held = st.transfer_jobs
+    sync_load = False
+    if held:
+        table = sched._jobs
+        for jid in held:
+            j = table.get(jid)
+            if j is not None and not j.is_store:
+                if not getattr(j, "is_sync_load", False):
+                    return R.LOADING_ASYNC
+                sync_load = True
     core = obs.core_of(req_id, st.req)
-    if loads:  # a sync load: waited on in its step while the core runs the request (or is
+    if sync_load:  # a sync load: waited on in its step while the core runs the request (or is
         # allocating it, as a live monitor sees it at update_state_after_alloc); once the
         # core preempted it, the load is flushed with the request's stores
         return R.LOADING_SYNC if core in ("running", "allocated") else R.PREEMPTED_FLUSHING
@@ -204,7 +217,7 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
         return R.ORPHANED_LOAD
     if st.transfer_jobs:
         return R.PREEMPTED_FLUSHING
-    if _first(st, "deferred_lookup_start_time", default=None) is not None:
+    if getattr(st, "deferred_lookup_start_time", None) is not None:
         return R.LOOKUP_DEFERRED
     return R.IDLE
 
@@ -224,14 +237,13 @@ def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
     memo = obs.jobs.get(jid)
     deferred = _first(js, "deferred_fence_block_ids", "non_sliding_window_block_ids")
     fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
-    return JobRecord(
-        id=jid, kind="store" if js.is_store else "load", owner=js.req_id,
-        state=job_state(obs, jid, js.pending_count), pending_count=js.pending_count,
-        sync=bool(_first(js, "is_sync_load", default=False)), failed=False,
-        keys=memo.keys if memo else _keys(obs, js.keys),  # a job's keys are fixed
-        blocks=memo.blocks if memo else frozenset(),
-        fenced_blocks=_blocks(fenced), deferred_fence_blocks=_blocks(deferred),
-        age=1, flush_requested=jid in obs.flush_requested)
+    return fast_job_record(
+        jid, "store" if js.is_store else "load", js.req_id,
+        job_state(obs, jid, js.pending_count), js.pending_count,
+        bool(getattr(js, "is_sync_load", False)), False,
+        memo.keys if memo else _keys(obs, js.keys),  # a job's keys are fixed
+        memo.blocks if memo else frozenset(), _blocks(fenced), _blocks(deferred),
+        1, jid in obs.flush_requested)
 
 
 def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> RequestRecord:
@@ -252,11 +264,9 @@ def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> Requ
                     if b in still)
     else:
         gpu = ()
-    return RequestRecord(
-        id=req_id, state=state, transfer_jobs=frozenset(st.transfer_jobs),
-        finished=finished, finished_signaled=bool(getattr(st, "finished_signaled", False)),
-        load_invalid=False, lookup_hit_pending=False, gpu_blocks=gpu,
-        store_cursor=_store_cursor(st))
+    return fast_request_record(
+        req_id, state, frozenset(st.transfer_jobs), finished,
+        bool(getattr(st, "finished_signaled", False)), False, False, gpu, _store_cursor(st))
 
 
 def fence_of(sched: Any, obs: Observations) -> dict[int, int]:
@@ -282,8 +292,13 @@ def policy_table(manager: Any) -> Any:
     return _first(manager._policy, "chunks", "blocks")
 
 
+def loading_set(sched: Any) -> Any:
+    """vLLM's set of the offload keys its async loads read."""
+    return _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set()
+
+
 def chunks_being_loaded(sched: Any, obs: Observations) -> frozenset[int]:
-    return _keys(obs, _first(sched, "_chunks_being_loaded", "_blocks_being_loaded") or set())
+    return _keys(obs, loading_set(sched))
 
 
 def block_fence(sched: Any) -> tuple[tuple[int, frozenset[int]], ...]:
@@ -328,6 +343,6 @@ def project(setup: Any, obs: Observations) -> AbstractState:
 
 
 __all__ = ["JobMemo", "Observations", "block_fence", "block_fence_map", "chunks_being_loaded",
-           "count_manager_calls", "fence_of",
-           "job_state", "model_block", "policy_table", "project", "project_held", "project_job",
-           "project_request", "step_open", "vllm_block"]
+           "count_manager_calls", "fence_of", "job_state", "loading_set", "model_block",
+           "policy_table", "project", "project_held", "project_job", "project_request",
+           "step_open", "vllm_block"]

@@ -13,8 +13,9 @@ Names follow vLLM's fields (S:348-493, S:558-671): ``transfer_jobs``, ``pending_
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypeVar
 
 JobKind = Literal["load", "store"]
 
@@ -73,6 +74,30 @@ class HeldJob:
     """A step's metadata already told the workers to finish it."""
     sync: bool = False
     """A synchronous load: the workers finished its copy before its step's forward pass."""
+
+
+_Record = TypeVar("_Record", JobRecord, RequestRecord, HeldJob)
+
+
+def record_builder(cls: type[_Record]) -> Callable[..., _Record]:
+    """A positional constructor of record class `cls` (every field, in order) that fills the
+    instance's `__dict__` at once instead of the frozen dataclass `__init__`'s
+    `object.__setattr__` per field: the same value (equal, same hash), about 4x cheaper to
+    build. For the live monitor's hot path, which builds a record per changed request and
+    job after every hook; the records define no `__post_init__` to skip."""
+    assert not hasattr(cls, "__post_init__"), cls
+    names = [f.name for f in fields(cls)]
+    body = ", ".join(f"{n!r}: {n}" for n in names)
+    namespace: dict[str, Any] = {}
+    exec(f"def build({', '.join(names)}):\n    r = new(cls)\n    r.__dict__.update({{{body}}})"
+         "\n    return r\n", {"new": object.__new__, "cls": cls}, namespace)
+    built: Callable[..., _Record] = namespace["build"]
+    return built
+
+
+fast_job_record = record_builder(JobRecord)
+fast_request_record = record_builder(RequestRecord)
+"""`JobRecord(...)` and `RequestRecord(...)` with every field positional, built faster."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from spec import job as J
 from spec import request as R
-from spec.state import JobRecord, RequestRecord
+from spec.state import HeldJob, JobRecord, RequestRecord, record_builder
 from statemachine import simulate
 from statemachine.cli import main as kvspec
 from statemachine.monitor.checker import SpecMonitor, is_move, path_of
@@ -228,16 +228,63 @@ def test_a_malformed_log_names_its_line_and_field(
     assert f"bad.jsonl:{line}: field {field!r}" in err
 
 
+@pytest.mark.parametrize("values", [
+    (JobRecord, (7, "store", "r1", J.SHIPPED, 2, False, False, frozenset({3, 1}),
+                 frozenset({5}), frozenset(), frozenset({5}), 1, False)),
+    (RequestRecord, ("r1", R.STORING, frozenset({7}), False, False, False, False, (4, 2), 3)),
+    (HeldJob, (9, "load", 1, frozenset({2}), frozenset({8}), True, False)),
+])
+def test_the_fast_record_builder_builds_the_same_record(values: tuple[type, tuple[Any, ...]]
+                                                         ) -> None:
+    cls, fields_ = values
+    made, built = cls(*fields_), record_builder(cls)(*fields_)
+    assert type(built) is cls and built == made and hash(built) == hash(made)
+    assert repr(built) == repr(made) and not built < made and not made < built
+    with pytest.raises(AttributeError):  # still frozen
+        built.id = 0
+    with pytest.raises(TypeError):  # every field, positionally
+        record_builder(cls)(*fields_[:-1])
+
+
+def test_a_step_logs_its_scheduled_requests_compactly(clean_log: Path) -> None:
+    """Version 3's `build_connector_meta` arguments: every scheduled request with its token
+    count; block ids only for the requests given new blocks, a request scheduled as new
+    with its whole table; and the admitted ones (new or resumed) among the scheduled."""
+    events = read_log(clean_log).events
+    steps = [e for e in events if e.hook == "build_connector_meta"]
+    assert steps and all(set(HOOK_ARGS["build_connector_meta"]) <= set(e.args) for e in steps)
+    admitted_seen = grown = whole = 0
+    allocated: dict[str, Any] = {}  # this step's allocations
+    for e in events:
+        if e.hook == "update_state_after_alloc":
+            allocated[e.args["request"]] = e.args["block_ids"]
+        if e.hook != "build_connector_meta":
+            continue
+        scheduled, blocks = e.args["scheduled"], e.args["new_block_ids"]
+        assert all(isinstance(n, int) and n >= 0 for n in scheduled.values())
+        assert set(blocks) <= set(scheduled) and set(e.args["admitted"]) <= set(scheduled)
+        assert all(any(g) for g in blocks.values())  # no entry without a block
+        for rid in e.args["admitted"]:
+            admitted_seen += 1
+            if rid in blocks and rid in allocated:
+                assert blocks[rid] == allocated[rid]  # a new request's whole table
+                whole += 1
+        grown += sum(1 for rid in blocks if rid not in e.args["admitted"])
+        allocated.clear()
+    assert admitted_seen > 10 and whole > 10 and grown > 10  # every kind of entry occurs
+
+
 def test_a_log_of_another_schema_version_is_refused(
         clean_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = lines(clean_log)
     head = json.loads(rows[0])
-    other = write(tmp_path / "v1.jsonl", [json.dumps({**head, "schema_version": 1}),
-                                         *rows[1:]])  # records as objects: no longer read
-    with pytest.raises(SchemaVersionMismatch):
-        read_log(other)
-    assert kvspec(["replay", str(other)]) == 2
-    assert "version 1" in capsys.readouterr().err
+    for old in (1, 2):  # 1: records as objects; 2: `scheduled` as [tokens, blocks, resumed]
+        other = write(tmp_path / f"v{old}.jsonl", [json.dumps({**head, "schema_version": old}),
+                                                   *rows[1:]])
+        with pytest.raises(SchemaVersionMismatch):
+            read_log(other)
+        assert kvspec(["replay", str(other)]) == 2
+        assert f"version {old}" in capsys.readouterr().err
     assert kvspec(["replay", str(tmp_path / "none.jsonl")]) == 2
 
 

@@ -35,6 +35,7 @@ from conformance.projection import (
     count_manager_calls,
     fence_of,
     job_state,
+    loading_set,
     policy_table,
     project_held,
     project_job,
@@ -42,7 +43,7 @@ from conformance.projection import (
     step_open,
 )
 from spec import job as J
-from spec.state import JobRecord, RequestRecord
+from spec.state import JobRecord, RequestRecord, fast_job_record
 from statemachine.monitor.log import Delta, Event
 
 _CORE_STATUS = {
@@ -146,6 +147,8 @@ class LiveProjector:
         creates is shipped by its step's metadata)."""
         self.seq = 0
         self.step = 0
+        self._loading: frozenset[Any] | None = None
+        """vLLM's chunks being loaded as last projected (its own keys)."""
         self.has_step_region = hasattr(sched, "_step_region")
         self.in_step = False
         """Where vLLM keeps no step region (before 0.26): a step is open from the first
@@ -179,7 +182,7 @@ class LiveProjector:
         if state == first.state and pending == first.pending_count \
                 and flush == first.flush_requested:
             return first
-        return JobRecord(jid, first.kind, first.owner, state, pending, first.sync, False,
+        return fast_job_record(jid, first.kind, first.owner, state, pending, first.sync, False,
                          first.keys, first.blocks, first.fenced_blocks,
                          first.deferred_fence_blocks, first.age, flush)
 
@@ -242,16 +245,17 @@ class LiveProjector:
     def _pins(self, keys: set[int], d: Delta) -> None:
         if not keys:
             return
-        chunks = policy_table(self.manager)
+        entry_of, vllm_key = policy_table(self.manager).get, self.obs.vllm_key
+        last, changed = self.ref_cnt, d.ref_cnt
         for k in keys:
-            entry = chunks.get(self.obs.vllm_key[k])
+            entry = entry_of(vllm_key[k])
             n = None if entry is None else int(entry.ref_cnt)
-            if self.ref_cnt.get(k) != n:
-                d.ref_cnt[k] = n
+            if last.get(k) != n:
+                changed[k] = n
                 if n is None:
-                    self.ref_cnt.pop(k, None)
+                    last.pop(k, None)
                 else:
-                    self.ref_cnt[k] = n
+                    last[k] = n
 
     def _globals(self, d: Delta, counter: int, fences: bool, loads: bool) -> None:
         """The global fields; the reset fence and the block fence only where `fences` (the
@@ -292,7 +296,10 @@ class LiveProjector:
             "reset_since_last_step": obs.reset_since_last_step,
         }
         if loads or "chunks_being_loaded" not in self.scalars:
-            scalars["chunks_being_loaded"] = chunks_being_loaded(sched, obs)
+            raw = loading_set(sched)
+            if raw != self._loading:  # interned again only when vLLM's set changed
+                self._loading = frozenset(raw)
+                scalars["chunks_being_loaded"] = chunks_being_loaded(sched, obs)
         if len(obs.stores_after_signal) != len(self.scalars.get("stores_after_signal", ())):
             scalars["stores_after_signal"] = frozenset(obs.stores_after_signal)
         elif "stores_after_signal" not in self.scalars:
@@ -323,40 +330,38 @@ class LiveProjector:
         return out
 
     def args_of_output(self, scheduler_output: Any) -> tuple[dict[str, Any], set[str]]:
-        """`build_connector_meta`'s arguments and the requests it can move: those admitted,
-        resumed, preempted or finished (the rest keep running)."""
-        scheduled: dict[str, list[Any]] = {}
-        touched: set[str] = set()
-        tokens = scheduler_output.num_scheduled_tokens
+        """`build_connector_meta`'s arguments (`statemachine.monitor.log.HOOK_ARGS`) and the
+        requests it can move: those admitted, resumed, preempted or finished (the rest keep
+        running). Only the requests given blocks cost more than their token count."""
+        new_blocks: dict[str, list[list[int]]] = {}
+        admitted: list[str] = []
         for new in scheduler_output.scheduled_new_reqs:
-            scheduled[new.req_id] = [int(tokens.get(new.req_id, 0)),
-                                     block_ids_per_group(new.block_ids), True]
-            touched.add(new.req_id)
+            new_blocks[new.req_id] = block_ids_per_group(new.block_ids)
+            admitted.append(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        get = tokens.get
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if blocks is None:
-                ids: list[list[int]] = []
-            elif type(blocks) is tuple and len(blocks) == 1 \
+            if not blocks:
+                continue
+            if type(blocks) is tuple and len(blocks) == 1 \
                     and type(blocks[0]) is list:  # one KV cache group (the common case)
-                ids = [list(blocks[0])] if blocks[0] else _NO_BLOCKS
+                if blocks[0]:
+                    new_blocks[rid] = [list(blocks[0])]
             else:
                 ids = block_ids_per_group(blocks)
-            if rid in resumed:
-                scheduled[rid] = [int(get(rid, 0)), ids, True]
-                touched.add(rid)
-            else:
-                scheduled[rid] = [int(get(rid, 0)), ids, False]
+                if any(ids):
+                    new_blocks[rid] = ids
+        resumed = getattr(cached, "resumed_req_ids", None)
+        if resumed:
+            admitted.extend(sorted(resumed))
+        scheduled = {rid: int(n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
         finished = sorted(scheduler_output.finished_req_ids or ())
         preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        touched.update(finished)
-        touched.update(preempted)
+        touched = {*admitted, *finished, *preempted}
         self.obs.scheduled = set(scheduled)
         self.obs.preempted = set(preempted)
         self.obs.allocated.clear()
-        return ({"scheduled": scheduled, "finished": finished, "preempted": preempted},
-                touched)
+        return ({"scheduled": scheduled, "new_block_ids": new_blocks, "admitted": admitted,
+                 "finished": finished, "preempted": preempted}, touched)
 
     def after_build(self, meta: Any) -> tuple[dict[str, list[int]], set[int]]:
         """What the metadata ships (per kind) and the jobs whose state it moved; marks

@@ -1,8 +1,8 @@
-"""The monitor's event log: one JSON object per line, schema `kvspec-monitor` version 2.
+"""The monitor's event log: one JSON object per line, schema `kvspec-monitor` version 3.
 
 Line 1 is the header; every later line is one scheduler-side hook call of the connector:
 
-    {"schema": "kvspec-monitor", "schema_version": 2, "vllm": "0.33.0", "num_workers": 2,
+    {"schema": "kvspec-monitor", "schema_version": 3, "vllm": "0.33.0", "num_workers": 2,
      "mode": "warn", "stuck_after_steps": 64, "translations": [],
      "records": {"request": ["id", "state", ...], "job": [...], "held": [...]}}
     {"seq": 1, "step": 0, "hook": "on_new_request", "args": {"request": "r0", ...},
@@ -30,8 +30,13 @@ An event's fields:
 A record is an array of its fields in the order the header's `records` names them (for a
 `spec.state` `RequestRecord`, `JobRecord` and `HeldJob`: their fields' order in `spec.state`);
 frozensets are sorted lists, tuples lists. (Version 1 wrote each record as an object keyed
-by field name: the same content, twice the bytes and twice the time to encode.) The file
-is UTF-8: text outside ASCII is written as itself.
+by field name: the same content, twice the bytes and twice the time to encode. Version 2
+wrote `build_connector_meta`'s `scheduled` as request id -> [tokens, new block ids, resumed]
+for every scheduled request: version 3 splits it into `scheduled`, `new_block_ids` and
+`admitted`, so a request that only decodes costs its token count, a third of the bytes.)
+The file is UTF-8: text outside ASCII is written as itself. The writer flushes at the end
+of each engine step (`build_connector_meta`) and after an event with findings or an error:
+a process that dies loses at most the events of the step it died in.
 A log of another schema or version is refused (`SchemaVersionMismatch`); a line that is not
 a JSON object, a missing or mistyped field, a seq out of order: `MalformedLog` names the line
 and the field (a record's field by its name). A last line cut short (the process died while
@@ -52,22 +57,26 @@ from spec.state import HeldJob, JobRecord, RequestRecord
 from statemachine.errors import KVSpecError
 
 SCHEMA = "kvspec-monitor"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 HOOK_ARGS: dict[str, tuple[str, ...]] = {
     "on_new_request": ("request", "prompt_tokens"),
     "get_num_new_matched_tokens": ("request", "num_computed_tokens", "result"),
     "update_state_after_alloc": ("request", "block_ids", "num_external_tokens"),
-    "build_connector_meta": ("scheduled", "finished", "preempted", "shipped"),
+    "build_connector_meta": ("scheduled", "new_block_ids", "admitted", "finished", "preempted",
+                             "shipped"),
     "update_connector_output": ("acks", "finished_sending", "finished_recving"),
     "request_finished": ("request", "block_ids", "result"),
     "reset_cache": ("result",),
 }
-"""The argument fields each hook's events carry (schema versions 1 and 2). `scheduled`: request id
--> [tokens scheduled, new block ids per group, resumed]; `shipped`: the job ids the step's
-metadata hands the workers, per kind (`store`, `load`, `flush`); `acks`: job id ->
-reports (summed over the workers). An implementation with failure reports (ours) adds
-`failed` (job id -> failure reports) to `update_connector_output`."""
+"""The argument fields each hook's events carry (schema version 3). `scheduled`: request id
+-> tokens scheduled this step, for every request the step schedules (in the scheduler
+output's order); `new_block_ids`: request id -> the block ids per KV cache group it was
+given this step, only for the requests given some (a request scheduled as new: its whole
+table); `admitted`: the requests scheduled as new or resumed from preemption; `shipped`:
+the job ids the step's metadata hands the workers, per kind (`store`, `load`, `flush`);
+`acks`: job id -> reports (summed over the workers). An implementation with failure reports
+(ours) adds `failed` (job id -> failure reports) to `update_connector_output`."""
 
 SCALARS = ("job_counter", "stale_threshold", "chunks_being_loaded", "jobs_to_flush",
            "step_open", "reset_since_last_step", "stores_after_signal")
@@ -356,15 +365,22 @@ itself (a third cheaper than escaping every string); the JSON read back is the s
 _ENCODE_ASCII = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
+FLUSH_AFTER = "build_connector_meta"
+"""The hook that ends an engine step: the writer flushes after it (and after any event with
+findings or an error), not after every event (a flush is a system call per line)."""
+
+
 class LogWriter:
-    """Appends events to a JSON-lines file (one write and flush per event, so a crash loses
-    at most the line being written)."""
+    """Appends events to a JSON-lines file, flushed at the end of each engine step and after
+    an event with findings or an error (a process that dies loses at most its last step's
+    events; a line cut short is read back as `truncated`)."""
 
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._out: IO[str] = self.path.open("w", encoding="utf-8")
         self._write(header.to_json())
+        self._out.flush()
 
     def _write(self, obj: dict[str, Any]) -> None:
         line = _ENCODE(obj) + "\n"
@@ -372,10 +388,14 @@ class LogWriter:
             self._out.write(line)
         except UnicodeEncodeError:  # a lone surrogate in a string: escaped, as JSON allows
             self._out.write(_ENCODE_ASCII(obj) + "\n")
-        self._out.flush()
 
     def write(self, event: Event) -> None:
         self._write(event.to_json())
+        if event.hook == FLUSH_AFTER or event.findings or event.error is not None:
+            self._out.flush()
+
+    def flush(self) -> None:
+        self._out.flush()
 
     def close(self) -> None:
         self._out.close()

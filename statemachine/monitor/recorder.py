@@ -87,15 +87,24 @@ def hook_args(hook: str, args: tuple[Any, ...], result: Any) -> dict[str, Any]:
                 "num_external_tokens": int(args[2])}
     if hook == "build_connector_meta":
         out = args[0]
-        sched: dict[str, list[Any]] = {}
+        new_blocks: dict[str, list[list[int]]] = {}
+        admitted: list[str] = []
         for n in out.scheduled_new_reqs:
-            sched[n.req_id] = [out.num_scheduled_tokens.get(n.req_id, 0), _groups(n.block_ids),
-                               True]
+            new_blocks[n.req_id] = _groups(n.block_ids)
+            admitted.append(n.req_id)
         for c in out.scheduled_cached_reqs:
-            sched[c.req_id] = [out.num_scheduled_tokens.get(c.req_id, 0),
-                               _groups(c.new_block_ids), bool(c.resumed_from_preemption)]
+            if any(_groups(c.new_block_ids)):
+                new_blocks[c.req_id] = _groups(c.new_block_ids)
+            if c.resumed_from_preemption:
+                admitted.append(c.req_id)
+        scheduled = {rid: int(n) for rid, n in out.num_scheduled_tokens.items()}
+        for rid in (*(n.req_id for n in out.scheduled_new_reqs),
+                    *(c.req_id for c in out.scheduled_cached_reqs)):
+            scheduled.setdefault(rid, 0)
         meta = result
-        return {"scheduled": sched, "finished": sorted(out.finished_req_ids),
+        return {"scheduled": scheduled,
+                "new_block_ids": new_blocks, "admitted": admitted,
+                "finished": sorted(out.finished_req_ids),
                 "preempted": sorted(out.preempted_req_ids),
                 "shipped": {"store": sorted(meta.store_jobs), "load": sorted(meta.load_jobs),
                             "flush": sorted(meta.jobs_to_flush)}}
