@@ -103,6 +103,8 @@ class VLLMAdapter:
             extra["sync_load_budget_bytes"] = self.sync_load_budget_bytes
         if bounds.store_threshold > 1:
             extra["store_threshold"] = bounds.store_threshold
+        if bounds.offload_prompt_only:  # vLLM's default; vllm_env.make_setup turns it off
+            extra["offload_prompt_only"] = True
         self.groups = len(bounds.groups)
         self.tok = tokens_per_model_token(bounds)
         """vLLM tokens per model token."""
@@ -535,6 +537,9 @@ def _vllm_bounds(sync_loads: bool) -> tuple[M.Bounds, ...]:
                  failures=0, preemptions=2, decode_tokens=3),
         M.Bounds(requests=2, tokens=3, shared_prefix=False, workers=1, cpu_chunks=3,
                  gpu_blocks=6, resets=1, failures=0, preemptions=2, decode_tokens=2),
+        # vLLM's default offload_prompt_only: the output is never stored
+        M.Bounds(requests=3, tokens=2, workers=2, cpu_chunks=4, gpu_blocks=8, resets=1,
+                 failures=0, preemptions=2, decode_tokens=3, offload_prompt_only=True),
     ]
     if sync_loads:
         out.append(M.Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6,
@@ -584,6 +589,8 @@ def features_needed(b: M.Bounds) -> frozenset[str]:
         need.add("store_admission_at_store")
     if b.decode_tokens:
         need.add("finished_commit_point")
+    if b.offload_prompt_only:
+        need.add("offload_caps")
     return frozenset(need)
 
 

@@ -101,6 +101,20 @@ REGRESSIONS: tuple[Regression, ...] = (
         "ack(job 1, count 1) ; step() ; preempt(r1) ; ack(job 2, count 1) ; step(admit=r0) ; "
         "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; preempt(r1) ; "
         "step(admit=r1)"),
+    Regression(
+        "finished-sync-load-frees-its-blocks",
+        "make soak (model machine, seeds 8 and 12), the first soak with decoding",
+        "a request finished while its sync load's reports were still due; the core freed "
+        "its blocks (the sync copy ended with its step) and gave one to a decoding request, "
+        "which stored it. Both projections still counted a finished request's sync-load "
+        "destinations as its blocks, so INV-15 saw the new store's source block held by "
+        "the finished request. A finished request now holds only its async loads' "
+        "destinations (`spec.request.finished_keeps_destinations`).",
+        Bounds(tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, preemptions=2,
+               sync_loads=True, decode_tokens=2, request_settings=(
+                   RequestSettings(max_offload_tokens=4),)),
+        "arrive(r1) ; arrive(r0) ; step(admit=r0) ; ack(job 0, count 1) ; step(admit=r1) ; "
+        "step() ; finish(r1) ; step()"),
 )
 
 

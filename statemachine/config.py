@@ -128,6 +128,9 @@ class OffloadingConfig:
     """Beyond vLLM: a job not reported by every worker this many steps after it was shipped
     times out. None: no timeout (vLLM 0.33.0)."""
     offload_prompt_only: bool = False
+    """Stores stop at the prompt's end: a decoding request's output is never offloaded
+    (vLLM's `offload_prompt_only`, S:769-770). vLLM's default is True (B:729-730); ours is
+    False, as the model's (`spec.model.Bounds.offload_prompt_only`): set it to match vLLM."""
     store_threshold: int = 1
     """Store admission (vLLM's `store_threshold` extra config): a chunk is stored only once
     it was offered this many times; 1 (or 0 in vLLM's config) stores every chunk."""

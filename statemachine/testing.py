@@ -111,6 +111,7 @@ class ReferenceAdapter:
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
             store_threshold=bounds.store_threshold,
+            offload_prompt_only=bounds.offload_prompt_only,
             tokens_per_hash=BLOCK if bounds.partial_tails else None,
             groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
                                       if kind == "sliding" else None)
@@ -350,10 +351,13 @@ DECODE_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=14, resets=1,
              failures=1, preemptions=2, groups=("full", "sliding"), sliding_window=2,
              blocks_per_chunk=2, decode_tokens=3),
+    M.Bounds(requests=3, tokens=2, workers=2, cpu_chunks=4, gpu_blocks=8, resets=1,
+             failures=1, preemptions=2, decode_tokens=3, offload_prompt_only=True),
 )
 """Requests that decode after their prompt: output tokens stored chunk by chunk and at the
 finish, a preempted request's lookup and recompute over them, an offload cap inside the
-output; blocks of two tokens; a sliding window over chunks of two blocks."""
+output; blocks of two tokens; a sliding window over chunks of two blocks; and vLLM's
+default `offload_prompt_only`, under which no output is stored."""
 
 
 class OffloadingStateMachine(RuleBasedStateMachine):

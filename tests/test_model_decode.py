@@ -7,11 +7,14 @@ Python one takes them)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import spec
 from spec import model as M
 from spec.progress import PROGRESS
+from spec.regressions import REGRESSIONS
 from statemachine.checker import check, compiled
 
 DECODING = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=8, gpu_blocks=8, resets=0,
@@ -54,6 +57,33 @@ def test_a_decoding_request_stores_its_output_under_keys_of_its_own() -> None:
     assert {M.key(0, 0), M.key(0, 1)} <= stored  # the prompt, in its family
     assert {M.key(OUT, 2), M.key(OUT, 3)} <= stored  # the output, in the request's own
     assert M.key(0, 2) not in stored
+
+
+def test_offload_prompt_only_stores_the_prompt_and_no_output() -> None:
+    """vLLM's `offload_prompt_only` (its default, S:769-770): the running stores and the
+    finished request's last store stop at the prompt's end; a preempted request's lookup
+    then hits the prompt only."""
+    b = replace(DECODING, offload_prompt_only=True)
+    program = "arrive(r0) ; step(admit=r0) ; step() ; step() ; step()"
+    assert {k for k, _ in _run(DECODING, program).chunks} >= {M.key(OUT, 2)}  # off: stored
+    s = _ack_all(_run(b, program))
+    assert {k for k, _ in s.chunks} == {M.key(0, 0), M.key(0, 1)}
+    s = _run_from(s, "finish(r0) ; step()")
+    assert {k for k, _ in s.chunks} == {M.key(0, 0), M.key(0, 1)}
+    s = _ack_all(_run(b, "arrive(r0) ; step(admit=r0) ; step() ; step()"))
+    s = _run_from(s, "preempt(r0) ; step()")
+    _s, calls, _w = M.apply(s, M.Event("step", "r0"))
+    lookup = next(c for c in calls if c.hook == "get_num_new_matched_tokens")
+    assert lookup.answer == (2, True)  # the prompt; the output is recomputed
+
+
+def test_the_checker_verifies_decoding_under_offload_prompt_only() -> None:
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1,
+                 failures=1, preemptions=1, decode_tokens=2, offload_prompt_only=True)
+    r = check(b)
+    assert r.ok and r.complete, r.counterexample.render() if r.counterexample else ""
+    assert set(r.liveness) == {p.id for p in PROGRESS}
+    assert 0 < r.states < 6281  # fewer states than with the output stored (below)
 
 
 def test_a_finished_request_stores_up_to_its_last_sampled_token_not_it() -> None:
@@ -125,25 +155,14 @@ def test_decode_bounds_are_validated() -> None:
         M.Bounds(groups=("full", "mamba"), decode_tokens=1)
 
 
-SOAK_INV15 = ("arrive(r1) ; arrive(r0) ; step(admit=r0) ; ack(job 0, count 1) ; "
-              "step(admit=r1) ; step() ; finish(r1) ; step()")
-"""Found by `make soak` at e9bef63 (model machine, seeds 8 and 12): a decoding request gets a
-new block mid-life, the one a request that just finished held while its sync load's reports
-are still due. The core freed it at the finish (the sync copy ended with its step), but both
-projections still counted a finished request's sync-load destinations as held, so INV-15 saw
-the new store's source block with the wrong holder. Fixed at the root: a finished request
-holds only its async loads' destinations (`spec.request.finished_keeps_destinations`)."""
-
-
 def test_a_block_appended_while_a_finished_requests_load_is_due_keeps_inv15() -> None:
+    """Regression `finished-sync-load-frees-its-blocks` (spec.regressions): the block a
+    finished request's sync load wrote goes to a decoding request, which stores it."""
     from statemachine.testing import replay
 
-    b = M.Bounds(tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, preemptions=2,
-                 sync_loads=True, decode_tokens=2,
-                 request_settings=(M.RequestSettings(max_offload_tokens=4),))
-    events = M.parse_events(SOAK_INV15)
-    replay(events, b)  # the reference scheduler against the model, invariants after each hook
-    a = M.abstract(_run(b, SOAK_INV15))
+    reg = next(r for r in REGRESSIONS if r.name == "finished-sync-load-frees-its-blocks")
+    replay(reg.events(), reg.bounds)  # the reference against the model, every hook checked
+    a = M.abstract(_run(reg.bounds, reg.program))
     r1 = next(r for r in a.requests if r.id == "r1")
     sync_load = next(j for j in a.jobs if j.owner == "r1" and j.kind == "load")
     assert sync_load.sync and r1.finished and r1.gpu_blocks == ()

@@ -310,11 +310,13 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str],
 
 
 def _offloadable(w: World, r: str, tokens: int) -> int:
-    """`tokens` under the request's `max_offload_tokens` (S:762-771). vLLM's
-    `offload_prompt_only` clamp to the prompt is not modelled: the model runs its default
-    (off), so a decoding request's output is stored too."""
-    cap = w.template(r).settings.max_offload_tokens
-    return tokens if cap is None else min(tokens, cap)
+    """`tokens` under the request's `max_offload_tokens` and, with `offload_prompt_only`,
+    its prompt's end (S:762-771)."""
+    t = w.template(r)
+    cap = t.settings.max_offload_tokens
+    if cap is not None:
+        tokens = min(tokens, cap)
+    return min(tokens, t.tokens) if w.bounds.offload_prompt_only else tokens
 
 
 def _store(w: World, r: str, scheduled: int) -> None:

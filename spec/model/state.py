@@ -180,6 +180,13 @@ class Bounds:
     0: prompts only. Not beside a Mamba group (the core's state hand-offs during decode are
     not modelled)."""
 
+    offload_prompt_only: bool = False
+    """vLLM's `offload_prompt_only` (B:729-730, S:769-770): stores stop at the prompt's end,
+    so no output token of a decoding request is ever offloaded. vLLM's default is on; the
+    model's is off, the setting under which a decoding request also stores its output (the
+    states a decoding request adds); conformance gives vLLM the bound's value. Without
+    `decode_tokens` it changes nothing (a prompt-only request stores only its prompt)."""
+
     retention_interval: int | None = None
     """Which window blocks are kept for reuse (vLLM's `prefix_cache_retention_interval`, in
     the model's tokens): None, every chunk's window tail (dense); 0, only the tail at the
