@@ -136,6 +136,9 @@ class LiveProjector:
         self.requests: dict[str, RequestRecord] = {}
         self.jobs: dict[int, JobRecord] = {}
         self.fence: dict[int, int] = {}
+        self.fence_flushed: frozenset[int] = frozenset()
+        """The reset fence's jobs a step's metadata told the workers to flush, as last
+        projected (a held job's `flushed` changes without its reports due changing)."""
         self.ref_cnt: dict[int, int] = {}
         self.block_fence: dict[int, frozenset[int]] = {}
         self.signals: dict[str, int] = {}
@@ -270,12 +273,14 @@ class LiveProjector:
         if not fences:
             return
         fence = fence_of(sched, obs)
-        if fence != self.fence:
+        flushed = frozenset(j for j in fence if j in obs.flush_shipped)
+        if fence != self.fence or flushed != self.fence_flushed:
             for jid in set(fence) | set(self.fence):
-                if fence.get(jid) != self.fence.get(jid):
+                if fence.get(jid) != self.fence.get(jid) \
+                        or (jid in flushed) != (jid in self.fence_flushed):
                     d.fence[jid] = None if jid not in fence else project_held(
                         obs, jid, fence[jid])
-            self.fence = fence
+            self.fence, self.fence_flushed = fence, flushed
         fenced = block_fence_map(sched)
         if fenced != self.block_fence:
             for b in set(fenced) | set(self.block_fence):

@@ -129,6 +129,25 @@ def test_the_monitor_raises_no_false_alarm(vllm_ready: Any) -> None:
           "runs, no finding")
 
 
+@pytest.mark.skipif(not FIXED, reason="the release has the PR #48102 bug")
+def test_a_reset_fence_job_flushed_by_the_next_step_is_seen_flushed(vllm_ready: Any) -> None:
+    """Found by `make conformance` (this machine, 2026-12-02): a store in flight at a reset
+    moves to the fence, and the next step's metadata tells the workers to flush it. Its
+    reports due do not change, so the monitor did not project the held job again, kept it
+    unflushed, and reported INV-16 (pre-reset jobs not flushed before new submissions) on a
+    connector that had flushed it."""
+    from spec import model as M
+    from statemachine.testing import replay
+
+    machine = type("MonitoredVLLM", (Monitored, A.VLLMMachine),
+                   {"seen": [], "steps_taken": 0, "runs": 0})
+    b = M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+                 failures=0, preemptions=2)
+    replay(M.parse_events("arrive(r0) ; step(admit=r0) ; reset() ; step() ; "
+                          "ack(job 1, count 2)"), b, machine)
+    assert machine.seen == []
+
+
 @pytest.mark.skipif(FIXED, reason="the release has the PR #48102 fix")
 def test_the_monitor_sees_what_the_machine_finds(vllm_ready: Any) -> None:
     base = A.machine_for(E.vllm_version())
