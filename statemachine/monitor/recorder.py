@@ -93,8 +93,9 @@ def hook_args(hook: str, args: tuple[Any, ...], result: Any) -> dict[str, Any]:
             new_blocks[n.req_id] = _groups(n.block_ids)
             admitted.append(n.req_id)
         for c in out.scheduled_cached_reqs:
-            if any(_groups(c.new_block_ids)):
-                new_blocks[c.req_id] = _groups(c.new_block_ids)
+            ids = _groups(c.new_block_ids)
+            if any(ids):
+                new_blocks[c.req_id] = ids
             if c.resumed_from_preemption:
                 admitted.append(c.req_id)
         scheduled = {rid: int(n) for rid, n in out.num_scheduled_tokens.items()}
