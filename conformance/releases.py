@@ -249,9 +249,9 @@ FEATURE_TAKEN: dict[str, str] = {
     "lookup_resets_cursor": "`VLLMAdapter._as_of_release`: store cursor not compared "
                             "(CURSOR-KEPT)",
     "step_region": "`VLLMAdapter._as_of_release`: `step_open` from the adapter",
-    "lru_request_ranks": "`test_manager_vs_vllm.py`: the LRU run skips (our LRU ranks an "
-                         "active request's keys as 0.33.0 does; the evictions differ); ARC "
-                         "runs",
+    "lru_request_ranks": "`test_manager_vs_vllm.py`: vLLM's LRU compared with our "
+                         "`InsertionLRUPolicy` (`lru-insertion`, keys ranked by insertion), "
+                         "not our `LRUPolicy`",
     "failed_store_cleanup_event": "`test_manager_vs_vllm.py`: our metadata-only removals "
                                   "left out of the event comparison, vLLM's events read "
                                   "as not metadata-only",

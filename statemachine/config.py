@@ -16,6 +16,7 @@ from spec.groups import (
     retention_interval_ok,
 )
 from statemachine.errors import ConfigError
+from statemachine.policies import POLICY_NAMES
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class OffloadingConfig:
     """Workers (tensor-parallel ranks) that must each report every job."""
     num_cpu_chunks: int = 64
     eviction_policy: str = "lru"
+    """The CPU tier's eviction policy, one of `statemachine.policies.POLICY_NAMES`."""
     sync_load_budget_bytes: int = 0
     """Per-step budget for synchronous loads; 0 makes every load asynchronous."""
     kv_bytes_per_token: int = 0
@@ -162,8 +164,9 @@ class OffloadingConfig:
             value = getattr(self, name)
             need(type(value) is int and value >= 1,
                  f"{name} must be an int >= 1, got {value!r}")
-        need(self.eviction_policy in ("lru", "arc"),
-             f"eviction_policy must be 'lru' or 'arc', got {self.eviction_policy!r}")
+        need(self.eviction_policy in POLICY_NAMES,
+             f"eviction_policy must be one of {', '.join(map(repr, POLICY_NAMES))}, got "
+             f"{self.eviction_policy!r}")
         for name in ("sync_load_budget_bytes", "kv_bytes_per_token"):
             value = getattr(self, name)
             need(type(value) is int and value >= 0, f"{name} must be an int >= 0, got {value!r}")

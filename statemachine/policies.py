@@ -12,6 +12,9 @@ Two policies:
 * `ARCPolicy`: adaptive replacement cache: T1 (seen once), T2 (seen again), ghost lists B1
   and B2 of recently evicted keys, and an adaptive target size ``p`` for T1.
 
+and `InsertionLRUPolicy`, vLLM 0.31.0-0.32.0's LRU (keys ranked by insertion), so that
+those releases' managers can be compared call for call.
+
 Recency from requests comes in two stages, as in vLLM 0.33.0 (reference §4.3):
 
 * provisional, while the request is active: `on_request_access` reports the keys the
@@ -34,7 +37,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 from statemachine.errors import ConfigError
 
@@ -44,11 +47,16 @@ OffloadKey: TypeAlias = int
 RefCount: TypeAlias = Callable[[OffloadKey], int]
 """The manager's reference count of an indexed key: -1 write pending, >= 0 ready."""
 
-PolicyName: TypeAlias = Literal["lru", "arc"]
+PolicyName: TypeAlias = Literal["lru", "arc", "lru-insertion"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
+"""Every policy `make_policy` builds: ``lru`` and ``arc`` as vLLM 0.33.0 ships them,
+``lru-insertion`` as vLLM 0.31.0-0.32.0 ship LRU."""
 
 __all__ = [
+    "POLICY_NAMES",
     "ARCPolicy",
     "EvictionPolicy",
+    "InsertionLRUPolicy",
     "LRUPolicy",
     "OffloadKey",
     "PolicyName",
@@ -320,6 +328,26 @@ class LRUPolicy(EvictionPolicy):
         return frozenset(self._pinned)
 
 
+class InsertionLRUPolicy(LRUPolicy):
+    """LRU as vLLM 0.31.0-0.32.0 ship it: every insert takes a fresh rank (insertion order,
+    vllm/v1/kv_offload/cpu/policies/lru.py:76-83 at v0.31.0), and an active request's reads
+    leave ranks alone; a request's order counts only at its finish, when its keys are
+    refreshed from the tail to the head as in `LRUPolicy` (lru.py:95-104 at v0.31.0).
+    vLLM 0.33.0 replaced it with request ranks (`LRUPolicy`).
+    """
+
+    name = "lru-insertion"
+
+    def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
+               position: int | None = None) -> None:
+        del request, position
+        super().insert(key, chunk_id)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], positions: Mapping[OffloadKey, int],
+                          request: Hashable) -> None:
+        del keys, positions, request
+
+
 class ARCPolicy(EvictionPolicy):
     """Adaptive replacement cache.
 
@@ -468,12 +496,15 @@ class ARCPolicy(EvictionPolicy):
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
-    """The policy called ``name`` ("lru" or "arc") for a cache of ``capacity`` chunks.
+    """The policy called ``name`` (one of `POLICY_NAMES`) for a cache of ``capacity`` chunks.
 
     Raises `ConfigError` for any other name.
     """
     if name == "lru":
         return LRUPolicy()
+    if name == "lru-insertion":
+        return InsertionLRUPolicy()
     if name == "arc":
         return ARCPolicy(capacity)
-    raise ConfigError(f"unknown eviction policy {name!r}; expected 'lru' or 'arc'")
+    raise ConfigError(f"unknown eviction policy {name!r}; expected one of "
+                      f"{', '.join(map(repr, POLICY_NAMES))}")

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from statemachine.errors import ConfigError
 from statemachine.policies import (
+    POLICY_NAMES,
     ARCPolicy,
     EvictionPolicy,
+    InsertionLRUPolicy,
     LRUPolicy,
     OffloadKey,
     make_policy,
@@ -66,6 +68,27 @@ def test_lru_touch_and_finish_make_the_head_most_recent() -> None:
     assert victims is not None
     assert [k for k, _ in victims] == [9, 7, 6, 5]
     assert lru.check_consistency() == []
+
+
+def test_insertion_lru_ranks_an_active_requests_keys_by_insertion() -> None:
+    """vLLM 0.31.0-0.32.0: inserts and accesses of an active request keep insertion order
+    (the head, inserted first, goes first); the finish refreshes tail to head, as LRU."""
+    lru = InsertionLRUPolicy()
+    fill(lru, [10, 11, 12], request="r1")
+    fill(lru, [20], request="r2")
+    lru.on_request_access([20], {20: 0}, "r2")    # no raise: 20 stays the newest anyway
+    lru.on_request_access([10], {10: 5}, "r3")    # no raise: 10 stays the oldest
+    victims = lru.evict(4, set(), idle)
+    assert victims is not None and [k for k, _ in victims] == [10, 11, 12, 20]
+
+    lru = InsertionLRUPolicy()
+    fill(lru, [5, 6, 7], request="r")
+    fill(lru, [9])
+    lru.on_request_finished([5, 6, 7], reused=(), request="r")
+    victims = lru.evict(4, set(), idle)
+    assert victims is not None and [k for k, _ in victims] == [9, 7, 6, 5]
+    assert lru.check_consistency() == []
+    assert make_policy("lru-insertion", 4).name == "lru-insertion"
 
 
 def test_lru_rank_of_request_is_fixed_at_its_first_insert() -> None:
@@ -138,7 +161,7 @@ def test_arc_falls_back_to_the_other_list_and_trims_ghosts() -> None:
 
 
 # ---------------------------------------------------------------------------- both
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_evict_never_picks_pinned_pending_or_protected_keys(name: str) -> None:
     policy = make_policy(name, 8)
     fill(policy, [1, 2, 3, 4, 5])
@@ -148,7 +171,7 @@ def test_evict_never_picks_pinned_pending_or_protected_keys(name: str) -> None:
     assert set(policy.chunks()) == {1, 2, 3}
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_evict_is_atomic_when_too_few_keys_qualify(name: str) -> None:
     policy = make_policy(name, 8)
     fill(policy, [1, 2, 3, 4])
@@ -163,7 +186,7 @@ def test_evict_is_atomic_when_too_few_keys_qualify(name: str) -> None:
     assert policy.evict(0, set(), idle) == []
 
 
-@pytest.mark.parametrize("name", ["lru", "arc"])
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_remove_and_clear(name: str) -> None:
     policy = make_policy(name, 4)
     fill(policy, [1, 2])
@@ -181,7 +204,7 @@ def test_unknown_policy_is_a_config_error() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(["lru", "arc"]),
+@given(name=st.sampled_from(POLICY_NAMES),
        ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.integers(-1, 2)),
                     max_size=40))
 def test_random_operations_keep_evict_exact_and_safe(

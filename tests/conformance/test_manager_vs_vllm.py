@@ -16,7 +16,8 @@ events on). Our keys are ints; vLLM's are bytes (hash + group index), mapped one
 
 Cases where the two differ on purpose are never generated; `SKIPPED` names each with its
 reason (they are listed in CONFORMANCE.md). Releases before 0.33.0 (conformance/releases.py):
-without `lru_request_ranks` the LRU run skips; without `failed_store_cleanup_event` the
+without `lru_request_ranks` vLLM's LRU is compared with our `InsertionLRUPolicy` (keys ranked
+by insertion, as those releases rank them); without `failed_store_cleanup_event` the
 metadata-only removal events are left out of the event comparison.
 """
 
@@ -129,12 +130,20 @@ class Counts:
 COUNTS = Counts()
 
 
+def our_policy(policy: str) -> str:
+    """Our policy for vLLM's `policy` on this release: before `lru_request_ranks` (0.33.0)
+    vLLM's LRU ranks an active request's keys by insertion (`InsertionLRUPolicy`)."""
+    if policy == "lru" and not conformance.vllm_env.has("lru_request_ranks"):
+        return "lru-insertion"
+    return policy
+
+
 class ManagerVsVllm(RuleBasedStateMachine):
     policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.ours = CPUOffloadingManager(1, self.policy)  # type: ignore[arg-type]
+        self.ours = CPUOffloadingManager(1, our_policy(self.policy))  # type: ignore[arg-type]
         self.theirs = VllmManager(num_chunks=1, cache_policy=self.policy, enable_events=True)
         self.requests: dict[int, Request] = {}
         self.stores: list[Job] = []
@@ -148,7 +157,8 @@ class ManagerVsVllm(RuleBasedStateMachine):
                 first=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True),
                 second=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True))
     def setup(self, num_chunks: int, first: list[int], second: list[int]) -> None:
-        self.ours = CPUOffloadingManager(num_chunks, self.policy)  # type: ignore[arg-type]
+        self.ours = CPUOffloadingManager(num_chunks,
+                                         our_policy(self.policy))  # type: ignore[arg-type]
         self.theirs = VllmManager(num_chunks=num_chunks, cache_policy=self.policy,
                                   enable_events=True)
         self._start(0, first, None)
@@ -368,11 +378,3 @@ ARCVsVllm.TestCase.settings = _SETTINGS
 TestLRUVsVllm = LRUVsVllm.TestCase
 TestARCVsVllm = ARCVsVllm.TestCase
 
-if not conformance.vllm_env.has("lru_request_ranks"):
-    # Our LRU ranks an active request's keys as 0.33.0 does (its tail before its head);
-    # earlier releases rank them by insertion until the request finishes, so recency and
-    # evictions differ by design of the release (releases.py: lru_request_ranks).
-    TestLRUVsVllm = pytest.mark.skip(reason=(
-        f"vLLM {'.'.join(map(str, conformance.vllm_env.release_version()))} lacks "
-        "lru_request_ranks (from 0.33.0): an active request's keys are ranked by insertion "
-        "(LRU@0.31.0:77-80), not tail before head"))(TestLRUVsVllm)
