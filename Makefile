@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test campaign soak check mutate diagrams conformance bench-scheduler clean
+.PHONY: venv demo test coverage campaign soak check mutate diagrams conformance bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -28,13 +28,20 @@ demo: $(STAMP)
 	$(BIN)/kvspec check --tiering
 
 # the tests run one file per worker over every core (a module's fixtures are built once); the
-# exhaustive searches in a run of their own, without the line tracer (it doubles their time)
+# exhaustive searches in a run of their own, test by test (a few long searches dominate);
+# line coverage is `make coverage` (the tracer costs `make test` about 2.5 minutes)
+UNIT := -m "not campaign and not conformance and not soak and not exhaustive"
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider -m "not campaign and not conformance and not soak and not exhaustive" -n auto --dist loadfile --cov=statemachine --cov=spec --cov-report=term:skip-covered
-	$(BIN)/pytest -q -p no:cacheprovider -m exhaustive -n auto --dist loadfile
+	$(BIN)/pytest -q -p no:cacheprovider $(UNIT) -n auto --dist loadfile
+	$(BIN)/pytest -q -p no:cacheprovider -m exhaustive -n auto --dist worksteal
 	$(BIN)/kvspec diagrams --check
+
+# the tests of `make test` but the exhaustive searches, with line coverage of spec/ and
+# statemachine/
+coverage: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider $(UNIT) -n auto --dist loadfile --cov=statemachine --cov=spec --cov-report=term:skip-covered
 
 # the long random campaign: seeds in parallel (KVSPEC_CAMPAIGN_SEEDS, _EXAMPLES to size it)
 campaign: $(STAMP)
