@@ -56,6 +56,7 @@ from spec.groups import NULL_BLOCK, split_groups, window_tokens
 from spec.state import AbstractState, RequestRecord
 from statemachine.core import StepLedger
 from statemachine.testing import (
+    DECODE_BOUNDS,
     HYBRID_BOUNDS,
     SETTINGS_BOUNDS,
     OffloadingStateMachine,
@@ -363,6 +364,10 @@ class VLLMAdapter:
                 ledger.run(r, vblocks, sched[r] * self.tok)
                 if self.groups == 1:
                     obs.core_blocks[r] = (*obs.core_blocks.get(r, ()), *vblocks)
+                elif any(vblocks):  # a decoding request's new blocks, group by group
+                    old = split_groups(obs.core_blocks.get(r, ()), self.groups)
+                    obs.core_blocks[r] = tuple(b for mine, more in zip(old, vblocks, strict=True)
+                                               for b in (*mine, *more))
         for r in finished:
             ledger.finish(r)
         for r in preempted:
@@ -614,7 +619,7 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     *(offload_caps_past_the_tail(replace(
         b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
         if "sliding" in b.groups else b.sliding_window))
-      for b in (*HYBRID_BOUNDS, *(s for s in SETTINGS_BOUNDS if s.hybrid))
+      for b in (*HYBRID_BOUNDS, *(s for s in (*SETTINGS_BOUNDS, *DECODE_BOUNDS) if s.hybrid))
       if len(b.groups) <= E.NUM_LAYERS  # one layer per group
       and b.retention_interval is None),  # a bound of its own below (MASK-SPAN)
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
@@ -628,8 +633,10 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
              sliding_window=4, blocks_per_chunk=2, retention_interval=0),
 )
 """The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
-groups (one layer per group), without worker failures and with a window that spans a chunk
-(`hybrid_setup`), plus 4-block chunks: a full-attention and a sliding-window group (either
+groups (one layer per group) and their hybrid settings and decoding bounds (requests that
+decode beside a sliding window over 2-block chunks, and in blocks of 2 model tokens),
+without worker failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block
+chunks: a full-attention and a sliding-window group (either
 order) with 1, 2 and 4 blocks per chunk, a full-attention and a Mamba group, one
 full-attention group of 2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a
 model token is 16 vLLM tokens, or 8 where a block holds 2 model tokens)."""

@@ -89,6 +89,28 @@ def test_vllm_conforms_with_a_hybrid_kv_cache(vllm_ready: Any, record_property: 
     print(f"vLLM {vllm_ready.vllm_version()}, hybrid: {figures}")
 
 
+DECODE_BESIDE_A_WINDOW = ("arrive(r0) ; arrive(r1) ; reset() ; step() ; step() ; "
+                          "step(admit=r0) ; step(admit=r1) ; step() ; step()")
+"""r0 decodes beside a sliding window: its third step gives it a new full-attention block,
+the one its window had just freed, and stores it."""
+
+
+def test_a_request_decoding_beside_a_window_keeps_its_new_blocks(vllm_ready: Any) -> None:
+    """The hybrid machine's decoding bound (full attention beside a sliding window, 2-block
+    chunks): blocks the core appends per group while a request decodes are the request's
+    (the harness once dropped them for several groups, and INV-15 flagged the request's
+    next store as reading a block it did not hold)."""
+    _needs(vllm_ready, at_least=True)
+    from conformance.adapter import HYBRID_VLLM_BOUNDS, VLLMHybridMachine, for_release
+
+    bounds = [b for b in for_release(HYBRID_VLLM_BOUNDS)
+              if b.decode_tokens and "sliding" in b.groups]
+    if not bounds:
+        pytest.skip("this release has no decoding hybrid bound (conformance.adapter."
+                    "features_needed)")
+    _replay(VLLMHybridMachine, bounds[0], DECODE_BESIDE_A_WINDOW)
+
+
 F2_RESET_WINDOW = ("arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; step(admit=r1) ; "
                    "step() ; step() ; reset() ; finish(r0) ; step()")
 """The checker's shortest trace of `reset-keeps-stale-window-blocks` under the first hybrid
