@@ -20,7 +20,7 @@ from statemachine.manager import (
     PrepareStoreOutput,
     ReqContext,
 )
-from statemachine.policies import ARCPolicy
+from statemachine.policies import POLICY_NAMES, ARCPolicy
 
 _CALLS = ("on_new_request", "lookup", "prepare_load", "complete_load", "prepare_store",
           "complete_store", "on_request_finished", "reset_cache", "on_reset_flushed",
@@ -396,7 +396,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ctxs: dict[str, ReqContext] = {}
         self.finished: set[str] = set()
 
-    @initialize(num_chunks=st.integers(1, 5), policy=st.sampled_from(["lru", "arc"]))
+    @initialize(num_chunks=st.integers(1, 5), policy=st.sampled_from(POLICY_NAMES))
     def setup(self, num_chunks: int, policy: str) -> None:
         self.m = CheckedManager(num_chunks, policy)  # type: ignore[arg-type]
 

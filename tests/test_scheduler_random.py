@@ -10,13 +10,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from spec import request as R
 from statemachine.core import block_hashes
 from statemachine.messages import CachedRequestData, NewRequestData, RequestStatus
+from statemachine.policies import POLICY_NAMES
 from tests.driver import Driver
 
 
 class SchedulerEvents(RuleBasedStateMachine):
     @initialize(workers=st.integers(1, 3), bpc=st.integers(1, 2), chunks=st.integers(2, 8),
                 sync=st.booleans(), timeout=st.sampled_from([None, 2, 4]),
-                policy=st.sampled_from(["lru", "arc"]))
+                policy=st.sampled_from(POLICY_NAMES))
     def setup(self, workers: int, bpc: int, chunks: int, sync: bool,
               timeout: int | None, policy: str) -> None:
         self.d = Driver.make(num_workers=workers, blocks_per_chunk=bpc, num_cpu_chunks=chunks,
