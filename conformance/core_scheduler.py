@@ -59,14 +59,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance import releases
 from conformance.vllm_env import (
     EOS_TOKEN_ID,
+    NUM_LAYERS,
     VOCAB_SIZE,
     SortedIdSet,
     _chunk_bytes,
     _kv_cache_config,
     _model_config,
     _v,
+    has,
     manager_num_chunks,
     transfer_specs,
     vllm_version,
@@ -127,18 +130,26 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
                         max_num_batched_tokens: int | None = None,
                         kv_connector: str = "OffloadingConnector",
                         kv_connector_module_path: str | None = None,
-                        extra_config: Mapping[str, Any] | None = None) -> CoreRun:
+                        extra_config: Mapping[str, Any] | None = None,
+                        sliding_window: int | None = None) -> CoreRun:
     """vLLM's Scheduler over `num_gpu_blocks` GPU blocks (one is vLLM's null block) with the
     connector `kv_connector` (a registered name, or a class name in
     `kv_connector_module_path`), offloading to `num_cpu_chunks` CPU chunks of one block.
     `extra_config` entries are merged over the CPU spec's (`kv_connector_extra_config`).
-    `num_workers` is the tensor-parallel size: every job waits for that many acks."""
+    `num_workers` is the tensor-parallel size: every job waits for that many acks. With
+    `sliding_window` (tokens) the model is hybrid: a full-attention layer, then a
+    sliding-window layer, each its own KV cache group (vLLM's default retention)."""
     v = _v()
     version = vllm_version()
     cfg = v.config
+    hybrid = sliding_window is not None
+    if hybrid and not has("retention_interval"):
+        raise CoreHarnessError("a hybrid core needs vLLM "
+                               f"{releases.FEATURES['retention_interval']}+")
     extra: dict[str, Any] = {
         "spec_name": "CPUOffloadingSpec",
-        "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(block_size, 1, num_workers),
+        "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(
+            block_size, 1, num_workers, 1 if hybrid and has("kv_tensor_layers") else NUM_LAYERS),
         "eviction_policy": "lru",
         "offload_prompt_only": False,
     }
@@ -165,7 +176,9 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise CoreHarnessError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size)
+    kv_cache_config = (_kv_cache_config(num_gpu_blocks, block_size, sliding_window,
+                                        ("full", "sliding")) if hybrid
+                       else _kv_cache_config(num_gpu_blocks, block_size))
 
     utils = _module("vllm.v1.core.kv_cache_utils")
     sched_block, hash_block = utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)

@@ -31,6 +31,7 @@ from conformance.core_scheduler import (
     make_core_scheduler,
     reset_outcome,
     scenario,
+    scenario_requests,
 )
 from statemachine.cli import main as kvspec
 from statemachine.monitor.connector import MonitoredOffloadingConnector, MonitorViolation
@@ -226,3 +227,45 @@ def test_a_corrupted_ack_is_flagged(tmp_path: Path) -> None:
     v = replay(log)
     assert [(g.rule, g.jobs, g.seq) for g in v.findings][:2] == \
         [(g.rule, g.jobs, g.seq) for g in live][:2]
+
+
+HYBRID_WINDOW = 49
+"""The hybrid scenario's sliding window in tokens: three 16-token blocks and a token, so
+that a running request's window frees blocks while it prefills and decodes."""
+HYBRID_GPU_BLOCKS = 18
+"""GPU blocks for both groups together: tight enough that the Scheduler preempts."""
+
+
+@pytest.mark.skipif(not (FIXED and conformance.vllm_env.has("retention_interval")
+                         and conformance.vllm_env.has("finished_signal")),
+                    reason="a hybrid core (a sliding-window group) with the #48102 fix: "
+                           "vLLM 0.30+")
+def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(tmp_path: Path) -> None:
+    """The monitored connector in vLLM's real core Scheduler with a full-attention and a
+    sliding-window KV cache group (vLLM's default retention): the scenario preempts, loads,
+    resets with jobs in flight and decodes past the window, and the monitor (every hook,
+    the whole state each step) finds nothing, live or in replay."""
+    log = tmp_path / "hybrid.jsonl"
+    run = make_core_scheduler(
+        num_gpu_blocks=HYBRID_GPU_BLOCKS, num_cpu_chunks=CPU_CHUNKS, num_workers=2,
+        kv_connector="MonitoredOffloadingConnector",
+        kv_connector_module_path="statemachine.monitor.connector",
+        extra_config={"kvspec_mode": "warn", "kvspec_log": str(log),
+                      "kvspec_stuck_after_steps": STUCK_AFTER, "kvspec_whole_every": 1},
+        sliding_window=HYBRID_WINDOW)
+    assert [type(g.kv_cache_spec).__name__ for g in run.kv_cache_config.kv_cache_groups] == \
+        ["FullAttentionSpec", "SlidingWindowSpec"]
+    summary = scenario(run, seed=0)
+    run.connector.kvspec.close()
+    assert summary.idle and not summary.stuck and summary.error is None
+    assert summary.preemptions >= 1 and summary.loads and summary.stores
+    assert summary.resets and any(r.in_flight for r in summary.resets)
+    assert any(summary.output_tokens.values())
+    assert findings(run) == []
+    v = replay(log)
+    assert v.clean, v.text()
+    # the window at work: requests run past it by two blocks and more (the core frees
+    # their window blocks as they go; the live monitor does not observe the core's tables)
+    prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
+    assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
+               for r, out in summary.output_tokens.items())
