@@ -62,13 +62,13 @@ from typing import Any
 from conformance import releases
 from conformance.vllm_env import (
     EOS_TOKEN_ID,
-    NUM_LAYERS,
     VOCAB_SIZE,
     SortedIdSet,
     _chunk_bytes,
     _kv_cache_config,
     _model_config,
     _v,
+    chunk_layers,
     has,
     manager_num_chunks,
     transfer_specs,
@@ -148,8 +148,8 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
                                f"{releases.FEATURES['retention_interval']}+")
     extra: dict[str, Any] = {
         "spec_name": "CPUOffloadingSpec",
-        "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(
-            block_size, 1, num_workers, 1 if hybrid and has("kv_tensor_layers") else NUM_LAYERS),
+        "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(block_size, 1, num_workers,
+                                                          chunk_layers(hybrid)),
         "eviction_policy": "lru",
         "offload_prompt_only": False,
     }
@@ -176,9 +176,7 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise CoreHarnessError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = (_kv_cache_config(num_gpu_blocks, block_size, sliding_window,
-                                        ("full", "sliding")) if hybrid
-                       else _kv_cache_config(num_gpu_blocks, block_size))
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, sliding_window)
 
     utils = _module("vllm.v1.core.kv_cache_utils")
     sched_block, hash_block = utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)

@@ -270,6 +270,13 @@ def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
     return sliding_window is not None or "mamba" in groups
 
 
+def chunk_layers(hybrid: bool) -> int:
+    """The layers one CPU chunk holds: its group's where the KV tensors describe their
+    layers (0.29+: one layer per group in a hybrid setup here); before, the CPU spec sums
+    every tensor per block (offloading/config.py:90-103 in 0.26.0): all the layers."""
+    return 1 if hybrid and has("kv_tensor_layers") else NUM_LAYERS
+
+
 def _kv_tensor(v: Any, size: int, layers: list[str], page: int, num_gpu_blocks: int) -> Any:
     """A `KVCacheTensor` backing `layers`: 0.29+ describes its layout (layer-outermost:
     `layers`, `layer_stride`, `block_stride`, vllm/v1/kv_cache_interface.py), earlier
@@ -360,13 +367,8 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     if num_cpu_chunks is not None:
         if cpu_bytes is not None:
             raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
-        # a chunk holds its group's layers where the KV tensors describe their layers
-        # (0.29+: one layer per group here); before, the CPU spec sums every tensor per
-        # block (offloading/config.py:90-103 in 0.26.0): all the layers
-        layers = (1 if _hybrid(sliding_window, groups) and has("kv_tensor_layers")
-                  else NUM_LAYERS)
         cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers,
-                                                  layers)
+                                                  chunk_layers(_hybrid(sliding_window, groups)))
     if cpu_bytes is None:
         cpu_bytes = 64 << 20
     extra: dict[str, Any] = {

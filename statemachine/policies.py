@@ -5,15 +5,15 @@ whether a chunk is loadable or pinned: the manager owns the reference counts and
 policy a ``ref_cnt`` lookup wherever that matters. ``ref_cnt(key) == 0`` means "stored,
 readable and not being loaded": the only chunks a policy may evict.
 
-Two policies:
+Two policies, as vLLM 0.33.0 ships them:
 
 * `LRUPolicy`: least recently used first. Keys a request inserts share that request's rank
   and, inside it, later positions (tails) go before earlier ones (heads).
 * `ARCPolicy`: adaptive replacement cache: T1 (seen once), T2 (seen again), ghost lists B1
   and B2 of recently evicted keys, and an adaptive target size ``p`` for T1.
 
-and `InsertionLRUPolicy`, vLLM 0.31.0-0.32.0's LRU (keys ranked by insertion), so that
-those releases' managers can be compared call for call.
+A third, `InsertionLRUPolicy`, is vLLM 0.31.0-0.32.0's LRU (keys ranked by insertion), so
+that those releases' managers can be compared call for call.
 
 Recency from requests comes in two stages, as in vLLM 0.33.0 (reference §4.3):
 
