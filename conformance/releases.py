@@ -115,6 +115,7 @@ FEATURES: dict[str, str] = {
     "max_num_new_tokens": "0.30.0",
     "manager_chunks": "0.30.0",
     "manager_key_positions": "0.31.0",
+    "manager_request_recency": "0.31.0",
     "store_admission_at_store": "0.30.0",
     "finished_commit_point": "0.30.0",
     "retention_interval": "0.30.0",
@@ -153,6 +154,12 @@ FEATURE_EVIDENCE: dict[str, str] = {
                       "`self.chunks`; 0.29.0: num_blocks, `blocks`",
     "manager_key_positions": "B@0.31.0:112 `ReqContext.set_offload_key_position` (absent in "
                              "0.30.0)",
+    "manager_request_recency": "M@0.31.0:393-419 `on_request_finished` hands a request's "
+                               "keys to the policy (LRU@0.31.0:96, ARC@0.31.0:115); 0.30.0's "
+                               "manager has none (the base's no-op, B@0.30.0:338-356), its "
+                               "LRU orders idle chunks by when they became idle "
+                               "(LRU@0.30.0:81-90) and its ARC moves keys on `touch` only "
+                               "(ARC@0.30.0:75-99)",
     "store_admission_at_store": "M@0.30.0:106 `_record_accesses` at prepare_store counts a "
                                 "chunk's offers (the spec's store threshold); 0.29.0 and "
                                 "before count lookups (M@0.26.0:120-128)",
@@ -236,8 +243,12 @@ FEATURE_TAKEN: dict[str, str] = {
                           "left out (PENDING-PAST-THE-HIT)",
     "manager_chunks": "`test_manager_vs_vllm.py` skips (it builds "
                       "`CPUOffloadingManager(num_chunks=...)`)",
-    "manager_key_positions": "`test_manager_vs_vllm.py` skips (its contexts set key "
-                             "positions)",
+    "manager_key_positions": "`test_manager_vs_vllm.py`: the contexts get no key positions "
+                             "(ours none either)",
+    "manager_request_recency": "`test_manager_vs_vllm.py`: vLLM's LRU and ARC compared with "
+                               "our `ReleaseLRUPolicy` (`lru-release`, a key ranked when it "
+                               "last became idle) and `TouchARCPolicy` (`arc-touch`, lists "
+                               "moved by `touch` only)",
     "store_admission_at_store": "the store-threshold bound left out (STORE-ADMISSION)",
     "retention_interval": "`make_setup` passes `prefix_cache_retention_interval` only from "
                           "0.30.0; the retention bound left out; F4 skips",

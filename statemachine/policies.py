@@ -12,8 +12,10 @@ Two policies, as vLLM 0.33.0 ships them:
 * `ARCPolicy`: adaptive replacement cache: T1 (seen once), T2 (seen again), ghost lists B1
   and B2 of recently evicted keys, and an adaptive target size ``p`` for T1.
 
-A third, `InsertionLRUPolicy`, is vLLM 0.31.0-0.32.0's LRU (keys ranked by insertion), so
-that those releases' managers can be compared call for call.
+Three more reproduce earlier releases, so that their managers can be compared call for call:
+`InsertionLRUPolicy` is vLLM 0.31.0-0.32.0's LRU (keys ranked by insertion, request order
+at the finish); `ReleaseLRUPolicy` and `TouchARCPolicy` are vLLM 0.30.0's LRU and ARC, which
+know no requests: LRU ranks a key when it last became idle, ARC moves keys only on `touch`.
 
 Recency from requests comes in two stages, as in vLLM 0.33.0 (reference §4.3):
 
@@ -47,10 +49,11 @@ OffloadKey: TypeAlias = int
 RefCount: TypeAlias = Callable[[OffloadKey], int]
 """The manager's reference count of an indexed key: -1 write pending, >= 0 ready."""
 
-PolicyName: TypeAlias = Literal["lru", "arc", "lru-insertion"]
+PolicyName: TypeAlias = Literal["lru", "arc", "lru-insertion", "lru-release", "arc-touch"]
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 """Every policy `make_policy` builds: ``lru`` and ``arc`` as vLLM 0.33.0 ships them,
-``lru-insertion`` as vLLM 0.31.0-0.32.0 ship LRU."""
+``lru-insertion`` as vLLM 0.31.0-0.32.0 ship LRU, ``lru-release`` and ``arc-touch`` as vLLM
+0.30.0 ships LRU and ARC."""
 
 __all__ = [
     "POLICY_NAMES",
@@ -61,6 +64,8 @@ __all__ = [
     "OffloadKey",
     "PolicyName",
     "RefCount",
+    "ReleaseLRUPolicy",
+    "TouchARCPolicy",
     "make_policy",
 ]
 
@@ -348,6 +353,40 @@ class InsertionLRUPolicy(LRUPolicy):
         del keys, positions, request
 
 
+class ReleaseLRUPolicy(LRUPolicy):
+    """LRU as vLLM 0.30.0 ships it: a list of the idle chunks only, a chunk appended when it
+    becomes idle (its store completes, its last load ends) and taken out while it is not
+    (vllm/v1/kv_offload/cpu/policies/lru.py:32-35 and 81-90 at v0.30.0). `touch` moves the idle
+    keys it names to the recent end, the head last (lru.py:43-48); a key not idle is left
+    alone, and gets its fresh rank when it becomes idle. Requests play no part: that
+    release's manager has no `on_request_finished` of its own and reports no accesses.
+    """
+
+    name = "lru-release"
+
+    def insert(self, key: OffloadKey, chunk_id: int, *, request: Hashable | None = None,
+               position: int | None = None) -> None:
+        del request, position
+        super().insert(key, chunk_id)   # write pending: ranked again when it becomes idle
+
+    def on_evictable(self, key: OffloadKey, evictable: bool) -> None:
+        if evictable and key in self._chunks:
+            self._pinned.discard(key)
+            self._set_rank(key, (self._tick(), 0))
+        else:
+            super().on_evictable(key, evictable)
+
+    def on_request_access(self, keys: Sequence[OffloadKey], positions: Mapping[OffloadKey, int],
+                          request: Hashable) -> None:
+        del keys, positions, request
+
+    def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
+                            reused: Collection[OffloadKey],
+                            request: Hashable | None = None,
+                            inserted: Collection[OffloadKey] | None = None) -> None:
+        del keys_in_order, reused, request, inserted
+
+
 class ARCPolicy(EvictionPolicy):
     """Adaptive replacement cache.
 
@@ -495,6 +534,24 @@ class ARCPolicy(EvictionPolicy):
         return problems
 
 
+class TouchARCPolicy(ARCPolicy):
+    """ARC as vLLM 0.30.0 ships it: keys move between and within T1 and T2 only on `touch`
+    (vllm/v1/kv_offload/cpu/policies/arc.py:75-99 at v0.30.0); a request's finish and a store of
+    keys not held (ghost hits in vLLM 0.33.0) leave the lists and ``p`` alone.
+    """
+
+    name = "arc-touch"
+
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+        del keys
+
+    def on_request_finished(self, keys_in_order: Sequence[OffloadKey],
+                            reused: Collection[OffloadKey],
+                            request: Hashable | None = None,
+                            inserted: Collection[OffloadKey] | None = None) -> None:
+        del keys_in_order, reused, request, inserted
+
+
 def make_policy(name: str, capacity: int) -> EvictionPolicy:
     """The policy called ``name`` (one of `POLICY_NAMES`) for a cache of ``capacity`` chunks.
 
@@ -504,6 +561,10 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
         return LRUPolicy()
     if name == "lru-insertion":
         return InsertionLRUPolicy()
+    if name == "lru-release":
+        return ReleaseLRUPolicy()
+    if name == "arc-touch":
+        return TouchARCPolicy(capacity)
     if name == "arc":
         return ARCPolicy(capacity)
     raise ConfigError(f"unknown eviction policy {name!r}; expected one of "

@@ -16,6 +16,8 @@ from statemachine.policies import (
     InsertionLRUPolicy,
     LRUPolicy,
     OffloadKey,
+    ReleaseLRUPolicy,
+    TouchARCPolicy,
     make_policy,
 )
 
@@ -91,6 +93,28 @@ def test_insertion_lru_ranks_an_active_requests_keys_by_insertion() -> None:
     assert make_policy("lru-insertion", 4).name == "lru-insertion"
 
 
+def test_release_lru_ranks_a_key_when_it_last_became_idle() -> None:
+    """vLLM 0.30.0: the order is the order in which keys became idle (store completed, last
+    load ended); requests count for nothing and a touch moves only idle keys."""
+    lru = ReleaseLRUPolicy()
+    for key in (1, 2, 3):                      # inserted write pending, in this order
+        lru.insert(key, 100 + key, request="r", position=key)
+        lru.on_evictable(key, False)
+    for key in (3, 1, 2):                      # their stores complete in another
+        lru.on_evictable(key, True)
+    lru.on_request_access([3], {3: 9}, "r")    # no request ranks ...
+    lru.on_request_finished([1, 2, 3], reused={1}, request="r")   # ... and no commit
+    assert sorted((1, 2, 3), key=lru.rank) == [3, 1, 2]
+    lru.on_evictable(3, False)                 # a load pins 3; the touch leaves it alone,
+    lru.touch([1, 3])                          # 1 becomes the newest idle key
+    assert sorted((1, 2), key=lru.rank) == [2, 1]
+    lru.on_evictable(3, True)                  # the load ends: 3 is the newest
+    victims = lru.evict(3, set(), idle)
+    assert victims is not None and [k for k, _ in victims] == [2, 1, 3]
+    assert lru.check_consistency() == []
+    assert make_policy("lru-release", 4).name == "lru-release"
+
+
 def test_lru_rank_of_request_is_fixed_at_its_first_insert() -> None:
     lru = LRUPolicy()
     fill(lru, [1], request="r")
@@ -119,6 +143,20 @@ def test_arc_request_finish_promotes_reused_and_refreshes_inserted() -> None:
     arc.on_request_finished([1, 2], reused={2})
     assert list(arc.t2) == [2]
     assert list(arc.t1) == [3, 4, 1]
+
+
+def test_touch_arc_moves_keys_on_touch_only() -> None:
+    """vLLM 0.30.0: a request's finish and a store of keys not held change nothing; touch
+    works as in `ARCPolicy`."""
+    arc = TouchARCPolicy(capacity=2)
+    fill(arc, [1, 2, 3])
+    assert arc.evict(1, set(), idle) == [(1, 101)]          # 1 becomes a B1 ghost
+    arc.on_request_finished([2, 3], reused={2})
+    arc.on_store_miss([1])
+    assert (list(arc.t1), list(arc.t2), list(arc.b1), arc.p) == ([2, 3], [], [1], 0.0)
+    arc.touch([1, 2])                                        # a ghost hit and a promotion
+    assert (list(arc.t1), list(arc.t2), arc.p) == ([3], [2], 1.0)
+    assert make_policy("arc-touch", 2).name == "arc-touch"
 
 
 def test_arc_evicts_from_t1_while_it_is_at_least_p_and_remembers_ghosts() -> None:

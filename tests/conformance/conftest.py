@@ -57,9 +57,8 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_regressions.py::test_regression_replays_clean_on_vllm"
     "[store-block-reused-inside-the-step-shortest]": ("max_num_new_tokens",),
     # the manager call for call: CPUOffloadingManager(num_chunks=...) and the policy's
-    # `chunks` (0.30.0; before: num_blocks, `blocks`), ReqContext.set_offload_key_position
-    # (0.31.0)
-    "test_manager_vs_vllm.py::runTest": ("manager_chunks", "manager_key_positions"),
+    # `chunks` (0.30.0; before: num_blocks, `blocks`)
+    "test_manager_vs_vllm.py::runTest": ("manager_chunks",),
 }
 """Tests (file::name, with or without parameters) -> the features (conformance/releases.py)
 they need; each is skipped, naming what is missing, on a release without them. The

@@ -17,8 +17,11 @@ events on). Our keys are ints; vLLM's are bytes (hash + group index), mapped one
 Cases where the two differ on purpose are never generated; `SKIPPED` names each with its
 reason (they are listed in CONFORMANCE.md). Releases before 0.33.0 (conformance/releases.py):
 without `lru_request_ranks` vLLM's LRU is compared with our `InsertionLRUPolicy` (keys ranked
-by insertion, as those releases rank them); without `failed_store_cleanup_event` the
-metadata-only removal events are left out of the event comparison.
+by insertion, as those releases rank them); without `manager_request_recency` (0.30.0) with
+our `ReleaseLRUPolicy` (idle keys in the order they became idle, which is all vLLM orders)
+and vLLM's ARC with our `TouchARCPolicy`, the contexts without key positions; without
+`failed_store_cleanup_event` the metadata-only removal events are left out of the event
+comparison. Before `manager_chunks` (0.30.0) the manager counts blocks, not chunks: skipped.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from vllm.v1.kv_offload.cpu.manager import (
 )
 
 from statemachine.manager import CPUOffloadingManager, LookupResult, ReqContext
-from statemachine.policies import ARCPolicy, LRUPolicy
+from statemachine.policies import ARCPolicy, LRUPolicy, ReleaseLRUPolicy
 
 pytestmark = [pytest.mark.conformance]
 
@@ -131,11 +134,20 @@ COUNTS = Counts()
 
 
 def our_policy(policy: str) -> str:
-    """Our policy for vLLM's `policy` on this release: before `lru_request_ranks` (0.33.0)
-    vLLM's LRU ranks an active request's keys by insertion (`InsertionLRUPolicy`)."""
+    """Our policy for vLLM's `policy` on this release: before `manager_request_recency`
+    (0.31.0) vLLM's policies know no requests (`ReleaseLRUPolicy`, `TouchARCPolicy`); before
+    `lru_request_ranks` (0.33.0) its LRU ranks an active request's keys by insertion
+    (`InsertionLRUPolicy`)."""
+    if not conformance.vllm_env.has("manager_request_recency"):
+        return {"lru": "lru-release", "arc": "arc-touch"}[policy]
     if policy == "lru" and not conformance.vllm_env.has("lru_request_ranks"):
         return "lru-insertion"
     return policy
+
+
+KEY_POSITIONS = conformance.vllm_env.has("manager_key_positions")
+"""Whether vLLM's request context takes key positions (0.31.0+); before, ours get none
+either (the policies of those releases ignore them)."""
 
 
 class ManagerVsVllm(RuleBasedStateMachine):
@@ -200,7 +212,7 @@ class ManagerVsVllm(RuleBasedStateMachine):
         theirs = VReqContext(req_id=req_id)
         self.theirs.on_new_request(theirs)
         for i, key in enumerate(chunks):
-            if i != unpositioned:
+            if i != unpositioned and KEY_POSITIONS:
                 # one position per key: SKIPPED["lru-equal-rank-ties"]
                 ours.set_position(key, (i + 1) * TOKENS_PER_CHUNK)
                 theirs.set_offload_key_position(vkey(key), (i + 1) * TOKENS_PER_CHUNK)
@@ -341,7 +353,10 @@ class ManagerVsVllm(RuleBasedStateMachine):
     def same_recency(self) -> None:
         theirs: Any = self.theirs._policy
         ours = self.ours.policy
-        if isinstance(ours, LRUPolicy):
+        if isinstance(ours, ReleaseLRUPolicy):  # vLLM orders its idle chunks only
+            idle = [k for k, c in self._their_chunks().items() if c.ref_cnt == 0]
+            assert sorted(idle, key=ours.rank) == [ikey(k) for k in theirs.evictable_chunks]
+        elif isinstance(ours, LRUPolicy):
             resident = list(self._their_chunks())
             assert sorted(resident, key=ours.rank) == \
                 sorted(resident, key=lambda k: theirs._ranks[vkey(k)])
