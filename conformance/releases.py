@@ -116,6 +116,7 @@ FEATURES: dict[str, str] = {
     "manager_chunks": "0.30.0",
     "manager_key_positions": "0.31.0",
     "manager_request_recency": "0.31.0",
+    "arc_eviction_fallback": "0.30.0",
     "store_admission_at_store": "0.30.0",
     "finished_commit_point": "0.30.0",
     "retention_interval": "0.30.0",
@@ -154,6 +155,10 @@ FEATURE_EVIDENCE: dict[str, str] = {
                       "`self.chunks`; 0.29.0: num_blocks, `blocks`",
     "manager_key_positions": "B@0.31.0:112 `ReqContext.set_offload_key_position` (absent in "
                              "0.30.0)",
+    "arc_eviction_fallback": "ARC@0.30.0:140-156 when T1 and then T2 offer no eligible "
+                             "chunk, evict tries T1 again (151-156); ARC@0.29.0:140-150 gives "
+                             "up after T2 (149): a store is refused while T1 holds an idle "
+                             "chunk, if |T1| < p",
     "manager_request_recency": "M@0.31.0:393-419 `on_request_finished` hands a request's "
                                "keys to the policy (LRU@0.31.0:96, ARC@0.31.0:115); 0.30.0's "
                                "manager has none (the base's no-op, B@0.30.0:338-356), its "
@@ -245,6 +250,9 @@ FEATURE_TAKEN: dict[str, str] = {
                       "`CPUOffloadingManager(num_chunks=...)`)",
     "manager_key_positions": "`test_manager_vs_vllm.py`: the contexts get no key positions "
                              "(ours none either)",
+    "arc_eviction_fallback": "finding ARC-NO-FALLBACK: "
+                             "`test_arc_evicts_from_t1_when_t2_has_no_eligible_chunk` is a "
+                             "strict xfail",
     "manager_request_recency": "`test_manager_vs_vllm.py`: vLLM's LRU and ARC compared with "
                                "our `ReleaseLRUPolicy` (`lru-release`, a key ranked when it "
                                "last became idle) and `TouchARCPolicy` (`arc-touch`, lists "

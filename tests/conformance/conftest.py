@@ -56,9 +56,9 @@ NEEDS: dict[str, tuple[str, ...]] = {
     # stored) and, without the bound on the hit, defers where the spec hits one chunk
     "test_regressions.py::test_regression_replays_clean_on_vllm"
     "[store-block-reused-inside-the-step-shortest]": ("max_num_new_tokens",),
-    # the manager call for call: CPUOffloadingManager(num_chunks=...) and the policy's
-    # `chunks` (0.30.0; before: num_blocks, `blocks`)
-    "test_manager_vs_vllm.py::runTest": ("manager_chunks",),
+    # the manager call for call: every release with the request-access API (the module
+    # skips 0.25 and before); field names by release in the test (`vllm_name`)
+    "test_manager_vs_vllm.py::runTest": (),
 }
 """Tests (file::name, with or without parameters) -> the features (conformance/releases.py)
 they need; each is skipped, naming what is missing, on a release without them. The
@@ -81,6 +81,10 @@ EXPECTED_FINDINGS: dict[str, tuple[str, str]] = {
         "PREEMPTED-LOAD: build_connector_meta asserts that a preempted request holds only "
         "stores (S@0.26.0:1138, S@0.32.0:1862); the program loads it again in the step that "
         "reports its preemption"),
+    "test_manager_vs_vllm.py::test_arc_evicts_from_t1_when_t2_has_no_eligible_chunk": (
+        "arc_eviction_fallback",
+        "ARC-NO-FALLBACK: ARC's evict gives up when the list it prefers has no eligible chunk "
+        "though the other has one (ARC@0.29.0:140-150): the store is refused"),
 }
 """Tests that fail, by a documented finding, on releases without a feature: (feature, the
 finding). There the test is a strict xfail: it must still fail with an AssertionError, and

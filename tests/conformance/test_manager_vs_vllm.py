@@ -145,6 +145,18 @@ def our_policy(policy: str) -> str:
     return policy
 
 
+def vllm_name(name: str) -> str:
+    """vLLM's name for one of its manager's fields: before `manager_chunks` (0.30.0) the
+    manager counted blocks (`num_blocks`, `BlockStatus.block_id`, `evictable_blocks`, ...)."""
+    return name if conformance.vllm_env.has("manager_chunks") else \
+        name.replace("chunk", "block")
+
+
+def their_manager(num_chunks: int, policy: str) -> Any:
+    return VllmManager(**{vllm_name("num_chunks"): num_chunks}, cache_policy=policy,
+                       enable_events=True)
+
+
 KEY_POSITIONS = conformance.vllm_env.has("manager_key_positions")
 """Whether vLLM's request context takes key positions (0.31.0+); before, ours get none
 either (the policies of those releases ignore them)."""
@@ -156,7 +168,7 @@ class ManagerVsVllm(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ours = CPUOffloadingManager(1, our_policy(self.policy))  # type: ignore[arg-type]
-        self.theirs = VllmManager(num_chunks=1, cache_policy=self.policy, enable_events=True)
+        self.theirs = their_manager(1, self.policy)
         self.requests: dict[int, Request] = {}
         self.stores: list[Job] = []
         self.loads: list[Job] = []
@@ -171,8 +183,7 @@ class ManagerVsVllm(RuleBasedStateMachine):
     def setup(self, num_chunks: int, first: list[int], second: list[int]) -> None:
         self.ours = CPUOffloadingManager(num_chunks,
                                          our_policy(self.policy))  # type: ignore[arg-type]
-        self.theirs = VllmManager(num_chunks=num_chunks, cache_policy=self.policy,
-                                  enable_events=True)
+        self.theirs = their_manager(num_chunks, self.policy)
         self._start(0, first, None)
         self._start(1, second, None)
 
@@ -335,7 +346,8 @@ class ManagerVsVllm(RuleBasedStateMachine):
     # ------------------------------------------------------------------ comparisons
     def _their_chunks(self) -> dict[int, Any]:
         policy: Any = self.theirs._policy
-        table = {**policy.t1, **policy.t2} if self.policy == "arc" else policy.chunks
+        table = {**policy.t1, **policy.t2} if self.policy == "arc" else \
+            getattr(policy, vllm_name("chunks"))
         return {ikey(k): c for k, c in table.items()}
 
     @invariant()
@@ -343,10 +355,12 @@ class ManagerVsVllm(RuleBasedStateMachine):
         theirs = self._their_chunks()
         assert self.ours.chunk_ref_counts() == {k: c.ref_cnt for k, c in theirs.items()}
         assert {k: self.ours.chunk_id(k) for k in theirs} == \
-            {k: c.chunk_id for k, c in theirs.items()}
-        assert self.ours.num_free_slots() == self.theirs._get_num_free_chunks()
-        assert self.ours.num_evictable() == self.theirs._num_evictable_cache_chunks
-        assert self.ours.num_write_pending() == self.theirs._num_write_pending_chunks
+            {k: getattr(c, vllm_name("chunk_id")) for k, c in theirs.items()}
+        theirs_now = {name: getattr(self.theirs, vllm_name(name)) for name in (
+            "_get_num_free_chunks", "_num_evictable_cache_chunks", "_num_write_pending_chunks")}
+        assert self.ours.num_free_slots() == theirs_now["_get_num_free_chunks"]()
+        assert self.ours.num_evictable() == theirs_now["_num_evictable_cache_chunks"]
+        assert self.ours.num_write_pending() == theirs_now["_num_write_pending_chunks"]
         assert self.ours.check_consistency() == []
 
     @invariant()
@@ -355,7 +369,8 @@ class ManagerVsVllm(RuleBasedStateMachine):
         ours = self.ours.policy
         if isinstance(ours, ReleaseLRUPolicy):  # vLLM orders its idle chunks only
             idle = [k for k, c in self._their_chunks().items() if c.ref_cnt == 0]
-            assert sorted(idle, key=ours.rank) == [ikey(k) for k in theirs.evictable_chunks]
+            assert sorted(idle, key=ours.rank) == [ikey(k) for k in getattr(
+                theirs, vllm_name("evictable_chunks"))]
         elif isinstance(ours, LRUPolicy):
             resident = list(self._their_chunks())
             assert sorted(resident, key=ours.rank) == \
@@ -393,3 +408,39 @@ ARCVsVllm.TestCase.settings = _SETTINGS
 TestLRUVsVllm = LRUVsVllm.TestCase
 TestARCVsVllm = ARCVsVllm.TestCase
 
+
+
+def test_arc_evicts_from_t1_when_t2_has_no_eligible_chunk() -> None:
+    """A cache of 2 chunks whose ARC target `p` exceeds |T1|: the eviction prefers T2, whose
+    one chunk the offer itself protects, and must fall back to T1's idle chunk. Both managers
+    run the same calls, compared after each as in the machine. vLLM 0.29.0 and earlier
+    refuse the store instead (finding ARC-NO-FALLBACK: a strict xfail there)."""
+    m = ARCVsVllm()
+    m.setup(num_chunks=2, first=[1], second=[2])
+    req = m.requests[0]
+
+    def both(call: str, keys: list[int]) -> tuple[Any, Any]:
+        out = (getattr(m.ours, call)(keys, req.ours),
+               getattr(m.theirs, call)(vkeys(keys), req.theirs))
+        m.same_resident_chunks()
+        m.same_recency()
+        m.same_events()
+        return out
+
+    def store(keys: list[int]) -> list[int] | None:
+        ours, theirs = both("prepare_store", keys)
+        assert (ours is None) == (theirs is None), (keys, ours, theirs)
+        if ours is None:
+            return None
+        assert list(ours.keys_to_store) == [ikey(k) for k in theirs.keys_to_store]
+        assert list(ours.evicted_keys) == [ikey(k) for k in theirs.evicted_keys]
+        both("complete_store", list(ours.keys_to_store))
+        return list(ours.evicted_keys)
+
+    assert store([1, 2]) == []
+    assert store([3]) == [1] and store([4]) == [2]     # T1 = [3, 4], B1 = [1, 2]
+    both("touch", [1])
+    both("touch", [2])                                 # two ghost hits: p = 2
+    both("touch", [3])                                 # T1 = [4], T2 = [3]
+    assert m.ours.policy.p == 2.0                      # type: ignore[attr-defined]
+    assert store([3, 5]) == [4]                        # 3 protected: T1's 4 goes
