@@ -47,8 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from statemachine.errors import ConfigError, KVSpecError
 from statemachine.monitor.checker import Finding, SpecMonitor, format_trace, with_findings
-from statemachine.monitor.live import LiveProjector, block_ids_per_group
-from statemachine.monitor.log import Event, Header, LogWriter
+from statemachine.monitor.live import LiveProjector
+from statemachine.monitor.log import Event, Header, LogWriter, block_ids_per_group
 from statemachine.monitor.translations import translations_of
 
 logger = logging.getLogger("kvspec.monitor")

@@ -44,7 +44,7 @@ from conformance.projection import (
 )
 from spec import job as J
 from spec.state import JobRecord, RequestRecord, fast_job_record
-from statemachine.monitor.log import Delta, Event
+from statemachine.monitor.log import Delta, Event, connector_meta_args
 
 _CORE_STATUS = {
     "WAITING": "waiting", "WAITING_FOR_FSM": "waiting",
@@ -103,24 +103,6 @@ class LiveObservations(Observations):
 
     def held(self, req_id: str, table: tuple[int, ...] | None = None) -> tuple[int, ...]:
         return ()  # the core's block tables are not observed (see the module docstring)
-
-
-def block_ids_per_group(blocks: Any) -> list[list[int]]:
-    """Block ids per KV cache group of a `KVCacheBlocks` or a tuple of lists."""
-    if blocks is None:
-        return []
-    get = getattr(blocks, "get_block_ids", None)
-    groups = get() if get is not None else blocks
-    if not groups:
-        return []
-    if isinstance(groups[0], int):
-        return [list(groups)]
-    if len(groups) == 1 and not groups[0]:
-        return _NO_BLOCKS
-    return [list(g) if g else [] for g in groups]
-
-
-_NO_BLOCKS: list[list[int]] = [[]]
 
 
 class LiveProjector:
@@ -338,35 +320,18 @@ class LiveProjector:
         """`build_connector_meta`'s arguments (`statemachine.monitor.log.HOOK_ARGS`) and the
         requests it can move: those admitted, resumed, preempted or finished (the rest keep
         running). Only the requests given blocks cost more than their token count."""
-        new_blocks: dict[str, list[list[int]]] = {}
-        admitted: list[str] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            new_blocks[new.req_id] = block_ids_per_group(new.block_ids)
-            admitted.append(new.req_id)
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if not blocks:
-                continue
-            if type(blocks) is tuple and len(blocks) == 1 \
-                    and type(blocks[0]) is list:  # one KV cache group (the common case)
-                if blocks[0]:
-                    new_blocks[rid] = [list(blocks[0])]
-            else:
-                ids = block_ids_per_group(blocks)
-                if any(ids):
-                    new_blocks[rid] = ids
-        resumed = getattr(cached, "resumed_req_ids", None)
-        if resumed:
-            admitted.extend(sorted(resumed))
-        scheduled = {rid: int(n) for rid, n in scheduler_output.num_scheduled_tokens.items()}
-        finished = sorted(scheduler_output.finished_req_ids or ())
-        preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        touched = {*admitted, *finished, *preempted}
+        out = scheduler_output
+        cached = out.scheduled_cached_reqs
+        scheduled = {rid: int(n) for rid, n in out.num_scheduled_tokens.items()}
+        args = connector_meta_args(
+            scheduled, ((new.req_id, new.block_ids) for new in out.scheduled_new_reqs),
+            zip(cached.req_ids, cached.new_block_ids, strict=True),
+            getattr(cached, "resumed_req_ids", None) or (), out.finished_req_ids or (),
+            getattr(out, "preempted_req_ids", None) or ())
         self.obs.scheduled = set(scheduled)
-        self.obs.preempted = set(preempted)
+        self.obs.preempted = set(args["preempted"])
         self.obs.allocated.clear()
-        return ({"scheduled": scheduled, "new_block_ids": new_blocks, "admitted": admitted,
-                 "finished": finished, "preempted": preempted}, touched)
+        return args, {*args["admitted"], *args["finished"], *args["preempted"]}
 
     def after_build(self, meta: Any) -> tuple[dict[str, list[int]], set[int]]:
         """What the metadata ships (per kind) and the jobs whose state it moved; marks
@@ -385,4 +350,4 @@ class LiveProjector:
 
 _UNSET = object()
 
-__all__ = ["LiveObservations", "LiveProjector", "block_ids_per_group"]
+__all__ = ["LiveObservations", "LiveProjector"]

@@ -47,7 +47,7 @@ before it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -77,6 +77,51 @@ table); `admitted`: the requests scheduled as new or resumed from preemption; `s
 the job ids the step's metadata hands the workers, per kind (`store`, `load`, `flush`);
 `acks`: job id -> reports (summed over the workers). An implementation with failure reports
 (ours) adds `failed` (job id -> failure reports) to `update_connector_output`."""
+
+def block_ids_per_group(blocks: Any) -> list[list[int]]:
+    """Block ids per KV cache group in the schema's form (a list per group) from a
+    `KVCacheBlocks`, a tuple or list of per-group lists, or one group's flat list; None or
+    empty: no groups."""
+    if blocks is None:
+        return []
+    get = getattr(blocks, "get_block_ids", None)
+    groups = get() if get is not None else blocks
+    if not groups:
+        return []
+    if isinstance(groups[0], int):
+        return [list(map(int, groups))]
+    if len(groups) == 1 and not groups[0]:
+        return [[]]
+    return [list(g) if g else [] for g in groups]
+
+
+def connector_meta_args(scheduled: Mapping[str, int], new_reqs: Iterable[tuple[str, Any]],
+                        cached: Iterable[tuple[str, Any]], resumed: Iterable[str],
+                        finished: Iterable[str], preempted: Iterable[str]) -> dict[str, Any]:
+    """`build_connector_meta`'s arguments (`HOOK_ARGS`; the caller adds `shipped` once the
+    hook returns) from a scheduler output's parts: `new_reqs` (id, whole block table) and
+    `cached` (id, new blocks or None) per KV cache group in any form `block_ids_per_group`
+    takes, `resumed` the cached requests resumed from preemption. A cached request given no
+    block costs only its token count."""
+    new_blocks: dict[str, list[list[int]]] = {}
+    admitted: list[str] = []
+    for rid, table in new_reqs:
+        new_blocks[rid] = block_ids_per_group(table)
+        admitted.append(rid)
+    for rid, blocks in cached:
+        if not blocks:
+            continue
+        if type(blocks) is tuple and len(blocks) == 1 and type(blocks[0]) is list:
+            if blocks[0]:       # one KV cache group (the common case), without the checks
+                new_blocks[rid] = [list(blocks[0])]
+        else:
+            ids = block_ids_per_group(blocks)
+            if any(ids):
+                new_blocks[rid] = ids
+    admitted.extend(sorted(resumed))
+    return {"scheduled": scheduled, "new_block_ids": new_blocks, "admitted": admitted,
+            "finished": sorted(finished), "preempted": sorted(preempted)}
+
 
 SCALARS = ("job_counter", "stale_threshold", "chunks_being_loaded", "jobs_to_flush",
            "step_open", "reset_since_last_step", "stores_after_signal")

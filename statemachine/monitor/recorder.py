@@ -20,7 +20,13 @@ from typing import Any
 
 from spec.state import AbstractState
 from statemachine.monitor.checker import Finding, SpecMonitor
-from statemachine.monitor.log import Delta, Event, LogWriter
+from statemachine.monitor.log import (
+    Delta,
+    Event,
+    LogWriter,
+    block_ids_per_group,
+    connector_meta_args,
+)
 
 HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
          "build_connector_meta", "update_connector_output", "request_finished",
@@ -66,14 +72,6 @@ def _rid(request: Any) -> str:
     return str(getattr(request, "request_id", getattr(request, "req_id", request)))
 
 
-def _groups(table: Any) -> list[list[int]]:
-    if not table:
-        return []
-    if isinstance(table[0], int):
-        return [list(table)]
-    return [list(map(int, g)) for g in table]
-
-
 def hook_args(hook: str, args: tuple[Any, ...], result: Any) -> dict[str, Any]:
     """The schema's arguments of a hook call on our own message types."""
     if hook == "on_new_request":
@@ -83,30 +81,19 @@ def hook_args(hook: str, args: tuple[Any, ...], result: Any) -> dict[str, Any]:
         return {"request": _rid(args[0]), "num_computed_tokens": int(args[1]),
                 "result": [hits, bool(is_async)]}
     if hook == "update_state_after_alloc":
-        return {"request": _rid(args[0]), "block_ids": _groups(args[1]),
+        return {"request": _rid(args[0]), "block_ids": block_ids_per_group(args[1]),
                 "num_external_tokens": int(args[2])}
     if hook == "build_connector_meta":
-        out = args[0]
-        new_blocks: dict[str, list[list[int]]] = {}
-        admitted: list[str] = []
-        for n in out.scheduled_new_reqs:
-            new_blocks[n.req_id] = _groups(n.block_ids)
-            admitted.append(n.req_id)
-        for c in out.scheduled_cached_reqs:
-            ids = _groups(c.new_block_ids)
-            if any(ids):
-                new_blocks[c.req_id] = ids
-            if c.resumed_from_preemption:
-                admitted.append(c.req_id)
+        out, meta = args[0], result
         scheduled = {rid: int(n) for rid, n in out.num_scheduled_tokens.items()}
         for rid in (*(n.req_id for n in out.scheduled_new_reqs),
                     *(c.req_id for c in out.scheduled_cached_reqs)):
-            scheduled.setdefault(rid, 0)
-        meta = result
-        return {"scheduled": scheduled,
-                "new_block_ids": new_blocks, "admitted": admitted,
-                "finished": sorted(out.finished_req_ids),
-                "preempted": sorted(out.preempted_req_ids),
+            scheduled.setdefault(rid, 0)   # our output lists a request given no token too
+        return {**connector_meta_args(
+                    scheduled, ((n.req_id, n.block_ids) for n in out.scheduled_new_reqs),
+                    ((c.req_id, c.new_block_ids) for c in out.scheduled_cached_reqs),
+                    (c.req_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption),
+                    out.finished_req_ids, out.preempted_req_ids),
                 "shipped": {"store": sorted(meta.store_jobs), "load": sorted(meta.load_jobs),
                             "flush": sorted(meta.jobs_to_flush)}}
     if hook == "update_connector_output":
