@@ -174,7 +174,8 @@ class LiveProjector:
     def delta(self, requests: Iterable[str], jobs: Iterable[int] = (), *,
               everything: bool = False, fences: bool = True, loads: bool = True) -> Delta:
         """What changed in the records of `requests`, the jobs they hold (before and
-        after), `jobs`, jobs created since the last call, and the global fields."""
+        after), `jobs`, jobs created since the last call and their owners (each projected
+        once), and the global fields."""
         sched, d = self.sched, Delta()
         status, table = sched._req_status, sched._jobs
         if everything:
@@ -183,7 +184,10 @@ class LiveProjector:
         want_jobs = set(jobs)
         counter = int(sched._job_counter)
         last_counter = self.scalars.get("job_counter", 0)
-        want_jobs.update(j for j in range(last_counter, counter) if j in table)
+        if counter != last_counter:  # the jobs created since, and their owners' sets
+            created = [j for j in range(last_counter, counter) if j in table]
+            want_jobs.update(created)
+            requests = {*requests, *(table[j].req_id for j in created)}
         for rid in requests:
             old = self.requests.get(rid)
             if old is not None:
@@ -213,12 +217,6 @@ class LiveProjector:
                     self._first.pop(jid, None)
                 else:
                     self.jobs[jid] = new_job
-                    if old_job is None and new_job.owner not in d.requests \
-                            and new_job.owner in status:  # its owner's set changed too
-                        rec_r = project_request(sched, self.obs, new_job.owner,
-                                                status[new_job.owner])
-                        if rec_r != self.requests.get(new_job.owner):
-                            d.requests[new_job.owner] = self.requests[new_job.owner] = rec_r
         if everything:
             keys |= set(self.ref_cnt)
             chunks = policy_table(self.manager)
