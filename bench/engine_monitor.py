@@ -22,7 +22,14 @@ scheduler-side hook of `MonitoredOffloadingConnector` whole, minus the vLLM call
 errs high), per counted step. The in-run ratio is step / (step - monitor) over the same
 steps: what the step would cost without the monitor, with the noise of the run in both.
 
+`--floors` adds two sides that are not modes of the monitor but bounds on any monitor that
+hooks each call: `vLLM+args`, the `log` mode with the projection cut out (each event's
+arguments written, its delta left empty), and `vLLM+hooks`, that and no log either (the
+hooks wrapped, their arguments built, nothing kept). What `log` costs above `vLLM+args` is
+the projection and its delta; what `vLLM+args` costs is the floor of a log of the calls.
+
     .venv-vllm/bin/python bench/engine_monitor.py [--active 256] [--steps 30] [--reps 3]
+        [--floors]
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ if str(ROOT) not in sys.path:
 
 import conformance.vllm_env  # noqa: E402,F401  (before vLLM: offline, quiet)
 from conformance.core_scheduler import CoreDriver, make_core_scheduler  # noqa: E402
+from statemachine.monitor.log import Delta, Event  # noqa: E402
 
 BLOCK = 16
 
@@ -58,6 +66,20 @@ def workload(active: int, seed: int) -> list[tuple[list[int], int]]:
         prompt = (rng.choice(prefixes) + body)[:640] if rng.random() < 0.5 else body
         out.append((prompt, rng.randrange(16, 65)))
     return out
+
+
+FLOORS = ("vLLM+args", "vLLM+hooks")
+"""The `--floors` sides (see the module docstring)."""
+
+
+def cut_projection(projector: Any) -> None:
+    """Each event of `projector` (a `LiveProjector`) with its arguments and an empty delta:
+    the projection cut out, for the `--floors` sides only."""
+    def event(hook: str, args: dict[str, Any], *rest: Any, **kw: Any) -> Event:
+        projector.seq += 1
+        return Event(seq=projector.seq, step=projector.step, hook=hook, args=args,
+                     delta=Delta())
+    projector.event = event
 
 
 _HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
@@ -113,10 +135,13 @@ def run(side: str, active: int, steps: int, warmup: int, seed: int,
         mode = side.split("+")[1]
         kw = {"kv_connector": "MonitoredOffloadingConnector",
               "kv_connector_module_path": "statemachine.monitor.connector"}
-        extra = {"kvspec_mode": mode, "kvspec_log": str(log_dir / f"{mode}.jsonl")}
+        log = "" if mode == "hooks" else str(log_dir / f"{mode}.jsonl")
+        extra = {"kvspec_mode": mode if mode in ("log", "warn") else "log", "kvspec_log": log}
     core = make_core_scheduler(num_gpu_blocks=active * 48, num_cpu_chunks=active * 8,
                                max_num_seqs=active, max_model_len=1024,
                                max_num_batched_tokens=8192, extra_config=extra, **kw)
+    if side in FLOORS:
+        cut_projection(core.connector.kvspec.projector)
     if timer is not None:
         timer.install(core.connector)
     driver = CoreDriver(core, seed=seed, split_acks=False)
@@ -157,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--floors", action="store_true",
+                   help="also the sides vLLM+args and vLLM+hooks (the module docstring)")
     args = p.parse_args(argv)
-    sides = ["vLLM", "vLLM+log", "vLLM+warn"]
+    sides = ["vLLM", "vLLM+log", "vLLM+warn", *(FLOORS if args.floors else ())]
     ms: dict[str, list[float]] = {s: [] for s in sides}
     own: dict[str, list[float]] = {s: [] for s in sides[1:]}
     """Per monitored side and repetition: the monitor's own CPU ms per counted step."""
