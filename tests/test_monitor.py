@@ -4,7 +4,10 @@ hand-made logs for every way a log can be malformed."""
 
 from __future__ import annotations
 
+import io
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from spec import request as R
 from spec.state import HeldJob, JobRecord, RequestRecord, record_builder
 from statemachine import simulate
 from statemachine.cli import main as kvspec
-from statemachine.monitor.checker import SpecMonitor, is_move, path_of
+from statemachine.monitor.checker import Finding, SpecMonitor, is_move, path_of
 from statemachine.monitor.log import (
     HOOK_ARGS,
     SCHEMA,
@@ -28,7 +31,7 @@ from statemachine.monitor.log import (
     SchemaVersionMismatch,
     read_log,
 )
-from statemachine.monitor.replay import replay
+from statemachine.monitor.replay import follow, replay
 from statemachine.mutants import MUTANTS
 
 
@@ -299,3 +302,49 @@ def test_the_writer_and_reader_agree(tmp_path: Path) -> None:
     w.close()
     log = read_log(path)
     assert log.header.stuck_after_steps == 5 and log.events[0].delta == d
+
+
+# ----------------------------------------------------------------------------- following
+def test_following_a_growing_log_finds_what_replay_finds(bug_log: Path, tmp_path: Path) -> None:
+    """A writer appends the 48102 log in pieces cut anywhere (mid-line too) while `follow`
+    checks it: the follower reports each finding as it comes, and ends with the same
+    findings and first trace as `replay` of the whole log."""
+    text = bug_log.read_text()
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text(text[:50])                      # the header is not even complete yet
+    written = threading.Event()
+
+    def writer() -> None:
+        with grown.open("a") as out:
+            for at in range(50, len(text), 997):
+                out.write(text[at:at + 997])
+                out.flush()
+                time.sleep(0.001)
+        written.set()
+
+    seen: list[Finding] = []
+    thread = threading.Thread(target=writer)
+    thread.start()
+    v = follow(grown, written.is_set, lambda _m, found: seen.extend(found), poll_s=0.001)
+    thread.join()
+    whole = replay(bug_log)
+    assert v.findings == whole.findings == seen
+    assert [s.event.seq for s in v.trace] == [s.event.seq for s in whole.trace]
+    assert (v.events, v.steps, v.requests, v.jobs, v.moves) == (
+        len(whole.log.events), whole.steps, whole.requests, whole.jobs, whole.moves)
+
+
+def test_replay_follow_stops_at_the_end_of_stdin(
+        bug_log: Path, clean_log: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvspec replay --follow`: each violation on stderr as found, the verdict and exit
+    code of `replay` once standard input ends."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert kvspec(["replay", "--follow", str(bug_log)]) == 1
+    out, err = capsys.readouterr()
+    reports = err.split("kvspec monitor: ")[1:]
+    assert reports[0].startswith("first violation: INV-1")
+    assert all(str(f) in err for f in replay(bug_log).findings)
+    assert "first violation: INV-1" in out and f"{len(lines(bug_log)) - 1} events" in out
+    assert kvspec(["replay", "--follow", "--json", str(clean_log)]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "clean"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print("kvspec replay: --stuck-after-steps must be at least 1", file=sys.stderr)
         return EXIT_USAGE
     try:
-        verdict = replay(args.log, args.stuck_after_steps)
+        verdict = _follow(args) if args.follow else replay(args.log, args.stuck_after_steps)
     except FileNotFoundError:
         print(f"kvspec replay: {args.log}: no such file", file=sys.stderr)
         return EXIT_USAGE
@@ -38,6 +40,34 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if svg:
             print(f"\ntrace drawn over the machines: {svg}")
     return EXIT_OK if verdict.clean else EXIT_FAIL
+
+
+def _follow(args: argparse.Namespace) -> Any:
+    """`--follow`: the log checked as it grows, each finding printed to stderr when found,
+    until standard input ends (the monitored connector closes it at shutdown; Ctrl-D at a
+    terminal) or Ctrl-C."""
+    from statemachine.monitor.checker import report_text
+    from statemachine.monitor.replay import follow
+
+    done = threading.Event()
+
+    def watch_stdin() -> None:
+        try:
+            while sys.stdin.read(4096):
+                pass
+        finally:
+            done.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+
+    def report(monitor: Any, found: Any) -> None:
+        print(f"kvspec monitor: {report_text(monitor, found)}", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, lambda *_: done.set())
+    try:
+        return follow(args.log, done.is_set, report, args.stuck_after_steps)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _draw(verdict: Any, path: Path) -> Path:
@@ -66,6 +96,11 @@ def register(sub: Any) -> None:
                    help="report a request holding a job id with no report for N engine "
                    "steps (default: the log's header, else 32)")
     p.add_argument("--json", action="store_true", help="the verdict as JSON")
+    p.add_argument("--follow", action="store_true",
+                   help="check the log while it is written, printing each violation to "
+                   "stderr when found, until standard input ends (the monitored connector "
+                   "closes it at shutdown) or Ctrl-C; then the end-of-log checks and the "
+                   "verdict")
     p.add_argument("--svg", metavar="PATH", help="draw the first violation's trace over the "
                    "request and job machines")
     p.set_defaults(func=cmd_replay)

@@ -576,5 +576,15 @@ def with_findings(event: Event, findings: Sequence[Finding]) -> Event:
     return replace(event, findings=[f.to_json() for f in findings])
 
 
+def report_text(monitor: SpecMonitor, found: Sequence[Finding]) -> str:
+    """What a monitor reports for one event's findings: the first with the trace that led
+    to it, then the others."""
+    first = found[0]
+    text = format_trace(monitor.trace_of(first), first)
+    if len(found) > 1:
+        text += "\n  and " + "\n  and ".join(str(f) for f in found[1:])
+    return text
+
+
 __all__ = ["JOB_GONE", "Finding", "Mirror", "Move", "Seen", "SpecMonitor", "format_trace",
-           "is_move", "path_of", "relevant_moves", "with_findings"]
+           "is_move", "path_of", "relevant_moves", "report_text", "with_findings"]

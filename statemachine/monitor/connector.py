@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from statemachine.errors import ConfigError, KVSpecError
-from statemachine.monitor.checker import Finding, SpecMonitor, format_trace, with_findings
+from statemachine.monitor.checker import Finding, SpecMonitor, report_text, with_findings
 from statemachine.monitor.live import LiveProjector
 from statemachine.monitor.log import Event, Header, LogWriter, block_ids_per_group
 from statemachine.monitor.translations import translations_of
@@ -143,12 +143,9 @@ class LiveMonitor:
     def _report(self, event: Event, found: list[Finding]) -> None:
         assert self.checker is not None
         self.findings.extend(found)
-        first = found[0]
-        text = format_trace(self.checker.trace_of(first), first)
-        if len(found) > 1:
-            text += "\n  and " + "\n  and ".join(str(f) for f in found[1:])
+        text = report_text(self.checker, found)
         if self.config.mode == "raise":
-            raise MonitorViolation(first, text)
+            raise MonitorViolation(found[0], text)
         logger.warning("kvspec monitor: %s", text)
 
     def close(self) -> None:

@@ -530,6 +530,52 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
             yield n, text.rstrip("\n"), text.endswith("\n")
 
 
+class LogFollower:
+    """Reads a log while its writer appends to it: `poll()` returns the events of the
+    complete lines written since the last call (the header is read first, once it is
+    there; a line still being written waits for its newline). The same validation as
+    `read_log`, which reads a finished log."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._file: IO[str] = Path(path).open(encoding="utf-8")  # noqa: SIM115 (held open)
+        self._partial = ""
+        self._line = 0
+        self.header: Header | None = None
+        self.events = 0
+
+    def poll(self) -> list[Event]:
+        chunk = self._file.read()
+        if not chunk:
+            return []
+        text = self._partial + chunk
+        *lines, self._partial = text.split("\n")
+        out: list[Event] = []
+        for line in lines:
+            self._line += 1
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise MalformedLog(self.path, self._line, "(line)", f"not JSON: {exc.msg} "
+                                   f"at column {exc.colno}") from None
+            if self.header is None:
+                self.header = _header(self.path, self._line, data)
+            else:
+                self.events += 1
+                out.append(_event(self.path, self._line, data, self.events))
+        return out
+
+    @property
+    def truncated(self) -> int | None:
+        """The line number of a last line cut short, once the writer is done."""
+        return self._line + 1 if self._partial.strip() else None
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def read_log(path: str | Path) -> Log:
     """The whole log, validated (see the module docstring for what is refused)."""
     name = str(path)
@@ -558,5 +604,6 @@ def read_log(path: str | Path) -> Log:
 
 
 __all__ = ["HOOK_ARGS", "RECORDS", "SCALARS", "SCHEMA", "SCHEMA_VERSION", "Delta", "Event",
-           "Header", "Log", "LogError", "LogWriter", "MalformedLog", "SchemaVersionMismatch",
+           "Header", "Log", "LogError", "LogFollower", "LogWriter", "MalformedLog",
+           "SchemaVersionMismatch",
            "read_log", "record_fields", "record_from_json", "record_json"]

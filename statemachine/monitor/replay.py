@@ -9,6 +9,8 @@ verdict is the list of findings, the first one with the numbered trace that led 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from statemachine.monitor.checker import (
     format_trace,
     relevant_moves,
 )
-from statemachine.monitor.log import Log, read_log
+from statemachine.monitor.log import Log, LogFollower, MalformedLog, read_log
 
 DEFAULT_STUCK_AFTER_STEPS = 32
 
@@ -36,6 +38,12 @@ class Verdict:
     requests: int = 0
     jobs: int = 0
     moves: int = 0
+    event_count: int | None = None
+    """The events checked, where the log's events were not kept (`follow`)."""
+
+    @property
+    def events(self) -> int:
+        return len(self.log.events) if self.event_count is None else self.event_count
 
     @property
     def clean(self) -> bool:
@@ -45,7 +53,7 @@ class Verdict:
         h = self.log.header
         source = f"vLLM {h.vllm}" if h.vllm[:1].isdigit() else h.vllm
         lines = [f"{self.log.path}: {source}, {h.num_workers} worker(s), monitor mode "
-                 f"{h.mode}; {len(self.log.events)} events, {self.steps} steps, "
+                 f"{h.mode}; {self.events} events, {self.steps} steps, "
                  f"{self.requests} requests, {self.jobs} jobs, {self.moves} moves checked"]
         if self.log.truncated is not None:
             lines.append(f"note: line {self.log.truncated} is cut short (the writer stopped "
@@ -65,7 +73,7 @@ class Verdict:
         h = self.log.header
         return {
             "log": self.log.path, "vllm": h.vllm, "num_workers": h.num_workers,
-            "mode": h.mode, "events": len(self.log.events), "steps": self.steps,
+            "mode": h.mode, "events": self.events, "steps": self.steps,
             "requests": self.requests, "jobs": self.jobs, "moves": self.moves,
             "truncated_line": self.log.truncated,
             "verdict": "clean" if self.clean else "violation",
@@ -102,6 +110,68 @@ def replay(path: str | Path, stuck_after_steps: int | None = None) -> Verdict:
     return verdict
 
 
+def follow(path: str | Path, stop: Callable[[], bool],
+           on_findings: Callable[[SpecMonitor, list[Finding]], None] | None = None,
+           stuck_after_steps: int | None = None, poll_s: float = 0.05,
+           trace_len: int = 512) -> Verdict:
+    """Checks the log at `path` while its writer appends to it, as `replay` does, and hands
+    each event's findings to `on_findings` as they are found. When no new line has come
+    and `stop()` says the writer is done, it reads what is left, runs the end-of-log
+    checks and returns the verdict. Memory stays bounded: the events are not kept, only
+    the last `trace_len` for the traces (`LogError` as `replay`)."""
+    follower = LogFollower(path)
+    mon: SpecMonitor | None = None
+    requests: set[str] = set()
+    jobs: set[int] = set()
+    moves = steps = 0
+    done = False
+    first_trace: list[Seen] = []
+    try:
+        while True:
+            events = follower.poll()
+            header = follower.header
+            if mon is None and header is not None:
+                bound = stuck_after_steps or header.stuck_after_steps \
+                    or DEFAULT_STUCK_AFTER_STEPS
+                mon = SpecMonitor(header.num_workers, stuck_after_steps=bound,
+                                  whole_every=1, trace_len=trace_len,
+                                  translations=header.translations)
+            for ev in events:
+                assert mon is not None
+                found = mon.observe(ev)
+                requests.update(ev.delta.requests)
+                jobs.update(ev.delta.jobs)
+                moves += len(mon.trace[-1].moves)
+                steps = ev.step
+                if found and not first_trace:  # kept now: the window moves on
+                    first_trace = mon.trace_of(mon.findings[0])
+                if found and on_findings is not None:
+                    on_findings(mon, found)
+            if events:
+                continue
+            if done:
+                break
+            if stop():
+                done = True  # one more read: what the writer wrote before it stopped
+                continue
+            time.sleep(poll_s)
+    finally:
+        follower.close()
+    if mon is None or follower.header is None:
+        raise MalformedLog(str(path), 1, "schema", "empty log: no header line")
+    end = mon.finish()
+    if end and not first_trace:
+        first_trace = mon.trace_of(mon.findings[0])
+    if end and on_findings is not None:
+        on_findings(mon, end)
+    log = Log(path=str(path), header=follower.header, events=[],
+              truncated=follower.truncated)
+    verdict = Verdict(log=log, findings=list(mon.findings), steps=steps,
+                      requests=len(requests), jobs=len(jobs), moves=moves,
+                      event_count=follower.events, trace=first_trace)
+    return verdict
+
+
 def trace_counterexample(verdict: Verdict) -> Any:
     """The first finding's trace in the shape `statemachine.diagrams.counterexample_graph`
     draws (steps with their moves as table rows)."""
@@ -115,4 +185,4 @@ def trace_counterexample(verdict: Verdict) -> Any:
                            summary=str(first))
 
 
-__all__ = ["DEFAULT_STUCK_AFTER_STEPS", "Verdict", "replay", "trace_counterexample"]
+__all__ = ["DEFAULT_STUCK_AFTER_STEPS", "Verdict", "follow", "replay", "trace_counterexample"]
