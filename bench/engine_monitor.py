@@ -22,6 +22,11 @@ scheduler-side hook of `MonitoredOffloadingConnector` whole, minus the vLLM call
 errs high), per counted step. The in-run ratio is step / (step - monitor) over the same
 steps: what the step would cost without the monitor, with the noise of the run in both.
 
+`--process` adds `vLLM+warn/process`: `warn` mode with `kvspec_checker: process`, the
+checks in a `kvspec replay --follow` process beside the engine. The engine's step and the
+monitor's own time are the engine process's; the checker process's CPU is printed apart
+(its whole run per step, from `getrusage` of the children after shutdown).
+
 `--floors` adds two sides that are not modes of the monitor but bounds on any monitor that
 hooks each call: `vLLM+args`, the `log` mode with the projection cut out (each event's
 arguments written, its delta left empty), and `vLLM+hooks`, that and no log either (the
@@ -29,7 +34,7 @@ hooks wrapped, their arguments built, nothing kept). What `log` costs above `vLL
 the projection and its delta; what `vLLM+args` costs is the floor of a log of the calls.
 
     .venv-vllm/bin/python bench/engine_monitor.py [--active 256] [--steps 30] [--reps 3]
-        [--floors]
+        [--floors] [--process]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -68,6 +74,8 @@ def workload(active: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
+PROCESS_MODE = "warn/process"
+"""`warn` mode with `kvspec_checker: process` (`--process`)."""
 FLOORS = ("vLLM+args", "vLLM+hooks")
 """The `--floors` sides (see the module docstring)."""
 
@@ -92,6 +100,8 @@ class SelfTimer:
     by each hook's CPU time less the vLLM call inside it, while `counting`."""
 
     def __init__(self) -> None:
+        self.child_s = 0.0
+        """The checker process's CPU seconds over the whole run (`warn/process` only)."""
         self.own_ns = 0
         self.counting = False
         self._inner = 0
@@ -136,7 +146,10 @@ def run(side: str, active: int, steps: int, warmup: int, seed: int,
         kw = {"kv_connector": "MonitoredOffloadingConnector",
               "kv_connector_module_path": "statemachine.monitor.connector"}
         log = "" if mode == "hooks" else str(log_dir / f"{mode}.jsonl")
-        extra = {"kvspec_mode": mode if mode in ("log", "warn") else "log", "kvspec_log": log}
+        extra = {"kvspec_mode": "warn" if mode.startswith("warn") else "log",
+                 "kvspec_log": log}
+        if mode == PROCESS_MODE:
+            extra["kvspec_checker"] = "process"
     core = make_core_scheduler(num_gpu_blocks=active * 48, num_cpu_chunks=active * 8,
                                max_num_seqs=active, max_model_len=1024,
                                max_num_batched_tokens=8192, extra_config=extra, **kw)
@@ -170,9 +183,29 @@ def run(side: str, active: int, steps: int, warmup: int, seed: int,
         timer.counting = False
     gc.unfreeze()
     mon = getattr(core.connector, "kvspec", None)
+    if mon is not None and mon.follower is not None:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        mon.close()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if timer is not None:
+            timer.child_s = (after.ru_utime + after.ru_stime
+                             - before.ru_utime - before.ru_stime)
     if mon is not None and mon.findings:
         raise SystemExit(f"{side}: the monitor reported {len(mon.findings)} finding(s)")
     return times
+
+
+def follower_start_ms(log_dir: Path) -> float:
+    """The CPU ms of a checker process that follows a log with a header and no event."""
+    from statemachine.monitor.connector import start_follower, stop_follower
+    from statemachine.monitor.log import Header, LogWriter
+
+    path = log_dir / "empty.jsonl"
+    LogWriter(path, Header(vllm="none", num_workers=1)).close()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    stop_follower(start_follower(str(path), 0))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--floors", action="store_true",
                    help="also the sides vLLM+args and vLLM+hooks (the module docstring)")
+    p.add_argument("--process", action="store_true",
+                   help=f"also the side vLLM+{PROCESS_MODE} (the module docstring)")
     args = p.parse_args(argv)
-    sides = ["vLLM", "vLLM+log", "vLLM+warn", *(FLOORS if args.floors else ())]
+    sides = ["vLLM", "vLLM+log", "vLLM+warn",
+             *([f"vLLM+{PROCESS_MODE}"] if args.process else ()),
+             *(FLOORS if args.floors else ())]
+    child: list[float] = []
+    """The checker process's CPU ms per step (all steps of the run, warm-up too)."""
     ms: dict[str, list[float]] = {s: [] for s in sides}
     own: dict[str, list[float]] = {s: [] for s in sides[1:]}
     """Per monitored side and repetition: the monitor's own CPU ms per counted step."""
@@ -205,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 mine = timer.own_ns / args.steps / 1e6
                 own[side].append(mine)
                 inrun[side].append(step / (step - mine))
+                if side.endswith(PROCESS_MODE):
+                    child.append(timer.child_s * 1e3 / (args.steps + args.warmup))
             floor[side] = [min(a, b) for a, b in zip(floor.get(side, times), times,
                                                      strict=True)]
     base = statistics.median(ms["vLLM"])
@@ -223,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         o, r = own[side], inrun[side]
         print(f"  {side:10} {statistics.median(o):8.3f} ms  [{min(o):.3f} to {max(o):.3f}]  "
               f"in-run {statistics.median(r):5.3f}x [{min(r):.3f} to {max(r):.3f}]")
+    if child:
+        start = follower_start_ms(log_dir)
+        steady = [c - start / (args.steps + args.warmup) for c in child]
+        print(f"the checker process of vLLM+{PROCESS_MODE}, CPU ms per step of the run "
+              f"(warm-up too), less its start-up ({start:.0f} ms: a follower of a log with "
+              f"no event): median {statistics.median(steady):.3f} [{min(steady):.3f} to "
+              f"{max(steady):.3f}]")
     return 0
 
 

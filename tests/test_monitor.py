@@ -348,3 +348,14 @@ def test_replay_follow_stops_at_the_end_of_stdin(
     assert "first violation: INV-1" in out and f"{len(lines(bug_log)) - 1} events" in out
     assert kvspec(["replay", "--follow", "--json", str(clean_log)]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "clean"
+    assert kvspec(["replay", "--whole-every", "-1", str(clean_log)]) == 2
+    assert "--whole-every must be at least 0" in capsys.readouterr().err
+
+
+def test_whole_state_checks_can_be_spaced_out(bug_log: Path) -> None:
+    """`whole_every`: the local checks after every event whatever it is; the whole-state
+    ones every N steps, or only at the end (0). The 48102 fault is found either way, at
+    the same first event."""
+    every, spaced, end_only = (replay(bug_log, whole_every=n) for n in (1, 4, 0))
+    assert every.findings[0] == spaced.findings[0] == end_only.findings[0]
+    assert {f.rule for f in end_only.findings} <= {f.rule for f in every.findings}

@@ -20,8 +20,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.stuck_after_steps is not None and args.stuck_after_steps < 1:
         print("kvspec replay: --stuck-after-steps must be at least 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.whole_every < 0:
+        print("kvspec replay: --whole-every must be at least 0", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        verdict = _follow(args) if args.follow else replay(args.log, args.stuck_after_steps)
+        verdict = _follow(args) if args.follow else replay(args.log, args.stuck_after_steps,
+                                                           args.whole_every)
     except FileNotFoundError:
         print(f"kvspec replay: {args.log}: no such file", file=sys.stderr)
         return EXIT_USAGE
@@ -65,7 +69,8 @@ def _follow(args: argparse.Namespace) -> Any:
 
     previous = signal.signal(signal.SIGINT, lambda *_: done.set())
     try:
-        return follow(args.log, done.is_set, report, args.stuck_after_steps)
+        return follow(args.log, done.is_set, report, args.stuck_after_steps,
+                      whole_every=args.whole_every)
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -95,6 +100,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stuck-after-steps", type=int, default=None, metavar="N",
                    help="report a request holding a job id with no report for N engine "
                    "steps (default: the log's header, else 32)")
+    p.add_argument("--whole-every", type=int, default=1, metavar="N",
+                   help="check the whole-state invariants every N engine steps (default 1; "
+                   "0: only at the end of the log; the local ones after every event)")
     p.add_argument("--json", action="store_true", help="the verdict as JSON")
     p.add_argument("--follow", action="store_true",
                    help="check the log while it is written, printing each violation to "

@@ -66,6 +66,13 @@ class Finding:
                 "seq": self.seq, "step": self.step, "hook": self.hook,
                 "request": self.request, "jobs": list(self.jobs)}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Finding:
+        """The finding `to_json` wrote."""
+        return cls(kind=data["kind"], rule=data["rule"], message=data["message"],
+                   seq=int(data["seq"]), step=int(data["step"]), hook=data["hook"],
+                   request=data.get("request"), jobs=tuple(int(j) for j in data["jobs"]))
+
 
 # ----------------------------------------------------------------------------- moves
 _MACHINES = {m.name: m for m in (REQUEST_MACHINE, JOB_MACHINE, FENCE_MACHINE)}

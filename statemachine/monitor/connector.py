@@ -26,14 +26,24 @@ monitor's, an unknown one is a configuration error):
 - `kvspec_whole_every`: re-project and check the whole state every this many steps
   (default 0: never; each hook's part is always checked).
 - `kvspec_trace_len`: events kept for the traces (default 512).
+- `kvspec_checker`: where `warn` mode checks: `inline` (in the hook, default) or `process`
+  (a `kvspec replay --follow` process reads the log as it is written and checks it, each
+  violation on its standard error with its trace, a step or so after the hook; the engine
+  pays for the projection and the log only, as in `log` mode). `process` needs a log, and
+  a stuck bound of 1 or more; `kvspec_whole_every` applies to it as to the inline checker
+  (and the whole state is checked at the end). At shutdown the connector closes the
+  process's standard input, waits for its verdict and keeps its findings.
 
 `kvspec replay LOG` checks a log offline with the same checker.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +64,7 @@ from statemachine.monitor.translations import translations_of
 logger = logging.getLogger("kvspec.monitor")
 
 MODES = ("log", "warn", "raise")
+CHECKERS = ("inline", "process")
 
 
 class MonitorViolation(KVSpecError):
@@ -72,6 +83,7 @@ class MonitorConfig:
     stuck_after_steps: int = 64
     whole_every: int = 0
     trace_len: int = 512
+    checker: str = "inline"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> MonitorConfig:
@@ -79,7 +91,7 @@ class MonitorConfig:
         one)."""
         extra = dict(extra or {})
         known = {"kvspec_mode", "kvspec_log", "kvspec_stuck_after_steps",
-                 "kvspec_whole_every", "kvspec_trace_len"}
+                 "kvspec_whole_every", "kvspec_trace_len", "kvspec_checker"}
         unknown = sorted(k for k in extra if k.startswith("kvspec_") and k not in known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown monitor setting "
@@ -102,9 +114,20 @@ class MonitorConfig:
         if not isinstance(log, str):
             raise ConfigError(f"kv_connector_extra_config: kvspec_log must be a path, got "
                               f"{log!r}")
+        checker = extra.get("kvspec_checker", "inline")
+        if checker not in CHECKERS:
+            raise ConfigError(f"kv_connector_extra_config: kvspec_checker {checker!r} is not "
+                              f"one of {', '.join(CHECKERS)}")
+        if checker == "process" and (mode != "warn" or not log
+                                     or not ints["kvspec_stuck_after_steps"]):
+            raise ConfigError("kv_connector_extra_config: kvspec_checker 'process' needs "
+                              "kvspec_mode 'warn', a kvspec_log and kvspec_stuck_after_steps "
+                              f">= 1 (got mode {mode!r}, log {log!r}, stuck after "
+                              f"{ints['kvspec_stuck_after_steps']})")
         return cls(mode=mode, log=log or None,
                    stuck_after_steps=ints["kvspec_stuck_after_steps"],
-                   whole_every=ints["kvspec_whole_every"], trace_len=ints["kvspec_trace_len"])
+                   whole_every=ints["kvspec_whole_every"], trace_len=ints["kvspec_trace_len"],
+                   checker=checker)
 
 
 class LiveMonitor:
@@ -114,7 +137,8 @@ class LiveMonitor:
         self.config = config
         self.projector = LiveProjector(sched, num_workers)
         translations = translations_of(sched)
-        self.checker = None if config.mode == "log" else SpecMonitor(
+        inline = config.mode != "log" and config.checker == "inline"
+        self.checker = None if not inline else SpecMonitor(
             num_workers, stuck_after_steps=config.stuck_after_steps or None,
             whole_every=config.whole_every, trace_len=config.trace_len,
             translations=translations)
@@ -122,8 +146,15 @@ class LiveMonitor:
             vllm=str(vllm.__version__), num_workers=num_workers, mode=config.mode,
             stuck_after_steps=config.stuck_after_steps or None, translations=translations))
         self.findings: list[Finding] = []
+        self.follower: subprocess.Popen[str] | None = None
+        self.follower_verdict: dict[str, Any] | None = None
+        """The checker process's verdict (`kvspec replay --json`), once it has finished."""
+        if config.checker == "process":
+            assert config.log is not None
+            self.follower = start_follower(config.log, config.whole_every)
         if config.log:
-            logger.info("kvspec monitor: mode %s, event log %s", config.mode, config.log)
+            logger.info("kvspec monitor: mode %s, event log %s, checker %s", config.mode,
+                        config.log, config.checker)
 
     def record(self, hook: str, args: dict[str, Any], requests: Any = (), jobs: Any = (),
                everything: bool = False, error: str | None = None) -> None:
@@ -155,11 +186,47 @@ class LiveMonitor:
                 self.findings.extend(end)
         if self.writer is not None:
             self.writer.close()
+        if self.follower is not None:
+            self.follower_verdict = stop_follower(self.follower)
+            self.follower = None
+            if self.follower_verdict is not None:
+                self.findings.extend(Finding.from_json(f)
+                                     for f in self.follower_verdict["findings"])
 
     @property
     def _last_event(self) -> Event | None:
         return None if self.checker is None or not self.checker.trace \
             else self.checker.trace[-1].event
+
+
+def start_follower(log: str, whole_every: int) -> subprocess.Popen[str]:
+    """`kvspec replay --follow --json --whole-every N LOG` in a process of its own (the same
+    Python; the package found as this process finds it), its standard error the
+    engine's."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-m", "statemachine.cli", "replay", "--follow",
+                             "--json", "--whole-every", str(whole_every), log],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def stop_follower(proc: subprocess.Popen[str],
+                  timeout: float = 300.0) -> dict[str, Any] | None:
+    """Ends the follower's input, waits for it and returns its verdict (`kvspec replay
+    --json`); None, logged as an error, if it could not check the log."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        logger.error("kvspec monitor: the checker process did not finish in %.0f s", timeout)
+        return None
+    if proc.returncode not in (0, 1):
+        logger.error("kvspec monitor: the checker process exited with %d (its error is on "
+                     "standard error)", proc.returncode)
+        return None
+    verdict: dict[str, Any] = json.loads(out)
+    return verdict
 
 
 def _finished_args(request: Any, block_ids: Any, out: Any) -> dict[str, Any]:
@@ -302,4 +369,5 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
                 self.kvspec.close()
 
 
-__all__ = ["MODES", "MonitorConfig", "MonitorViolation", "MonitoredOffloadingConnector"]
+__all__ = ["CHECKERS", "MODES", "MonitorConfig", "MonitorViolation",
+           "MonitoredOffloadingConnector"]

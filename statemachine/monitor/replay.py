@@ -87,12 +87,14 @@ class Verdict:
         }
 
 
-def replay(path: str | Path, stuck_after_steps: int | None = None) -> Verdict:
+def replay(path: str | Path, stuck_after_steps: int | None = None,
+           whole_every: int = 1) -> Verdict:
     """Checks the log at `path` (`LogError` where it cannot be read); `stuck_after_steps`
-    overrides the bound the log's header names (default 32)."""
+    overrides the bound the log's header names (default 32); the whole-state invariants
+    are checked every `whole_every` steps (0: only at the end of the log)."""
     log = read_log(path)
     bound = stuck_after_steps or log.header.stuck_after_steps or DEFAULT_STUCK_AFTER_STEPS
-    mon = SpecMonitor(log.header.num_workers, stuck_after_steps=bound, whole_every=1,
+    mon = SpecMonitor(log.header.num_workers, stuck_after_steps=bound, whole_every=whole_every,
                       trace_len=None, translations=log.header.translations)
     requests: set[str] = set()
     jobs: set[int] = set()
@@ -113,7 +115,7 @@ def replay(path: str | Path, stuck_after_steps: int | None = None) -> Verdict:
 def follow(path: str | Path, stop: Callable[[], bool],
            on_findings: Callable[[SpecMonitor, list[Finding]], None] | None = None,
            stuck_after_steps: int | None = None, poll_s: float = 0.05,
-           trace_len: int = 512) -> Verdict:
+           trace_len: int = 512, whole_every: int = 1) -> Verdict:
     """Checks the log at `path` while its writer appends to it, as `replay` does, and hands
     each event's findings to `on_findings` as they are found. When no new line has come
     and `stop()` says the writer is done, it reads what is left, runs the end-of-log
@@ -134,7 +136,7 @@ def follow(path: str | Path, stop: Callable[[], bool],
                 bound = stuck_after_steps or header.stuck_after_steps \
                     or DEFAULT_STUCK_AFTER_STEPS
                 mon = SpecMonitor(header.num_workers, stuck_after_steps=bound,
-                                  whole_every=1, trace_len=trace_len,
+                                  whole_every=whole_every, trace_len=trace_len,
                                   translations=header.translations)
             for ev in events:
                 assert mon is not None

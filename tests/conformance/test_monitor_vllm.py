@@ -11,6 +11,7 @@ trace. A run whose acks are deliberately corrupted is flagged, live and in repla
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,12 @@ from conformance.core_scheduler import (
     scenario_requests,
 )
 from statemachine.cli import main as kvspec
-from statemachine.monitor.connector import MonitoredOffloadingConnector, MonitorViolation
+from statemachine.errors import ConfigError
+from statemachine.monitor.connector import (
+    MonitorConfig,
+    MonitoredOffloadingConnector,
+    MonitorViolation,
+)
 from statemachine.monitor.replay import replay
 
 pytestmark = pytest.mark.conformance
@@ -82,6 +88,24 @@ def test_the_scenario_reaches_preemption_loads_and_the_reset(
     assert any(summary.output_tokens.values())
     if OUTCOME != "crashes":  # the shared prefix is loaded after the reset
         assert summary.loads
+
+
+def test_the_checker_process_finds_what_the_inline_checker_finds(
+        warn_run: tuple[CoreRun, RunSummary, Path], tmp_path: Path) -> None:
+    """`kvspec_checker: process`: the same scenario, checked by a `kvspec replay --follow`
+    process while the engine runs; after shutdown the connector holds that process's
+    findings, the same as the inline checker's, and its verdict covers every event."""
+    inline_run, _summary, _log = warn_run
+    log = tmp_path / "process.jsonl"
+    run = monitored(log, "warn", kvspec_checker="process")
+    mon = run.connector.kvspec
+    assert mon.checker is None and mon.follower is not None
+    scenario(run, seed=0)
+    mon.close()
+    assert mon.follower is None and mon.follower_verdict is not None
+    assert mon.follower_verdict["events"] == len(replay(log).log.events) > 0
+    assert [(f.rule, f.request, f.jobs, f.seq) for f in findings(run)] == \
+        [(f.rule, f.request, f.jobs, f.seq) for f in findings(inline_run)]
 
 
 @pytest.mark.skipif(not FIXED, reason="the release has the PR #48102 bug")
@@ -269,3 +293,28 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(tmp_path: P
     prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
     assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
                for r, out in summary.output_tokens.items())
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    ({"kvspec_mood": "warn"}, "unknown monitor setting 'kvspec_mood'"),
+    ({"kvspec_mode": "loud"}, "kvspec_mode 'loud' is not one of log, warn, raise"),
+    ({"kvspec_trace_len": 0}, "kvspec_trace_len must be an integer >= 1, got 0"),
+    ({"kvspec_stuck_after_steps": True}, "kvspec_stuck_after_steps must be an integer"),
+    ({"kvspec_log": 3}, "kvspec_log must be a path, got 3"),
+    ({"kvspec_checker": "thread"}, "kvspec_checker 'thread' is not one of inline, process"),
+    ({"kvspec_checker": "process", "kvspec_mode": "raise"}, "needs kvspec_mode 'warn'"),
+    ({"kvspec_checker": "process", "kvspec_log": ""}, "a kvspec_log"),
+    ({"kvspec_checker": "process", "kvspec_stuck_after_steps": 0}, "stuck after 0"),
+])
+def test_a_bad_monitor_setting_is_a_config_error_naming_it(extra: dict[str, Any],
+                                                           names: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(names)):
+        MonitorConfig.from_extra(extra)
+
+
+def test_monitor_settings_are_read() -> None:
+    config = MonitorConfig.from_extra({"kvspec_mode": "warn", "kvspec_log": "/tmp/x.jsonl",
+                                       "kvspec_checker": "process", "other": 1})
+    assert (config.mode, config.log, config.checker, config.stuck_after_steps) == \
+        ("warn", "/tmp/x.jsonl", "process", 64)
+    assert MonitorConfig.from_extra({"kvspec_log": ""}).log is None
