@@ -342,28 +342,43 @@ class MonitoredVLLM(VLLM):
         self.mode = mode
         self.name = f"vLLM+{mode}"
         self.log_dir = log_dir
+        self.closed_findings = 0
+        """Findings of the connectors replaced since (a checker process reports at close)."""
+        self.open_monitor: Any = None
 
     def fresh(self, trace: Trace) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
         from statemachine.monitor.connector import MonitoredOffloadingConnector
 
-        log = self.log_dir / f"{self.mode}-{trace.active}.jsonl"
+        self.close()
+        log = self.log_dir / f"{self.mode.replace('/', '-')}-{trace.active}.jsonl"
+        extra = {"kvspec_mode": self.mode.split("/")[0], "kvspec_log": str(log)}
+        if self.mode.endswith("/process"):  # warn/process: kvspec_checker process
+            extra["kvspec_checker"] = "process"
         self.setup = self.env.make_setup(
             num_gpu_blocks=trace.num_gpu_blocks, block_size=BLOCK, blocks_per_chunk=1,
             num_cpu_chunks=trace.num_cpu_chunks, eviction_policy="lru",
             max_num_seqs=max(16, trace.active), max_model_len=MAX_MODEL_LEN,
-            extra_config={"kvspec_mode": self.mode, "kvspec_log": str(log)})
+            extra_config=extra)
         self.connector = MonitoredOffloadingConnector(
             self.setup.vllm_config, KVConnectorRole.SCHEDULER, self.setup.kv_cache_config)
         self.setup.connector = self.connector
         self.setup.scheduler = self.connector.connector_scheduler
         self.setup.manager = self.setup.scheduler.manager
         self.requests = {}
+        self.open_monitor = self.connector.kvspec
+
+    def close(self) -> None:
+        """Ends the current connector's monitor (its checker process, if any)."""
+        if self.open_monitor is not None:
+            self.open_monitor.close()
+            self.closed_findings += len(self.open_monitor.findings)
+            self.open_monitor = None
 
     def findings(self) -> int:
-        mon = self.connector.kvspec
-        return len(mon.findings) if mon is not None else 0
+        self.close()
+        return self.closed_findings
 
 
 # =========================================================================== planning
@@ -687,7 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-only", action="store_true", help="without vLLM")
     p.add_argument("--monitor", default="log,warn",
                    help="the spec monitor's modes to measure on vLLM's connector, "
-                        "comma-separated (default log,warn; '' for none)")
+                        "comma-separated (default log,warn; warn/process: warn with "
+                        "kvspec_checker process; '' for none)")
     p.add_argument("--profile", nargs="?", const="ours", choices=("ours", "vllm"),
                    help="cProfile one replay's hook calls (ours by default) instead of timing")
     p.add_argument("--top", type=int, default=30, help="profile rows to print")
