@@ -120,12 +120,11 @@ def follow(path: str | Path, stop: Callable[[], bool],
     each event's findings to `on_findings` as they are found. When no new line has come
     and `stop()` says the writer is done, it reads what is left, runs the end-of-log
     checks and returns the verdict. Memory stays bounded: the events are not kept, only
-    the last `trace_len` for the traces (`LogError` as `replay`)."""
+    the last `trace_len` for the traces, and requests and jobs are counted as they first
+    appear (`LogError` as `replay`)."""
     follower = LogFollower(path)
     mon: SpecMonitor | None = None
-    requests: set[str] = set()
-    jobs: set[int] = set()
-    moves = steps = 0
+    requests = jobs = moves = steps = 0
     done = False
     first_trace: list[Seen] = []
     try:
@@ -140,9 +139,12 @@ def follow(path: str | Path, stop: Callable[[], bool],
                                   translations=header.translations)
             for ev in events:
                 assert mon is not None
+                seen_r, seen_j = mon.mirror.requests, mon.mirror.jobs  # counted as they
+                requests += sum(1 for r, rec in ev.delta.requests.items()  # appear, not kept
+                                if rec is not None and r not in seen_r)
+                jobs += sum(1 for j, rec in ev.delta.jobs.items()
+                            if rec is not None and j not in seen_j)
                 found = mon.observe(ev)
-                requests.update(ev.delta.requests)
-                jobs.update(ev.delta.jobs)
                 moves += len(mon.trace[-1].moves)
                 steps = ev.step
                 if found and not first_trace:  # kept now: the window moves on
@@ -168,9 +170,8 @@ def follow(path: str | Path, stop: Callable[[], bool],
         on_findings(mon, end)
     log = Log(path=str(path), header=follower.header, events=[],
               truncated=follower.truncated)
-    verdict = Verdict(log=log, findings=list(mon.findings), steps=steps,
-                      requests=len(requests), jobs=len(jobs), moves=moves,
-                      event_count=follower.events, trace=first_trace)
+    verdict = Verdict(log=log, findings=list(mon.findings), steps=steps, requests=requests,
+                      jobs=jobs, moves=moves, event_count=follower.events, trace=first_trace)
     return verdict
 
 
