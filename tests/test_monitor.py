@@ -26,6 +26,7 @@ from statemachine.monitor.log import (
     Delta,
     Event,
     Header,
+    LogFollower,
     LogWriter,
     MalformedLog,
     SchemaVersionMismatch,
@@ -359,3 +360,27 @@ def test_whole_state_checks_can_be_spaced_out(bug_log: Path) -> None:
     every, spaced, end_only = (replay(bug_log, whole_every=n) for n in (1, 4, 0))
     assert every.findings[0] == spaced.findings[0] == end_only.findings[0]
     assert {f.rule for f in end_only.findings} <= {f.rule for f in every.findings}
+
+
+def test_following_decodes_a_character_the_writer_split(clean_log: Path, tmp_path: Path) -> None:
+    """A request id outside ASCII whose UTF-8 bytes reach the file in two writes: the
+    follower decodes whole lines only, and agrees with `replay`."""
+    rid = next(json.loads(r)["args"]["request"] for r in lines(clean_log)[1:]
+               if "request" in json.loads(r)["args"])
+    data = clean_log.read_text().replace(f'"{rid}"', '"réq-é"').encode("utf-8")
+    whole = tmp_path / "whole.jsonl"
+    whole.write_bytes(data)
+    grown = tmp_path / "grown.jsonl"
+    grown.write_bytes(b"")
+    cuts = [i + 1 for i in range(len(data)) if data[i] == 0xC3]   # inside each 'é'
+    assert len(cuts) > 4
+    follower = LogFollower(grown)
+    events: list[Event] = []
+    with grown.open("ab") as out:
+        for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            out.write(data[a:b])
+            out.flush()
+            events.extend(follower.poll())
+    follower.close()
+    assert [e.to_json() for e in events] == [e.to_json() for e in read_log(whole).events]
+    assert any(e.args.get("request") == "réq-é" for e in events)

@@ -78,6 +78,7 @@ the job ids the step's metadata hands the workers, per kind (`store`, `load`, `f
 `acks`: job id -> reports (summed over the workers). An implementation with failure reports
 (ours) adds `failed` (job id -> failure reports) to `update_connector_output`."""
 
+
 def block_ids_per_group(blocks: Any) -> list[list[int]]:
     """Block ids per KV cache group in the schema's form (a list per group) from a
     `KVCacheBlocks`, a tuple or list of per-group lists, or one group's flat list; None or
@@ -533,13 +534,14 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
 class LogFollower:
     """Reads a log while its writer appends to it: `poll()` returns the events of the
     complete lines written since the last call (the header is read first, once it is
-    there; a line still being written waits for its newline). The same validation as
-    `read_log`, which reads a finished log."""
+    there; a line still being written waits for its newline, so a character the writer's
+    buffer split is decoded whole). The same validation as `read_log`, which reads a
+    finished log."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
-        self._file: IO[str] = Path(path).open(encoding="utf-8")  # noqa: SIM115 (held open)
-        self._partial = ""
+        self._file: IO[bytes] = Path(path).open("rb")  # noqa: SIM115 (held open)
+        self._partial = b""
         self._line = 0
         self.header: Header | None = None
         self.events = 0
@@ -548,15 +550,17 @@ class LogFollower:
         chunk = self._file.read()
         if not chunk:
             return []
-        text = self._partial + chunk
-        *lines, self._partial = text.split("\n")
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
         out: list[Event] = []
-        for line in lines:
+        for raw in lines:
             self._line += 1
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                data = json.loads(line)
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise MalformedLog(self.path, self._line, "(line)",
+                                   f"not UTF-8: {exc.reason}") from None
             except json.JSONDecodeError as exc:
                 raise MalformedLog(self.path, self._line, "(line)", f"not JSON: {exc.msg} "
                                    f"at column {exc.colno}") from None
