@@ -189,6 +189,11 @@ def test_a_truncated_last_line_is_reported_not_a_crash(
     cut = write(tmp_path / "cut.jsonl", [*rows[:-1], rows[-1][: len(rows[-1]) // 2]], end="")
     log = read_log(cut)
     assert log.truncated == len(rows) and len(log.events) == len(rows) - 2
+    followed = follow(cut, lambda: True, poll_s=0.001)   # the same, read as it grew
+    assert (followed.log.truncated, followed.events) == (len(rows), len(rows) - 2)
+    whole_last = write(tmp_path / "no-newline.jsonl", rows, end="")   # JSON, no newline
+    assert len(read_log(whole_last).events) == len(rows) - 1 == \
+        follow(whole_last, lambda: True, poll_s=0.001).events
     assert kvspec(["replay", str(cut)]) == 0
     assert f"line {len(rows)} is cut short" in capsys.readouterr().out
 

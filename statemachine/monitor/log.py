@@ -47,7 +47,7 @@ before it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -524,19 +524,13 @@ def _event(path: str, line: int, data: Any, expect_seq: int) -> Event:
                  delta=delta, findings=findings, error=error, line=line)
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
-    """(line number, text, whether the line ended with a newline)."""
-    with Path(path).open(encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            yield n, text.rstrip("\n"), text.endswith("\n")
-
-
 class LogFollower:
-    """Reads a log while its writer appends to it: `poll()` returns the events of the
+    """Reads a log, also while its writer appends to it: `poll()` returns the events of the
     complete lines written since the last call (the header is read first, once it is
     there; a line still being written waits for its newline, so a character the writer's
-    buffer split is decoded whole). The same validation as `read_log`, which reads a
-    finished log."""
+    buffer split is decoded whole); `finish()`, once the writer is done, the event of a
+    last line with no newline, or none if that line was cut short (`truncated`). The
+    validation of the module docstring; `read_log` is a `poll()` and a `finish()`."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -545,6 +539,8 @@ class LogFollower:
         self._line = 0
         self.header: Header | None = None
         self.events = 0
+        self.truncated: int | None = None
+        """The line number of a last line cut short (`finish`), or None."""
 
     def poll(self) -> list[Event]:
         chunk = self._file.read()
@@ -553,28 +549,36 @@ class LogFollower:
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         out: list[Event] = []
         for raw in lines:
-            self._line += 1
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise MalformedLog(self.path, self._line, "(line)",
-                                   f"not UTF-8: {exc.reason}") from None
-            except json.JSONDecodeError as exc:
-                raise MalformedLog(self.path, self._line, "(line)", f"not JSON: {exc.msg} "
-                                   f"at column {exc.colno}") from None
-            if self.header is None:
-                self.header = _header(self.path, self._line, data)
-            else:
-                self.events += 1
-                out.append(_event(self.path, self._line, data, self.events))
+            self._read(raw, out)
         return out
 
-    @property
-    def truncated(self) -> int | None:
-        """The line number of a last line cut short, once the writer is done."""
-        return self._line + 1 if self._partial.strip() else None
+    def finish(self) -> list[Event]:
+        """What `poll` left: the last line, which has no newline. A line that is not JSON
+        there is reported as `truncated` (the writer died in the middle of it), not
+        refused, once the header was read."""
+        out = self.poll()
+        raw, self._partial = self._partial, b""
+        self._read(raw, out, last=True)
+        return out
+
+    def _read(self, raw: bytes, out: list[Event], last: bool = False) -> None:
+        self._line += 1
+        if not raw.strip():
+            return
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if last and self.header is not None:
+                self.truncated = self._line  # the writer died in the middle of it
+                return
+            why = (f"not UTF-8: {exc.reason}" if isinstance(exc, UnicodeDecodeError) else
+                   f"not JSON: {exc.msg} at column {exc.colno}")
+            raise MalformedLog(self.path, self._line, "(line)", why) from None
+        if self.header is None:
+            self.header = _header(self.path, self._line, data)
+        else:
+            self.events += 1
+            out.append(_event(self.path, self._line, data, self.events))
 
     def close(self) -> None:
         self._file.close()
@@ -582,29 +586,16 @@ class LogFollower:
 
 def read_log(path: str | Path) -> Log:
     """The whole log, validated (see the module docstring for what is refused)."""
-    name = str(path)
-    header: Header | None = None
-    events: list[Event] = []
-    truncated: int | None = None
-    lines = list(iter_lines(path))
-    for i, (n, text, ended) in enumerate(lines):
-        if not text.strip():
-            continue
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            if i == len(lines) - 1 and not ended and header is not None:
-                truncated = n  # the writer died in the middle of its last line
-                break
-            raise MalformedLog(name, n, "(line)", f"not JSON: {exc.msg} at column "
-                               f"{exc.colno}") from None
-        if header is None:
-            header = _header(name, n, data)
-        else:
-            events.append(_event(name, n, data, len(events) + 1))
-    if header is None:
-        raise MalformedLog(name, 1, "schema", "empty log: no header line")
-    return Log(path=name, header=header, events=events, truncated=truncated)
+    follower = LogFollower(path)
+    try:
+        events = follower.poll()
+        events += follower.finish()
+    finally:
+        follower.close()
+    if follower.header is None:
+        raise MalformedLog(follower.path, 1, "schema", "empty log: no header line")
+    return Log(path=follower.path, header=follower.header, events=events,
+               truncated=follower.truncated)
 
 
 __all__ = ["HOOK_ARGS", "RECORDS", "SCALARS", "SCHEMA", "SCHEMA_VERSION", "Delta", "Event",

@@ -23,7 +23,7 @@ from statemachine.monitor.checker import (
     format_trace,
     relevant_moves,
 )
-from statemachine.monitor.log import Log, LogFollower, MalformedLog, read_log
+from statemachine.monitor.log import Header, Log, LogFollower, MalformedLog, read_log
 
 DEFAULT_STUCK_AFTER_STEPS = 32
 
@@ -93,9 +93,7 @@ def replay(path: str | Path, stuck_after_steps: int | None = None,
     overrides the bound the log's header names (default 32); the whole-state invariants
     are checked every `whole_every` steps (0: only at the end of the log)."""
     log = read_log(path)
-    bound = stuck_after_steps or log.header.stuck_after_steps or DEFAULT_STUCK_AFTER_STEPS
-    mon = SpecMonitor(log.header.num_workers, stuck_after_steps=bound, whole_every=whole_every,
-                      trace_len=None, translations=log.header.translations)
+    mon = _monitor(log.header, stuck_after_steps, whole_every, None)
     requests: set[str] = set()
     jobs: set[int] = set()
     for ev in log.events:
@@ -112,6 +110,15 @@ def replay(path: str | Path, stuck_after_steps: int | None = None,
     return verdict
 
 
+def _monitor(header: Header, stuck_after_steps: int | None, whole_every: int,
+             trace_len: int | None) -> SpecMonitor:
+    """The checker of a log with this header: `stuck_after_steps` overrides the header's
+    bound (default 32)."""
+    bound = stuck_after_steps or header.stuck_after_steps or DEFAULT_STUCK_AFTER_STEPS
+    return SpecMonitor(header.num_workers, stuck_after_steps=bound, whole_every=whole_every,
+                       trace_len=trace_len, translations=header.translations)
+
+
 def follow(path: str | Path, stop: Callable[[], bool],
            on_findings: Callable[[SpecMonitor, list[Finding]], None] | None = None,
            stuck_after_steps: int | None = None, poll_s: float = 0.05,
@@ -125,18 +132,22 @@ def follow(path: str | Path, stop: Callable[[], bool],
     follower = LogFollower(path)
     mon: SpecMonitor | None = None
     requests = jobs = moves = steps = 0
-    done = False
+    done = last = False
     first_trace: list[Seen] = []
     try:
-        while True:
+        while not last:
             events = follower.poll()
-            header = follower.header
-            if mon is None and header is not None:
-                bound = stuck_after_steps or header.stuck_after_steps \
-                    or DEFAULT_STUCK_AFTER_STEPS
-                mon = SpecMonitor(header.num_workers, stuck_after_steps=bound,
-                                  whole_every=whole_every, trace_len=trace_len,
-                                  translations=header.translations)
+            if not events:
+                if done:  # the writer stopped: what it left without a newline, if any
+                    events, last = follower.finish(), True
+                else:
+                    if stop():
+                        done = True  # one more read: what it wrote before it stopped
+                    else:
+                        time.sleep(poll_s)
+                    continue
+            if mon is None and follower.header is not None:
+                mon = _monitor(follower.header, stuck_after_steps, whole_every, trace_len)
             for ev in events:
                 assert mon is not None
                 seen_r, seen_j = mon.mirror.requests, mon.mirror.jobs  # counted as they
@@ -151,18 +162,12 @@ def follow(path: str | Path, stop: Callable[[], bool],
                     first_trace = mon.trace_of(mon.findings[0])
                 if found and on_findings is not None:
                     on_findings(mon, found)
-            if events:
-                continue
-            if done:
-                break
-            if stop():
-                done = True  # one more read: what the writer wrote before it stopped
-                continue
-            time.sleep(poll_s)
     finally:
         follower.close()
-    if mon is None or follower.header is None:
+    if follower.header is None:
         raise MalformedLog(str(path), 1, "schema", "empty log: no header line")
+    if mon is None:
+        mon = _monitor(follower.header, stuck_after_steps, whole_every, trace_len)
     end = mon.finish()
     if end and not first_trace:
         first_trace = mon.trace_of(mon.findings[0])
