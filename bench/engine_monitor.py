@@ -184,12 +184,9 @@ def run(side: str, active: int, steps: int, warmup: int, seed: int,
     gc.unfreeze()
     mon = getattr(core.connector, "kvspec", None)
     if mon is not None and mon.follower is not None:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        mon.close()
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        child_s = children_cpu_s(mon.close)
         if timer is not None:
-            timer.child_s = (after.ru_utime + after.ru_stime
-                             - before.ru_utime - before.ru_stime)
+            timer.child_s = child_s
     if mon is not None and mon.findings:
         raise SystemExit(f"{side}: the monitor reported {len(mon.findings)} finding(s)")
     return times
@@ -202,10 +199,15 @@ def follower_start_ms(log_dir: Path) -> float:
 
     path = log_dir / "empty.jsonl"
     LogWriter(path, Header(vllm="none", num_workers=1)).close()
+    return children_cpu_s(lambda: stop_follower(start_follower(str(path), 0))) * 1e3
+
+
+def children_cpu_s(call: Any) -> float:
+    """The CPU seconds of the child processes that `call()` waits for."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    stop_follower(start_follower(str(path), 0))
+    call()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1e3
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
