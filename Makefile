@@ -80,7 +80,7 @@ HASHSEED ?= 0
 VLLM_VENV := .venv-vllm$(if $(filter 0.33.0,$(VLLM_VERSION)),,-$(VLLM_VERSION))
 VLLM_STAMP := $(VLLM_VENV)/.vllm-version
 
-.PHONY: check-vllm-version conformance-all
+.PHONY: check-vllm-version conformance-all conformance-soak
 check-vllm-version:
 	@$(PY) conformance/releases.py check $(VLLM_VERSION)
 
@@ -91,6 +91,17 @@ $(VLLM_STAMP): scripts/vllm-venv.sh conformance/releases.py | check-vllm-version
 conformance: check-vllm-version $(VLLM_STAMP)
 	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
 		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --hypothesis-profile=kvspec-conformance -rfEsP -m conformance tests/conformance
+
+# A long seeded campaign against vLLM (tests/conformance/test_soak_vllm.py): VLLM_STEPS model
+# steps per machine (the release's conformance machine and, from 0.26, the hybrid one), over
+# SOAK_SEEDS seeds from SEED, split over every core; each failure shrunk, printed with the
+# command that reruns its seed. VLLM_VERSION and VLLM_SRC as for `make conformance`.
+VLLM_STEPS ?= 200000
+SOAK_SEEDS ?= 2
+conformance-soak: check-vllm-version $(VLLM_STAMP)
+	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
+		KVSPEC_SOAK_STEPS=$(VLLM_STEPS) KVSPEC_SOAK_SEEDS=$(SOAK_SEEDS) KVSPEC_SOAK_SEED=$(SEED) \
+		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m soak -n auto -rN tests/conformance/test_soak_vllm.py
 
 # The matrix: every supported release (RELEASES="0.22.0 0.33.0" for some), one at a time:
 # build, run, verdict and times; each venv this built removed after its run unless KEEP=1.

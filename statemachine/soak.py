@@ -64,6 +64,8 @@ class Failure:
     shrunk_length: int
     shrink_seconds: float
     mutant: str | None = None
+    rerun: str | None = None
+    """The command that reruns the seed (by default this module's, for its own machines)."""
 
     def render(self) -> str:
         first, _, rest = self.error.partition("\n")
@@ -73,8 +75,8 @@ class Failure:
                      f"steps, {self.shrink_seconds:.1f} s of shrinking), {self.bounds}:")
         lines.append(f"    {self.shrunk}")
         flag = f" --mutant {self.mutant}" if self.mutant else ""
-        lines.append(f"  rerun: python -m statemachine.soak --machine {self.machine} "
-                     f"--seed {self.seed}{flag}")
+        lines.append("  rerun: " + (self.rerun or f"python -m statemachine.soak --machine "
+                                    f"{self.machine} --seed {self.seed}{flag}"))
         return "\n".join(lines)
 
 
@@ -180,17 +182,23 @@ def _model_replay(cls: type[OffloadingStateMachine], bounds: M.Bounds,
 
 def soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine] = OffloadingStateMachine,
                program_length: int = 50, shrink_seconds: float = 60.0,
-               mutant: str | None = None) -> SoakResult:
+               mutant: str | None = None, name: str = "model",
+               rerun: str | None = None) -> SoakResult:
     """Programs of `cls` drawn from `seed` until `steps` model steps ran or one failed; with
-    `mutant`, that fault of `statemachine.mutants` is on in the implementation."""
+    `mutant`, that fault of `statemachine.mutants` is on in the implementation. `cls` may be
+    any subclass of the machine (another implementation behind its adapter: vLLM's, in
+    tests/conformance/test_soak_vllm.py); `name` is its name in the report and `rerun` the
+    command that reruns the seed there."""
     with mutant_on(mutant):
-        return _soak_model(seed, steps, cls, program_length, shrink_seconds, mutant)
+        return _soak_model(seed, steps, cls, program_length, shrink_seconds, mutant, name,
+                           rerun)
 
 
 def _soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine], program_length: int,
-                shrink_seconds: float, mutant: str | None) -> SoakResult:
+                shrink_seconds: float, mutant: str | None, name: str = "model",
+                rerun: str | None = None) -> SoakResult:
     rng = random.Random(seed)
-    out = SoakResult("model", seed)
+    out = SoakResult(name, seed)
     t0 = time.perf_counter()
     while out.steps < steps:
         m, exc = _model_program(cls, rng, program_length)
@@ -205,9 +213,9 @@ def _soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine], progra
                        shrink_seconds)
         final = _model_replay(cls, bounds, small) or exc
         out.failures.append(Failure(
-            "model", seed, out.programs - 1, describe(final),
+            name, seed, out.programs - 1, describe(final),
             " ; ".join(map(str, small)), _bounds_text(bounds), len(events), len(small),
-            time.perf_counter() - t1, mutant))
+            time.perf_counter() - t1, mutant, rerun))
         break
     out.seconds = time.perf_counter() - t0
     return out
@@ -360,7 +368,8 @@ def soak_tiering(seed: int, steps: int, program_length: int = 40,
 def summary(results: Sequence[SoakResult]) -> str:
     lines = [f"{'machine':12} {'seeds':>5} {'programs':>9} {'steps':>10} {'seconds':>9} "
              f"{'steps/s':>8} {'failures':>8}"]
-    for name in MACHINES:
+    names = [*MACHINES, *dict.fromkeys(r.machine for r in results if r.machine not in MACHINES)]
+    for name in names:
         rs = [r for r in results if r.machine == name]
         if not rs:
             continue

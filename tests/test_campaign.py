@@ -1,5 +1,6 @@
 """The long random campaign (`make campaign`): the model-based machine, many seeds in
-parallel with pytest-xdist, each seed an independent, replayable run. Not in `make test`."""
+parallel with pytest-xdist, each seed an independent, replayable run (hypothesis seeded
+with it: `KVSPEC_CAMPAIGN_SEED` is the first, default 0). Not in `make test`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import get_state_machine_test
 
 from spec import model as M
 from statemachine.testing import OffloadingStateMachine
 
 EXAMPLES = int(os.environ.get("KVSPEC_CAMPAIGN_EXAMPLES", "1000"))
-SEEDS = range(int(os.environ.get("KVSPEC_CAMPAIGN_SEEDS", "8")))
+FIRST = int(os.environ.get("KVSPEC_CAMPAIGN_SEED", "0"))
+SEEDS = range(FIRST, FIRST + int(os.environ.get("KVSPEC_CAMPAIGN_SEEDS", "8")))
 
 
 class Counted(OffloadingStateMachine):
@@ -30,7 +33,8 @@ class Counted(OffloadingStateMachine):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_campaign(seed: int) -> None:
     Counted.steps = 0
-    run_state_machine_as_test(Counted, settings=settings(
+    test = get_state_machine_test(Counted, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=100, deadline=None, database=None,
-        derandomize=False, suppress_health_check=list(HealthCheck)), )
+        derandomize=False, suppress_health_check=list(HealthCheck)))
+    hypothesis_seed(seed)(test)()
     print(f"\ncampaign seed {seed}: {EXAMPLES} examples, {Counted.steps} model steps")

@@ -93,3 +93,21 @@ def test_signature_names_the_invariants_or_the_masked_first_line() -> None:
     assert soak.signature(AssertionError("x\nINV-3: a\nINV-1: b")) == \
         "AssertionError: INV-1 INV-3"
     assert soak.signature(KeyError(12)) == "KeyError: N"
+
+
+def test_a_machine_behind_another_adapter_is_soaked_under_its_own_name() -> None:
+    """`soak_model` drives any subclass of the machine (vLLM's in `make conformance-soak`):
+    its result and failure carry the name given, the failure the rerun command given, and
+    the summary lists that machine beside the project's own."""
+    rerun = "make conformance-soak VLLM_VERSION=0.33.0 SEED=2 SOAK_SEEDS=1 VLLM_STEPS=20000"
+    r = soak.soak_model(2, 20_000, shrink_seconds=5, mutant="reset-keeps-transfer-jobs",
+                        name="vllm", rerun=rerun)
+    [f] = r.failures
+    assert r.machine == f.machine == "vllm"
+    assert f.render().splitlines()[0].startswith("vllm seed 2, program ")
+    assert f.render().splitlines()[-1] == f"  rerun: {rerun}"
+    mine = soak.soak_model(3, 300)
+    rows = soak.summary([mine, r]).splitlines()
+    assert [row.split()[0] for row in rows[1:3]] == ["model", "vllm"]
+    assert rows[2].split()[-1] == "1" and rows[1].split()[-1] == "0"
+    assert soak.SoakResult.from_dict(r.as_dict()).failures[0].rerun == rerun
