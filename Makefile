@@ -106,11 +106,15 @@ conformance-soak: check-vllm-version $(VLLM_STAMP)
 # The matrix: every supported release (RELEASES="0.22.0 0.33.0" for some), one at a time:
 # build, run, verdict and times; each venv this built removed after its run unless KEEP=1.
 # The table goes to stdout and to $(CONFORMANCE_OUT)/summary.md (outside the repository).
+# SOAK=N also soaks each release (make conformance-soak VLLM_STEPS=N SEED=$(SEED)): a
+# column of its own.
 RELEASES ?=
 KEEP ?= 0
 CONFORMANCE_OUT ?= /tmp/kvspec-conformance
+SOAK ?= 0
 conformance-all:
-	PY=$(PY) KEEP=$(KEEP) OUT=$(CONFORMANCE_OUT) scripts/conformance-all.sh $(RELEASES)
+	PY=$(PY) KEEP=$(KEEP) OUT=$(CONFORMANCE_OUT) SOAK_STEPS=$(SOAK) SOAK_SEED=$(SEED) \
+		scripts/conformance-all.sh $(RELEASES)
 
 # Our scheduler against vLLM's, the same trace, CPU time per step (bench/scheduler.py)
 bench-scheduler: $(VLLM_STAMP)

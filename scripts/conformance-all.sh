@@ -10,16 +10,23 @@
 #   OUT/X.log           each release's make output (the pytest report with its header)
 #   OUT/X.findings.txt  each failed test of release X with the first error it reports (the
 #                       shrunk trace of a machine test), also appended to summary.md
+#   OUT/X.soak.log      with SOAK_STEPS=N: release X's `make conformance-soak` output
 # Verdicts: "conforms"; "finds #48102 (expected)" for a release with the bug whose machine
 # found it (its test passed); "#48102 NOT FOUND" if that test failed; then "FAILED: test
-# names" for every failed test; "BUILD FAILED" if its venv could not be built. Exit status:
-# 0 when every release conforms or finds #48102 as conformance/releases.py expects, with no
-# failed test; 1 otherwise.
+# names" for every failed test; "BUILD FAILED" if its venv could not be built.
+# With SOAK_STEPS=N (SOAK_SEED=S, default 0), each release is also soaked
+# (`make conformance-soak VLLM_STEPS=N SEED=S`) and the table gains a column: each machine's
+# steps and failures; on a release with the #48102 bug, whose soak stops at that finding,
+# "finds #48102 (expected)" with the first failure when it is INV-1; else "FAILED" with it.
+# Exit status: 0 when every release conforms or finds #48102 as conformance/releases.py
+# expects, with no failed test (and no unexpected soak failure); 1 otherwise.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY:-python3}
 out=${OUT:-/tmp/kvspec-conformance}
 keep=${KEEP:-0}
+soak=${SOAK_STEPS:-0}
+soak_seed=${SOAK_SEED:-0}
 mkdir -p "$out"
 if (($#)); then
     wanted=("$@")
@@ -34,8 +41,13 @@ summary="$out/summary.md"
 {
     echo "# make conformance, every release ($(date -u +%Y-%m-%dT%H:%MZ), $(git -C "$root" rev-parse --short HEAD))"
     echo
-    echo "| release | verdict | tests (s) | build (s) |"
-    echo "|---|---|---|---|"
+    if ((soak > 0)); then
+        echo "| release | verdict | soak ($soak steps a machine, seeds from $soak_seed) | tests (s) | build (s) |"
+        echo "|---|---|---|---|---|"
+    else
+        echo "| release | verdict | tests (s) | build (s) |"
+        echo "|---|---|---|---|"
+    fi
 } > "$summary"
 cat "$summary"
 status=0
@@ -95,11 +107,33 @@ PY
         fi
     fi
     t2=$(date +%s)
+    soak_cell=""
+    if ((soak > 0)); then
+        if ((built != 0)); then
+            soak_cell="-"
+        else
+            slog="$out/$v.soak.log"
+            make -C "$root" --no-print-directory conformance-soak VLLM_VERSION="$v" PY="$py" \
+                VLLM_STEPS="$soak" SEED="$soak_seed" > "$slog" 2>&1
+            src=$?
+            totals=$(awk '/^=+ soak =+$/ {on = 1; next} on && /^vllm/ {print $1 ": " $4 " steps, " $7 " failures"}' "$slog" | paste -sd ';' - | sed 's/;/; /g')
+            first=$(grep -m1 -E '^vllm(-hybrid)? seed [0-9]+, program' "$slog")
+            if ((src == 0)); then
+                soak_cell="${totals:-no totals (see $slog)}"
+            elif ((bug)) && [[ $first == *INV-1* ]]; then
+                soak_cell="finds #48102 (expected): $first"
+            else
+                soak_cell="FAILED: ${first:-see $slog}"
+                rc=1
+            fi
+        fi
+        soak_cell="$soak_cell | "
+    fi
     ((rc == 0)) || status=1
     if ((existed == 0)) && [[ $keep != 1 ]]; then
         rm -rf "$venv"
     fi
-    row="| $v | $verdict | $((t2 - t1)) | $((t1 - t0)) |"
+    row="| $v | $verdict | $soak_cell$((t2 - t1)) | $((t1 - t0)) |"
     echo "$row" >> "$summary"
     echo "$row"
     if [[ -s $out/$v.findings.txt ]]; then
