@@ -368,7 +368,7 @@ def soak_tiering(seed: int, steps: int, program_length: int = 40,
 def summary(results: Sequence[SoakResult]) -> str:
     lines = [f"{'machine':12} {'seeds':>5} {'programs':>9} {'steps':>10} {'seconds':>9} "
              f"{'steps/s':>8} {'failures':>8}"]
-    names = [*MACHINES, *dict.fromkeys(r.machine for r in results if r.machine not in MACHINES)]
+    names = [*MACHINES, *sorted({r.machine for r in results} - set(MACHINES))]
     for name in names:
         rs = [r for r in results if r.machine == name]
         if not rs:
