@@ -49,8 +49,11 @@ def machine_class(name: str, version: tuple[int, int, int]) -> Any:
 
 
 def rerun_command(release: str, seed: int, per_seed: int) -> str:
-    return (f"make conformance-soak VLLM_VERSION={release} SEED={seed} SOAK_SEEDS=1 "
-            f"VLLM_STEPS={per_seed}")
+    """`make conformance-soak` for this seed alone (and the source tree a `VLLM_SRC` run
+    tested)."""
+    src = os.environ.get("VLLM_SRC")
+    return (f"make conformance-soak VLLM_VERSION={release}{f' VLLM_SRC={src}' if src else ''} "
+            f"SEED={seed} SOAK_SEEDS=1 VLLM_STEPS={per_seed}")
 
 
 @pytest.mark.parametrize(("machine", "seed"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
