@@ -79,6 +79,8 @@ VLLM_SRC ?=
 HASHSEED ?= 0
 VLLM_VENV := .venv-vllm$(if $(filter 0.33.0,$(VLLM_VERSION)),,-$(VLLM_VERSION))
 VLLM_STAMP := $(VLLM_VENV)/.vllm-version
+# the environment of a run against vLLM: the release, the hash seed, a source tree ahead of the wheel
+VLLM_ENV = KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),)
 
 .PHONY: check-vllm-version conformance-all conformance-soak
 check-vllm-version:
@@ -89,8 +91,7 @@ $(VLLM_STAMP): scripts/vllm-venv.sh conformance/releases.py | check-vllm-version
 	PY=$(PY) scripts/vllm-venv.sh $(VLLM_VENV) $(VLLM_VERSION)
 
 conformance: check-vllm-version $(VLLM_STAMP)
-	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
-		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --hypothesis-profile=kvspec-conformance -rfEsP -m conformance tests/conformance
+	$(VLLM_ENV) $(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --hypothesis-profile=kvspec-conformance -rfEsP -m conformance tests/conformance
 
 # A long seeded campaign against vLLM (tests/conformance/test_soak_vllm.py): VLLM_STEPS model
 # steps per machine (the release's conformance machine and, from 0.26, the hybrid one), over
@@ -99,8 +100,7 @@ conformance: check-vllm-version $(VLLM_STAMP)
 VLLM_STEPS ?= 200000
 SOAK_SEEDS ?= 2
 conformance-soak: check-vllm-version $(VLLM_STAMP)
-	KVSPEC_VLLM_VERSION=$(VLLM_VERSION) PYTHONHASHSEED=$(HASHSEED) $(if $(VLLM_SRC),VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=$(abspath $(VLLM_SRC)),) \
-		KVSPEC_SOAK_STEPS=$(VLLM_STEPS) KVSPEC_SOAK_SEEDS=$(SOAK_SEEDS) KVSPEC_SOAK_SEED=$(SEED) \
+	$(VLLM_ENV) KVSPEC_SOAK_STEPS=$(VLLM_STEPS) KVSPEC_SOAK_SEEDS=$(SOAK_SEEDS) KVSPEC_SOAK_SEED=$(SEED) \
 		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -m soak -n auto -rN tests/conformance/test_soak_vllm.py
 
 # The matrix: every supported release (RELEASES="0.22.0 0.33.0" for some), one at a time:

@@ -195,8 +195,8 @@ def soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine] = Offloa
 
 
 def _soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine], program_length: int,
-                shrink_seconds: float, mutant: str | None, name: str = "model",
-                rerun: str | None = None) -> SoakResult:
+                shrink_seconds: float, mutant: str | None, name: str,
+                rerun: str | None) -> SoakResult:
     rng = random.Random(seed)
     out = SoakResult(name, seed)
     t0 = time.perf_counter()
