@@ -281,10 +281,11 @@ class VLLMAdapter:
         if self.bound_last_token:
             # LAST-TOKEN-BOUND (CONFORMANCE.md): the hit may not cover the last prompt
             # token, through vLLM's own bound for it (what OffloadingConnector passes for
-            # hybrid models: the longest hit of num_tokens - 1 tokens).
+            # hybrid models: the longest hit of num_tokens - 1 tokens in hash blocks).
+            unit = self.bounds.tokens_per_hash * self.tok
             hits, is_async = self.scheduler.get_num_new_matched_tokens(
                 req, local * self.tok,
-                max_num_new_tokens=max(0, (req.num_tokens - 1) // self.tok * self.tok
+                max_num_new_tokens=max(0, (req.num_tokens - 1) // unit * unit
                                        - local * self.tok))
         else:
             hits, is_async = self.connector.get_num_new_matched_tokens(req,

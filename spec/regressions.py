@@ -115,6 +115,35 @@ REGRESSIONS: tuple[Regression, ...] = (
                    RequestSettings(max_offload_tokens=4),)),
         "arrive(r1) ; arrive(r0) ; step(admit=r0) ; ack(job 0, count 1) ; step(admit=r1) ; "
         "step() ; finish(r1) ; step()"),
+    Regression(
+        "hit-bound-at-the-hash-block",
+        "a soak of block-aligned prompts in blocks of 2 tokens beside a sliding window, "
+        "bounds no test had (the first soak with decoding beside a Mamba group found the "
+        "same through a decoding request's output)",
+        "the model bounded a hit at the last token (LAST-TOKEN-BOUND), the reference at the "
+        "last whole hash block before it, as vLLM's `_max_loadable_tokens` does (OC:164-181). "
+        "With a window group vLLM then stops the hit one token earlier, so on a "
+        "block-aligned prompt of 4 tokens the model answered 2 and the reference 0. The "
+        "model (`Bounds.tokens_per_hash`) and the conformance adapter now bound the hit at "
+        "the hash block, as vLLM does.",
+        Bounds(requests=3, tokens=4, workers=1, cpu_chunks=8, gpu_blocks=16, preemptions=2,
+               families=2, failures=0, groups=("full", "sliding"), sliding_window=3,
+               tokens_per_block=2),
+        "arrive(r1) ; arrive(r0) ; step(admit=r0) ; step(admit=r1) ; step() ; preempt(r1) ; "
+        "ack(job 1, count 1) ; step(admit=r1)"),
+    Regression(
+        "partial-tail-output-hashes",
+        "the first soak with decoding beside a Mamba group (partial tails, seed 1)",
+        "the reference's adapter rebuilt a decoding request's block hashes after each "
+        "sampled token one per block, where partial tails hash every token; the store that "
+        "followed read more chunk keys than the hashes gave (IndexError in the scheduler's "
+        "store builder). The adapter builds prompt and output hashes at one unit "
+        "(`ReferenceAdapter._hashes`).",
+        Bounds(requests=3, tokens=4, cpu_chunks=6, gpu_blocks=14, preemptions=2, families=2,
+               failures=0, groups=("full", "mamba"), tokens_per_block=2, partial_tails=True,
+               decode_tokens=3),
+        "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step(admit=r0) ; step() ; "
+        "ack(job 2, count 2) ; step()"),
 )
 
 

@@ -138,20 +138,17 @@ class ReferenceAdapter:
             t = self._template(req_id)
             tokens = [M.key(t.family, p) * BLOCK + i for p in range(t.tokens)
                       for i in range(BLOCK)]
-            if self.bounds.partial_tails:  # a hash per model token (BLOCK tokens)
-                hashes = [M.key(t.family, p) for p in range(t.tokens)]
-            else:
-                hashes = self._hashes(t, t.tokens)
             self.requests[req_id] = Request(
-                req_id, tokens, block_hashes=hashes,
+                req_id, tokens, block_hashes=self._hashes(t, t.tokens),
                 kv_transfer_params=transfer_params(t.settings) or None,
                 skip_reading_prefix_cache=t.settings.skip_reading_prefix_cache)
         return self.requests[req_id]
 
     def _hashes(self, t: M.Template, tokens: int) -> list[int]:
-        """The block hashes of the first `tokens` model tokens of request `t`."""
-        tpb = self.bounds.tokens_per_block
-        return [t.block_key(c, tpb) for c in range(tokens // tpb)]
+        """The block hashes of the first `tokens` model tokens of request `t`: one per block,
+        or with partial tails one per model token (BLOCK tokens), prompt and output alike."""
+        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
+        return [t.block_key(c, unit) for c in range(tokens // unit)]
 
     def _sampled(self, outputs: dict[str, int]) -> None:
         """Each request's output grown to the model's count after a step (the engine's
@@ -310,6 +307,9 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=5, gpu_blocks=14,
              resets=1, failures=1, preemptions=1, groups=("full", "sliding", "mamba"),
              sliding_window=2, blocks_per_chunk=2, retention_interval=0),
+    M.Bounds(requests=3, tokens=4, families=2, workers=1, cpu_chunks=8, gpu_blocks=16,
+             resets=1, failures=1, preemptions=2, groups=("full", "sliding"),
+             sliding_window=3, tokens_per_block=2),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
@@ -317,7 +317,8 @@ tokens over chunks of 2 blocks; a window of 2 whose chunks may be stored without
 first block), blocks of several tokens (a step, a prompt, a cap that ends inside a block),
 partial tails (a boundary inside a block of 2 and of 4 tokens; a load cap below it, an
 offload cap that leaves it unstored), vLLM's default retention (only the replay boundary's
-window tail and Mamba state)."""
+window tail and Mamba state), block-aligned prompts in blocks of 2 tokens beside a window
+(the hit's bound at the hash block before the last token)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (
@@ -353,11 +354,21 @@ DECODE_BOUNDS: tuple[M.Bounds, ...] = (
              blocks_per_chunk=2, decode_tokens=3),
     M.Bounds(requests=3, tokens=2, workers=2, cpu_chunks=4, gpu_blocks=8, resets=1,
              failures=1, preemptions=2, decode_tokens=3, offload_prompt_only=True),
+    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=6, gpu_blocks=12,
+             resets=1, failures=1, preemptions=2, groups=("full", "mamba"), decode_tokens=3),
+    M.Bounds(requests=3, tokens=3, families=2, workers=1, cpu_chunks=6, gpu_blocks=14,
+             resets=1, failures=1, preemptions=2, groups=("full", "mamba"),
+             tokens_per_block=2, decode_tokens=3),
+    M.Bounds(requests=3, tokens=4, families=2, workers=2, cpu_chunks=6, gpu_blocks=14,
+             resets=1, failures=1, preemptions=2, groups=("full", "mamba"),
+             tokens_per_block=2, partial_tails=True, decode_tokens=3),
 )
 """Requests that decode after their prompt: output tokens stored chunk by chunk and at the
 finish, a preempted request's lookup and recompute over them, an offload cap inside the
-output; blocks of two tokens; a sliding window over chunks of two blocks; and vLLM's
-default `offload_prompt_only`, under which no output is stored."""
+output; blocks of two tokens; a sliding window over chunks of two blocks; vLLM's default
+`offload_prompt_only`, under which no output is stored; and beside a Mamba group (the
+output's states handed off and stored; in blocks of two tokens, where a block-aligned
+request meets the hit's bound at the hash block; with partial tails)."""
 
 
 class OffloadingStateMachine(RuleBasedStateMachine):

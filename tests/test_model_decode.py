@@ -8,11 +8,13 @@ Python one takes them)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 import spec
 from spec import model as M
+from spec.groups import NULL_BLOCK
 from spec.progress import PROGRESS
 from spec.regressions import REGRESSIONS
 from statemachine.checker import check, compiled
@@ -151,8 +153,60 @@ def test_the_checker_finds_no_violation_and_liveness_holds_under_decoding(
 def test_decode_bounds_are_validated() -> None:
     with pytest.raises(ValueError):
         M.Bounds(decode_tokens=-1)
-    with pytest.raises(ValueError):
-        M.Bounds(groups=("full", "mamba"), decode_tokens=1)
+    assert M.Bounds(groups=("full", "mamba"), decode_tokens=1).decode_tokens == 1
+
+
+MAMBA_DECODING = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=12, gpu_blocks=12,
+                          resets=0, failures=0, preemptions=1, groups=("full", "mamba"),
+                          decode_tokens=3)
+
+
+def _handoffs(b: M.Bounds, program: str) -> tuple[M.ModelState, list[dict[str, Any]]]:
+    """The state after `program` and each step's hand-offs (build_connector_meta's)."""
+    s, given = M.initial(b), []
+    for ev in M.parse_events(program):
+        s, calls, _w = M.apply(s, ev)
+        given += [c.args[6] for c in calls if c.hook == "build_connector_meta"]
+    return s, given
+
+
+def test_beside_a_mamba_group_each_output_block_hands_off_its_state_which_is_stored() -> None:
+    """A decoding request beside a Mamba group: every step completes a block (one token a
+    block), so every step hands off the state there, the output's as the prompt's; the
+    connector stores each under the output's own key, alone and fenced at creation, and
+    the core frees each state block once the next state is computed."""
+    s, given = _handoffs(MAMBA_DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; "
+                                         "step()")
+    assert [g["r0"][0][2] for g in given] == [1, 2, 3, 4]  # boundaries, past the prompt (2)
+    assert all(g["r0"][0][0] == 1 for g in given)  # the Mamba group's
+    stores = {j.keys: j for j in s.jobs if j.kind == "store"}
+    for p in (2, 3):  # output states, in the request's own family
+        job = stores[(M.key(OUT, p, 1, 2),)]
+        assert job.fenced == frozenset(job.blocks) and len(job.blocks) == 1
+    mamba = dict(s.core)["r0"].blocks[4:]
+    assert mamba[:3] == (NULL_BLOCK,) * 3 and mamba[3] != NULL_BLOCK  # one state held
+
+
+def test_offload_prompt_only_stores_no_output_state_beside_a_mamba_group() -> None:
+    """The core hands off the output's states all the same; vLLM's connector stores none
+    past the prompt (S:1566-1578 with S:762-771)."""
+    b = replace(MAMBA_DECODING, offload_prompt_only=True)
+    s, given = _handoffs(b, "arrive(r0) ; step(admit=r0) ; step() ; step() ; step()")
+    assert [g["r0"][0][2] for g in given] == [1, 2, 3, 4]
+    stored = {k for j in s.jobs if j.kind == "store" for k in j.keys}
+    assert stored == {M.key(0, p, g, 2) for p in (0, 1) for g in (0, 1)}
+
+
+def test_a_restarted_request_beside_a_mamba_group_hits_into_its_output() -> None:
+    """Preempted after 4 of its 5 tokens, the request's lookup reaches token 3 of its own
+    output: the bound is its 4 tokens before the last, and the Mamba group cuts a token
+    more, to the state stored at boundary 3."""
+    s, _given = _handoffs(MAMBA_DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; "
+                                          "step()")
+    s = _run_from(_ack_all(s), "preempt(r0) ; step()")
+    _s, calls, _w = M.apply(s, M.Event("step", "r0"))
+    lookup = next(c for c in calls if c.hook == "get_num_new_matched_tokens")
+    assert lookup.answer == (3, True)
 
 
 def test_a_block_appended_while_a_finished_requests_load_is_due_keeps_inv15() -> None:

@@ -12,7 +12,7 @@ from spec.invariants import check
 from spec.regressions import REGRESSIONS, by_name
 from spec.state import AbstractState
 from statemachine.errors import InvariantViolation
-from statemachine.testing import OffloadingStateMachine, ReferenceAdapter, replay
+from statemachine.testing import BLOCK, OffloadingStateMachine, ReferenceAdapter, replay
 
 
 class Recording(ReferenceAdapter):
@@ -119,3 +119,44 @@ def test_the_checker_finds_the_old_statement_inside_a_step(
     assert " ; ".join(str(s.event) for s in ce.steps) == reg.program
     assert ce.inside[0].startswith("update_state_after_alloc('r1'")
     assert "inside the step, after update_state_after_alloc" in ce.render()
+
+
+def _last_lookup(reg: Any) -> tuple[M.World, M.Call]:
+    """The model's world and lookup call at the program's last event (a step admitting)."""
+    *head, last = reg.events()
+    s = M.initial(reg.bounds)
+    for ev in head:
+        s, _calls, _w = M.apply(s, ev)
+    _s, calls, _w = M.apply(s, last)
+    return M.World.thaw(s), next(c for c in calls if c.hook == "get_num_new_matched_tokens")
+
+
+def test_a_hit_stops_at_the_last_hash_block_before_the_last_token() -> None:
+    """`hit-bound-at-the-hash-block`: r1's prompt fills two blocks of 2 tokens and both
+    groups hold its first chunk ready, yet the lookup answers 0: the bound is the hash block
+    before the last token (tokens 0-1), and beside a window group vLLM stops the hit one
+    token before that, inside the first chunk. A bound at the last token would give 2."""
+    reg = by_name("hit-bound-at-the-hash-block")
+    w, call = _last_lookup(reg)
+    b = reg.bounds
+    assert w.num_tokens("r1") == 2 * b.tokens_per_block == 2 * b.tokens_per_chunk
+    first_chunk = [w.keys_of("r1", g)[0] for g in range(len(b.groups))]
+    assert all(w.chunks.get(k) == 0 for k in first_chunk)  # ready, no reader
+    assert call.answer == (0, False)
+    replay(reg.events(), b)  # and the reference answers the same
+
+
+def test_a_decoding_request_with_partial_tails_keeps_a_hash_per_token() -> None:
+    """`partial-tail-output-hashes`: the program samples output tokens of a request whose
+    hashes are one per token (partial tails); the reference's request then holds one hash
+    per model token of prompt and output, and its last step stores without reading past
+    them."""
+    reg = by_name("partial-tail-output-hashes")
+    m = OffloadingStateMachine()
+    m.model = M.initial(reg.bounds)
+    m.impl = m.adapter_factory(reg.bounds)
+    for ev in reg.events():
+        m._step(ev)
+    req = m.impl.requests["r1"]
+    assert req.output_token_ids  # it decoded
+    assert len(req.block_hashes) == req.num_tokens // BLOCK

@@ -98,7 +98,11 @@ def _hit(w: World, r: str, local: int) -> int | None:
         return 0  # S:1258-1259
     order = tuple(g for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS) \
         + b.window_groups()
-    max_hit = w.num_tokens(r) - 1  # a restarted request's output too
+    # LAST-TOKEN-BOUND: the whole hash blocks before the last token (a restarted request's
+    # output too), as `OffloadingConnector._max_loadable_tokens` bounds a hit (OC:164-181:
+    # the longest prefix of `num_tokens - 1` tokens, in whole hash blocks)
+    unit = b.tokens_per_hash
+    max_hit = (w.num_tokens(r) - 1) // unit * unit
     cap = settings.max_load_tokens
     if cap is not None:
         max_hit = min(max_hit, local + cap)  # S:867-871
@@ -432,7 +436,7 @@ def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...
             req = w.reqs.get(r)
             if req is None or req.state not in R.STORE_CANDIDATES or req.load_invalid:
                 continue
-            if boundary % tpc or boundary > _offloadable(w, r, w.template(r).tokens):
+            if boundary % tpc or boundary > _offloadable(w, r, w.num_tokens(r)):
                 continue
             key = w.keys_of(r, g)[boundary // tpc - 1]
             stored = _prepare_store(w, r, [key])

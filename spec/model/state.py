@@ -177,8 +177,8 @@ class Bounds:
     tokens): once its prompt is computed, a running request is scheduled one token a step,
     each step's token sampled from the last, until it holds this many; a preempted request
     recomputes them with its prompt. Their keys are the request's own (`Template.block_key`).
-    0: prompts only. Not beside a Mamba group (the core's state hand-offs during decode are
-    not modelled)."""
+    0: prompts only. Beside a Mamba group the core commits and hands off the state of each
+    block the output completes, as in the prefill (SPEC.md, "Decoding")."""
 
     offload_prompt_only: bool = False
     """vLLM's `offload_prompt_only` (B:729-730, S:769-770): stores stop at the prompt's end,
@@ -207,9 +207,8 @@ class Bounds:
             raise ValueError("partial_tails needs blocks_per_chunk 1, tokens_per_block >= 2, "
                              "a mamba group and no sliding group (vLLM's "
                              "supports_partial_tail, S:274-292)")
-        if self.decode_tokens < 0 or (self.decode_tokens and "mamba" in self.groups):
-            raise ValueError(f"decode_tokens must be >= 0, and 0 beside a mamba group, got "
-                             f"{self.decode_tokens!r}")
+        if self.decode_tokens < 0:
+            raise ValueError(f"decode_tokens must be >= 0, got {self.decode_tokens!r}")
         r = self.retention_interval
         if not retention_interval_ok(r, self.tokens_per_chunk) or \
                 (r is not None and not self.window_groups()):
@@ -220,6 +219,12 @@ class Bounds:
     @property
     def tokens_per_chunk(self) -> int:
         return self.blocks_per_chunk * self.tokens_per_block
+
+    @property
+    def tokens_per_hash(self) -> int:
+        """Tokens per block hash (vLLM's hash block size): a block's, or one token with
+        partial tails (vLLM's `prefix_match_unit` finer than a block)."""
+        return 1 if self.partial_tails else self.tokens_per_block
 
     @property
     def hybrid(self) -> bool:
