@@ -191,8 +191,7 @@ class VLLMAdapter:
         """Map the offload keys of `req`'s block hashes from hash `first` on (of its first
         `tokens` model tokens) back to the model's keys."""
         hashes = list(req.block_hashes)
-        # a hash per block, or per model token where partial tails hash finer
-        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
+        unit = self.bounds.tokens_per_hash  # a block, or a model token with partial tails
         if len(hashes) != tokens // unit:
             raise AssertionError(f"{t.req_id}: {len(hashes)} block hashes for "
                                  f"{tokens // unit} full hash blocks")

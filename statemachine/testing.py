@@ -147,7 +147,7 @@ class ReferenceAdapter:
     def _hashes(self, t: M.Template, tokens: int) -> list[int]:
         """The block hashes of the first `tokens` model tokens of request `t`: one per block,
         or with partial tails one per model token (BLOCK tokens), prompt and output alike."""
-        unit = 1 if self.bounds.partial_tails else self.bounds.tokens_per_block
+        unit = self.bounds.tokens_per_hash
         return [t.block_key(c, unit) for c in range(tokens // unit)]
 
     def _sampled(self, outputs: dict[str, int]) -> None:
