@@ -125,27 +125,52 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"))
+"""The hybrid models the harness builds: one layer per KV cache group, in this order."""
+
+
 def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_chunks: int,
                         num_workers: int = 1, max_num_seqs: int = 8, max_model_len: int = 1024,
                         max_num_batched_tokens: int | None = None,
                         kv_connector: str = "OffloadingConnector",
                         kv_connector_module_path: str | None = None,
                         extra_config: Mapping[str, Any] | None = None,
-                        sliding_window: int | None = None) -> CoreRun:
+                        sliding_window: int | None = None,
+                        groups: Sequence[str] | None = None,
+                        retention_interval: int | None = 0) -> CoreRun:
     """vLLM's Scheduler over `num_gpu_blocks` GPU blocks (one is vLLM's null block) with the
     connector `kv_connector` (a registered name, or a class name in
     `kv_connector_module_path`), offloading to `num_cpu_chunks` CPU chunks of one block.
     `extra_config` entries are merged over the CPU spec's (`kv_connector_extra_config`).
-    `num_workers` is the tensor-parallel size: every job waits for that many acks. With
-    `sliding_window` (tokens) the model is hybrid: a full-attention layer, then a
-    sliding-window layer, each its own KV cache group (vLLM's default retention)."""
+    `num_workers` is the tensor-parallel size: every job waits for that many acks.
+
+    `groups` makes the model hybrid, one layer per KV cache group in that order (vLLM's
+    default retention): `("full", "sliding")`, what `sliding_window` (tokens) alone asks
+    for, or `("full", "mamba")`, a Mamba group in align mode (`mamba_cache_mode="align"`,
+    what prefix caching selects): the core then splits prefills at block edges and hands
+    the connector the states it commits (`boundary_state_offloads`).
+    `retention_interval` is `prefix_cache_retention_interval` (0.30+; vLLM's default 0:
+    beside the last block of each window and each Mamba state, the core and the connector
+    keep only what a replay of the prompt reads; None: all of them), which the engine
+    hands to the core's `KVCacheConfig` as well (vllm/v1/core/kv_cache_planning.py:665-666
+    of v0.33.0)."""
     v = _v()
     version = vllm_version()
     cfg = v.config
-    hybrid = sliding_window is not None
-    if hybrid and not has("retention_interval"):
-        raise CoreHarnessError("a hybrid core needs vLLM "
-                               f"{releases.FEATURES['retention_interval']}+")
+    groups = tuple(groups or (("full", "sliding") if sliding_window is not None else ("full",)))
+    hybrid = groups != ("full",)
+    if hybrid and groups not in HYBRID_GROUPS:
+        raise CoreHarnessError(f"the harness builds the groups {HYBRID_GROUPS} or one "
+                               f"full-attention group; asked for {groups}")
+    if ("sliding" in groups) != (sliding_window is not None):
+        raise CoreHarnessError("a sliding-window group and `sliding_window` come together; "
+                               f"groups {groups}, sliding_window {sliding_window}")
+    needs = [f for f, kind in (("retention_interval", hybrid),
+                               ("block_state_handoffs", "mamba" in groups)) if kind]
+    for feature in needs:
+        if not has(feature):
+            raise CoreHarnessError(f"a core with the groups {groups} needs vLLM "
+                                   f"{releases.FEATURES[feature]}+ ({feature})")
     extra: dict[str, Any] = {
         "spec_name": "CPUOffloadingSpec",
         "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(block_size, 1, num_workers,
@@ -161,8 +186,12 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
                 else cfg.ParallelConfig())
     vllm_config = cfg.VllmConfig(
         model_config=_model_config(max_model_len),
-        cache_config=cfg.CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
-                                     cache_dtype="auto", enable_prefix_caching=True),
+        cache_config=cfg.CacheConfig(
+            block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+            enable_prefix_caching=True,
+            **({"mamba_cache_mode": "align"} if "mamba" in groups else {}),
+            **({"prefix_cache_retention_interval": retention_interval}
+               if has("retention_interval") else {})),
         scheduler_config=cfg.SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(max_model_len, 2048),
@@ -176,7 +205,10 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     world = int(vllm_config.parallel_config.world_size)
     if world != num_workers:
         raise CoreHarnessError(f"asked for {num_workers} workers, vLLM's world size is {world}")
-    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, sliding_window)
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, block_size, sliding_window, groups)
+    if hasattr(kv_cache_config, "prefix_cache_retention_interval"):  # what the engine plans
+        kv_cache_config.prefix_cache_retention_interval = \
+            vllm_config.cache_config.prefix_cache_retention_interval
 
     utils = _module("vllm.v1.core.kv_cache_utils")
     sched_block, hash_block = utils.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
@@ -232,6 +264,9 @@ class StepRecord:
     load_spans: dict[int, tuple[int, int]]
     """Load job id -> (index of its first block in the request, blocks it loads)."""
     store_jobs: dict[int, str]
+    store_sources: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    """Store job id -> its GPU source: (block ids, blocks per group, the first block's index
+    in the request per group); one group (no group sizes): `((ids), (len,), (first,))`."""
     flushed: list[int]
     split_jobs: list[int]
     """Jobs of this step whose worker acks the harness splits over two steps."""
@@ -244,6 +279,15 @@ class StepRecord:
     """Token sampled per request."""
     finished: list[str]
     """Requests that finished in this step's `update_from_output`."""
+    computed: dict[str, int] = field(default_factory=dict)
+    """Computed tokens of every request the Scheduler holds after `schedule()` (which
+    counts the step's scheduled tokens in)."""
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Block ids per KV cache group of every request the Scheduler holds, after
+    `schedule()`."""
+    handoffs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """The core's Mamba state hand-offs of this step (`take_boundary_state_offloads`:
+    request -> `(group, block, boundary tokens)`), what the connector was offered."""
 
 
 @dataclass
@@ -337,6 +381,15 @@ def _where(error: BaseException) -> str:
     return f"{path[cut + 1:] if cut >= 0 else path}:{tb.tb_lineno}"
 
 
+def _gpu_source(spec: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """A GPU spec's (block ids, blocks per group, first block index per group)."""
+    ids = tuple(int(b) for b in spec.block_ids)
+    sizes = getattr(spec, "group_sizes", None)
+    indices = getattr(spec, "block_indices", None)
+    return (ids, tuple(int(n) for n in sizes) if sizes is not None else (len(ids),),
+            tuple(int(i) for i in indices) if indices is not None else (0,))
+
+
 class CoreDriver:
     """Plays the engine loop and the workers around `run.scheduler`."""
 
@@ -365,7 +418,27 @@ class CoreDriver:
         self._due: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         # job -> (request, an asynchronous load, worker acks still due)
         self._in_flight: dict[int, tuple[str, bool, int]] = {}
+        self._handoffs: dict[str, list[tuple[int, int, int]]] = {}
+        self._observe_handoffs()
         self._sort_id_sets()
+
+    def _observe_handoffs(self) -> None:
+        """Record what the core's `take_boundary_state_offloads` gives each `schedule()`
+        (0.29+); the Scheduler drops it from its output once the connector has read it
+        (vllm/v1/core/sched/scheduler.py:1681 and :1775 of v0.33.0). The answer is
+        passed on unchanged."""
+        manager = self.run.scheduler.kv_cache_manager
+        take = getattr(manager, "take_boundary_state_offloads", None)
+        if take is None:
+            return
+
+        def observed() -> Any:
+            offloads = take()
+            self._handoffs = {str(r): [(int(g), int(b), int(n)) for g, b, n in entries]
+                              for r, entries in offloads.items()}
+            return offloads
+
+        manager.take_boundary_state_offloads = observed
 
     # ---------------------------------------------------------------- requests
     def add_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -412,8 +485,12 @@ class CoreDriver:
         """One engine step: schedule, the workers' and model's output, update."""
         k = self.step_count
         sched = self.run.scheduler
+        self._handoffs = {}
         out = self._call("schedule", sched.schedule)
         self._sort_id_sets()
+        computed = {r: int(req.num_computed_tokens) for r, req in sched.requests.items()}
+        tables = {r: [list(map(int, g)) for g in sched.kv_cache_manager.get_block_ids(r)]
+                  for r in sched.requests}
         meta = out.kv_connector_metadata
         if not isinstance(meta, self._meta_cls):
             raise CoreHarnessError(f"step {k}: connector metadata is {type(meta).__name__}, "
@@ -424,6 +501,8 @@ class CoreDriver:
         load_spans = {int(j): (int(dst.block_indices[0]), len(dst.block_ids))
                       for j, job in meta.load_jobs.items()
                       for dst in (transfer_specs(job)[1],)}
+        store_sources = {int(j): _gpu_source(transfer_specs(job)[0])
+                         for j, job in meta.store_jobs.items()}
         split: list[int] = []
         for job_id, job in sorted({**meta.load_jobs, **meta.store_jobs}.items()):
             is_async_load = job_id in load_jobs and not getattr(job, "sync", False)
@@ -496,9 +575,11 @@ class CoreDriver:
             preempted=sorted(out.preempted_req_ids or ()),
             finished_reported=sorted(out.finished_req_ids or ()),
             load_jobs=load_jobs, load_spans=load_spans, store_jobs=store_jobs,
+            store_sources=store_sources,
             flushed=sorted(int(j) for j in (meta.jobs_to_flush or ())), split_jobs=split,
             acks=dict(sorted(acks.items())), acks_by_worker=by_worker,
-            finished_recving=recved, sampled=sampled, finished=finished)
+            finished_recving=recved, sampled=sampled, finished=finished, computed=computed,
+            tables=tables, handoffs=self._handoffs)
         self.records.append(record)
         self.step_count += 1
         return record

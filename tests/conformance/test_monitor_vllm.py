@@ -260,25 +260,38 @@ HYBRID_GPU_BLOCKS = 18
 """GPU blocks for both groups together: tight enough that the Scheduler preempts."""
 
 
-@pytest.mark.skipif(not (FIXED and conformance.vllm_env.has("retention_interval")
-                         and conformance.vllm_env.has("finished_signal")),
-                    reason="a hybrid core (a sliding-window group) with the #48102 fix: "
-                           "vLLM 0.30+")
-def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(tmp_path: Path) -> None:
-    """The monitored connector in vLLM's real core Scheduler with a full-attention and a
-    sliding-window KV cache group (vLLM's default retention): the scenario preempts, loads,
-    resets with jobs in flight and decodes past the window, and the monitor (every hook,
-    the whole state each step) finds nothing, live or in replay."""
-    log = tmp_path / "hybrid.jsonl"
+HYBRID_CORES = {
+    "sliding": ({"sliding_window": HYBRID_WINDOW}, ["FullAttentionSpec", "SlidingWindowSpec"],
+                ("retention_interval",)),
+    "mamba": ({"groups": ("full", "mamba")}, ["FullAttentionSpec", "MambaSpec"],
+              ("retention_interval", "block_state_handoffs")),
+}
+"""Per hybrid model: the core's arguments, its KV cache groups, the features it needs."""
+
+
+@pytest.mark.parametrize("model", sorted(HYBRID_CORES))
+def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
+        tmp_path: Path, model: str) -> None:
+    """The monitored connector in vLLM's real core Scheduler with a full-attention group
+    and a sliding-window group, or a Mamba group in align mode (the core then commits the
+    states at block edges and hands them to the connector), at vLLM's default retention:
+    the scenario preempts, loads, resets with jobs in flight and decodes (past the window),
+    and the monitor (every hook, the whole state each step) finds nothing, live or in
+    replay."""
+    kwargs, specs, features = HYBRID_CORES[model]
+    lacking = conformance.vllm_env.missing(*features, "finished_signal")
+    if not FIXED or lacking:
+        pytest.skip(f"a hybrid core ({model}) with the #48102 fix needs {lacking or 'it'}")
+    log = tmp_path / f"{model}.jsonl"
     run = make_core_scheduler(
         num_gpu_blocks=HYBRID_GPU_BLOCKS, num_cpu_chunks=CPU_CHUNKS, num_workers=2,
         kv_connector="MonitoredOffloadingConnector",
         kv_connector_module_path="statemachine.monitor.connector",
         extra_config={"kvspec_mode": "warn", "kvspec_log": str(log),
                       "kvspec_stuck_after_steps": STUCK_AFTER, "kvspec_whole_every": 1},
-        sliding_window=HYBRID_WINDOW)
+        **kwargs)
     assert [type(g.kv_cache_spec).__name__ for g in run.kv_cache_config.kv_cache_groups] == \
-        ["FullAttentionSpec", "SlidingWindowSpec"]
+        specs
     summary = scenario(run, seed=0)
     run.connector.kvspec.close()
     assert summary.idle and not summary.stuck and summary.error is None
@@ -288,11 +301,17 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(tmp_path: P
     assert findings(run) == []
     v = replay(log)
     assert v.clean, v.text()
-    # the window at work: requests run past it by two blocks and more (the core frees
-    # their window blocks as they go; the live monitor does not observe the core's tables)
     prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
-    assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
-               for r, out in summary.output_tokens.items())
+    if model == "sliding":
+        # the window at work: requests run past it by two blocks and more (the core frees
+        # their window blocks as they go; the live monitor does not observe its tables)
+        assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
+                   for r, out in summary.output_tokens.items())
+    else:
+        # the core's state hand-offs became stores of one Mamba block each
+        assert any(rec.handoffs for rec in summary.records)
+        assert any(sizes == (0, 1) for rec in summary.records
+                   for _, sizes, _ in rec.store_sources.values())
 
 
 @pytest.mark.parametrize(("extra", "names"), [
