@@ -553,7 +553,8 @@ class Engine:
         every scheduled request whose step ends on a block edge, each Mamba group's block
         of the state after the step's last token, as `(group, block, boundary)`
         (`boundary_state_offloads`; vLLM 0.33.0 `vllm/v1/core/sched/output.py`:214-228).
-        A loaded state is not handed off again: its tokens are not scheduled."""
+        A loaded state is not handed off, as in the spec's model (vLLM's core hands it off
+        when it caches the loaded blocks: CONFORMANCE.md, D4)."""
         groups = self._offloading.handoff_groups
         out: dict[str, tuple[tuple[int, int, int], ...]] = {}
         if not groups:

@@ -409,7 +409,9 @@ def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int,
     scheduled request whose step completes a block, each Mamba group's state block after the
     step's last token, with that boundary, as `(group, block, boundary)`. The core commits a
     state at every block it completes (`MambaManager.cache_blocks`, with every state
-    retained); a state the request loaded is not handed off again (its chunk is stored)."""
+    retained). vLLM's core also hands off the state an async load ended on, when it caches
+    the loaded blocks: the model leaves that out (CONFORMANCE.md, D4; the CPU cache holds
+    that state already, unless a reset emptied it)."""
     b = w.bounds
     tpb = b.tokens_per_block
     out: dict[str, tuple[tuple[int, int, int], ...]] = {}
