@@ -217,6 +217,30 @@ def state_retained(position: int, tokens_per_block: int, retention_interval: int
     return position == replay_boundary // tokens_per_block - 1
 
 
+def mamba_chunk_end(start: int, end: int, tokens_per_block: int, prompt_tokens: int,
+                    num_tokens: int, max_prefill_tokens: int) -> int:
+    """Where the core ends a chunk it would schedule from `start` to `end` tokens, beside a
+    Mamba group in align mode, for a request of `prompt_tokens` prompt and `num_tokens`
+    tokens in all: during a prefill (up to the prompt, or all but the last token of a
+    restarted request) a chunk ends on a block edge, unless it is the prefill's last chunk
+    (or a block is wider than `max_prefill_tokens` and the chunk has not reached the
+    block's edge); a chunk starting inside a block stops at that block's edge; no chunk runs
+    past the last block edge before the last token (vLLM 0.33.0 `_mamba_block_aligned_split`,
+    `vllm/v1/core/sched/scheduler.py`:546-662, without EAGLE, hash-granular hits, prefill
+    checkpoints or shared-prefix junctions). At most `start`: no aligned chunk fits."""
+    prefill_end = max(prompt_tokens, num_tokens - 1)
+    if start >= prefill_end:
+        return end
+    bs = tokens_per_block
+    if end < prefill_end:
+        aligned = end // bs * bs
+        if aligned > start or bs <= max_prefill_tokens:
+            end = aligned
+    stops = ((start // bs + 1) * bs if start % bs else 0,
+             (num_tokens - 1) // bs * bs)  # the last cacheable block edge
+    return min((s for s in stops if start < s < end), default=end)
+
+
 def handoff_position(boundary: int, tokens_per_block: int, retention_interval: int | None,
                      prompt_tokens: int) -> int | None:
     """The block position of the Mamba state the core hands off after a step that ends at

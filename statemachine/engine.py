@@ -55,7 +55,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, handoff_position, offload_key
+from spec.groups import NULL_BLOCK, handoff_position, mamba_chunk_end, offload_key
 from statemachine.config import KVCacheGroup, OffloadingConfig, TieringConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -526,25 +526,13 @@ class Engine:
 
     def _aligned_split(self, r: EngineRequest, start: int, n: int) -> int:
         """With a Mamba group, clip a prefill chunk of `n` tokens from `start` so that it
-        ends where a state is to be committed: on a block edge (unless it is the prompt's
-        last chunk), at the next block edge when it starts inside a block, and never past
-        the last block edge before the last token mid-chunk (vLLM 0.33.0's
-        `_mamba_block_aligned_split`, `vllm/v1/core/sched/scheduler.py`:546-662, without
-        EAGLE, hash-granular hits or shared-prefix junctions). 0: no aligned chunk fits."""
+        ends where a state is to be committed (`spec.groups.mamba_chunk_end`). 0: no
+        aligned chunk fits."""
         if not self._offloading.handoff_groups:
             return n
-        prefill_end = max(r.request.num_prompt_tokens, r.num_tokens - 1)
-        if start >= prefill_end:
-            return n
-        bs = self.config.block_size
-        end = start + n
-        if end < prefill_end:
-            aligned = end // bs * bs
-            if aligned > start or bs <= self.config.max_num_batched_tokens:
-                end = aligned
-        stops = ((start // bs + 1) * bs if start % bs else 0,
-                 (r.num_tokens - 1) // bs * bs)  # the last cacheable block edge
-        end = min((s for s in stops if start < s < end), default=end)
+        end = mamba_chunk_end(start, start + n, self.config.block_size,
+                              r.request.num_prompt_tokens, r.num_tokens,
+                              self.config.max_num_batched_tokens)
         return max(end - start, 0)
 
     def _commit_states(self, num_sched: dict[str, int]

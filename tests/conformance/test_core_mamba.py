@@ -36,7 +36,12 @@ from conformance.core_scheduler import (
     scenario_requests,
 )
 from conformance.vllm_env import VOCAB_SIZE
-from spec.groups import NULL_BLOCK, committed_state_position, handoff_position
+from spec.groups import (
+    NULL_BLOCK,
+    committed_state_position,
+    handoff_position,
+    mamba_chunk_end,
+)
 
 pytestmark = [
     pytest.mark.conformance,
@@ -122,6 +127,37 @@ def test_the_cores_handoffs_are_the_specs(dense: tuple[CoreRun, RunSummary]) -> 
                       else "hit"] += 1
         prev = rec
     assert kinds["step"] >= 5 and kinds["hit"] >= 2, kinds
+
+
+def test_the_cores_prefill_chunks_end_where_the_spec_says(
+        dense: tuple[CoreRun, RunSummary]) -> None:
+    """Every chunk the core schedules ends where `mamba_chunk_end` puts the end of the
+    request's whole rest (the token budget never binds in the scenario): on a block edge,
+    at the last block edge before the last token, or at the prefill's end. A request that
+    shares the prefix may stop earlier, at the junction where its prefix ends (vLLM's
+    `shared_prefix_boundary`, which the spec leaves out): its chunks are checked to be
+    ones the rule leaves as they are."""
+    run, summary = dense
+    bs = run.block_size
+    budget = run.vllm_config.scheduler_config.max_num_batched_tokens
+    requests = {r.req_id: r for r in scenario_requests(bs, seed=0)}
+    generated: dict[str, int] = dict.fromkeys(requests, 0)
+    clipped = exact = 0
+    for rec in summary.records:
+        for r, n in rec.scheduled.items():
+            prompt = len(requests[r].prompt)
+            total = prompt + generated[r]
+            start, end = rec.computed[r] - n, rec.computed[r]
+            assert mamba_chunk_end(start, end, bs, prompt, total, budget) == end, \
+                (rec.step, r, start, end)
+            if not requests[r].shares_prefix:
+                assert end == mamba_chunk_end(start, total, bs, prompt, total, budget), \
+                    (rec.step, r, start, end, total)
+                exact += 1
+                clipped += end < total and start < prompt
+        for r in rec.sampled:
+            generated[r] += 1
+    assert exact >= 20 and clipped >= 3, (exact, clipped)
 
 
 def test_each_mamba_store_is_a_state_the_core_handed_off(
