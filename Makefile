@@ -60,7 +60,9 @@ check: $(STAMP)
 	$(BIN)/kvspec check
 	$(BIN)/kvspec check --tiering
 
-# the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py)
+# the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
+# the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched
+# again: after a change to spec/ or the checkers everything is, and the proof is rewritten
 mutate: $(STAMP)
 	$(BIN)/kvspec check --mutate
 

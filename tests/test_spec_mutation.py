@@ -1,11 +1,14 @@
 """Mutation of the spec itself (`kvspec check --mutate`): the mutants are generated from the
 tables, each is checked over the scenarios, and the survivors must be exactly the ones
-`spec.equivalents` lists with a reason. The whole matrix (about 5 minutes on 2 cores) runs in
-`make mutate` and CI; here, the mechanism on a few mutants."""
+`spec.equivalents` lists with a reason. The whole matrix (about 10 minutes on 2 cores) runs in
+`make mutate` and CI; here, the mechanism on a few mutants, and the proof that lets a run
+at an unchanged fingerprint skip searching the listed survivors again."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +73,88 @@ def test_cli_fails_on_an_unlisted_survivor_and_on_a_stale_reason(
         assert out["stale_equivalents"] == [killed] and out["non_equivalent_survivors"] == []
     else:
         assert out["non_equivalent_survivors"] == [survivor] and out["stale_equivalents"] == []
+
+
+def _tree(root: Path) -> Path:
+    """A copy of the sources the fingerprint reads."""
+    for top in ("spec", "statemachine/checker"):
+        shutil.copytree(mutation.ROOT / top, root / top,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_the_fingerprint_follows_the_spec_and_the_checkers_not_the_listing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mutation, "ROOT", _tree(tmp_path))
+    first = mutation.fingerprint()
+    assert mutation.fingerprint() == first
+    listing = tmp_path / "spec" / "equivalents.py"
+    listing.write_text(listing.read_text() + "\n# a reason reworded\n")
+    assert mutation.fingerprint() == first  # the reasons are only reported
+    for changed in ("spec/request.py", "statemachine/checker/c/model.c"):
+        path = tmp_path / changed
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        assert mutation.fingerprint() != first, changed
+        path.write_bytes(original)
+    assert mutation.fingerprint() == first
+
+
+def test_a_proof_counts_only_at_its_fingerprint_and_scenarios(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proof = tmp_path / "proof.json"
+    monkeypatch.setattr(mutation, "PROOF", proof)
+    scenarios = matrix_scenarios()
+    assert mutation.proven_survivors(scenarios) == {}  # no file
+    survivor = "request: add(ABSENT)->IDLE drop create_request_status"
+    kill = mutation.Kill(survivor, "survived", None, 0, 123, equivalent=EQUIVALENT[survivor])
+    mutation.write_proof([kill], scenarios)
+    assert mutation.proven_survivors(scenarios) == {survivor: 123}
+    assert mutation.proven_survivors(scenarios[:-1]) == {}
+    data = json.loads(proof.read_text())
+    proof.write_text(json.dumps({**data, "fingerprint": "0" * 64}))
+    assert mutation.proven_survivors(scenarios) == {}
+    proof.write_text("{not json")
+    assert mutation.proven_survivors(scenarios) == {}
+
+
+def test_a_proven_listed_survivor_is_not_searched_again(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    survivor = "request: add(ABSENT)->IDLE drop create_request_status"
+    killed = "job: ack(STALE)->STALE_DRAINED [reports_complete] drop leave_reset_fence"
+    searched: list[str] = []
+    real = mutation._run
+
+    def spy(args: tuple[SpecMutant, bool]) -> mutation.Kill:
+        searched.append(args[0].name)
+        return real(args)
+
+    monkeypatch.setattr(mutation, "_run", spy)
+    proven = {survivor: 7, killed: 9}  # a killed mutant is never taken from a proof
+    kills = list(mutation.kill_matrix([_named(survivor), _named(killed)], jobs=1,
+                                      proven=proven))
+    assert searched == [killed]
+    assert (kills[0].mutant, kills[0].by, kills[0].states) == (survivor, "survived", 7)
+    assert kills[0].equivalent == EQUIVALENT[survivor] and kills[1].by == "liveness P-1"
+
+
+def test_only_a_complete_clean_matrix_writes_the_proof(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    proof = tmp_path / "proof.json"
+    monkeypatch.setattr(mutation, "PROOF", proof)
+    monkeypatch.setattr("statemachine.cli.mutate.PROOF", proof)
+    survivor = "request: add(ABSENT)->IDLE drop create_request_status"
+    monkeypatch.setattr("statemachine.cli.mutate.spec_mutants", lambda: [_named(survivor)])
+    listing = {survivor: EQUIVALENT[survivor]}
+    monkeypatch.setattr("statemachine.cli.mutate.EQUIVALENT", listing)
+    monkeypatch.setattr(mutation, "EQUIVALENT", listing)
+    assert main(["check", "--mutate", "--jobs", "1", "--json"]) == 0  # clean, but partial
+    capsys.readouterr()
+    assert not proof.exists()
+    monkeypatch.setattr(mutation, "spec_mutants", lambda: [_named(survivor)])
+    assert main(["check", "--mutate", "--jobs", "1", "--json"]) == 0  # the whole (patched) set
+    assert json.loads(capsys.readouterr().out)["proven_before"] == []
+    assert set(json.loads(proof.read_text())["survivors"]) == {survivor}
+    assert main(["check", "--mutate", "--jobs", "1", "--json"]) == 0  # taken from the proof
+    assert json.loads(capsys.readouterr().out)["proven_before"] == [survivor]

@@ -7,14 +7,24 @@ kind with the reason, and the tests demand that the survivors are exactly those.
 
 The compiled checker takes the mutated rows at run time (no rebuild); each finding is
 replayed and certified on the Python model running the same mutated tables.
+
+A survivor is checked over every scenario to the end, which makes the listed survivors
+four fifths of the matrix's time. The search is deterministic, so a survivor proven once
+stays proven while nothing it depends on changes: `spec/equivalents.proof.json` records the
+survivors of the last complete run with the `fingerprint` of those sources (spec/, the
+checker), and a run at the same fingerprint takes the listed survivors from it instead of
+searching again. Every other mutant is checked every time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 from spec import model as M
@@ -113,6 +123,47 @@ def matrix_scenarios(full: bool = False) -> list[Scenario]:
     return sorted(chosen, key=lambda s: s.expect.states if s.expect else 0)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+PROOF = ROOT / "spec" / "equivalents.proof.json"
+"""The survivors of the last complete kill matrix, at the fingerprint it ran at."""
+
+
+def fingerprint() -> str:
+    """A digest of every source a kill depends on: the spec (tables, model, invariants,
+    progress properties, scenarios; not `spec/equivalents.py`, whose reasons are read only
+    to report) and the checkers (Python and C)."""
+    checker = ROOT / "statemachine" / "checker"
+    files = sorted([*(p for p in (ROOT / "spec").rglob("*.py")
+                      if p != ROOT / "spec" / "equivalents.py"),
+                    *(p for p in checker.rglob("*") if p.suffix in (".py", ".c", ".h"))])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def proven_survivors(scenarios: Iterable[Scenario]) -> dict[str, int]:
+    """The survivors `PROOF` records (mutant -> states explored) if it was written at this
+    fingerprint over these scenarios; else none."""
+    try:
+        data = json.loads(PROOF.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("fingerprint") != fingerprint() or \
+            data.get("scenarios") != [s.name for s in scenarios]:
+        return {}
+    return {str(name): int(states) for name, states in data.get("survivors", {}).items()}
+
+
+def write_proof(kills: Iterable[Kill], scenarios: Iterable[Scenario]) -> None:
+    """Record the survivors of a complete kill matrix at this fingerprint."""
+    data = {"fingerprint": fingerprint(), "scenarios": [s.name for s in scenarios],
+            "survivors": {k.mutant: k.states for k in kills if not k.killed},
+            "written_by": "kvspec check --mutate (make mutate)"}
+    PROOF.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
 def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
     from statemachine.checker import CheckerDisagreement, check
 
@@ -144,19 +195,31 @@ def _run(args: tuple[SpecMutant, bool]) -> Kill:
 
 def kill_matrix(mutants: list[SpecMutant] | None = None, full: bool = False,
                 jobs: int | None = None,
-                progress: Callable[[int, int], None] | None = None) -> Iterator[Kill]:
+                progress: Callable[[int, int], None] | None = None,
+                proven: Mapping[str, int] | None = None) -> Iterator[Kill]:
     """Every mutant's kill, in the order of `mutants` (default: all of `spec_mutants`), run
-    over `jobs` processes (default: every core)."""
+    over `jobs` processes (default: every core). A listed survivor in `proven` (mutant ->
+    states, from `proven_survivors`) is not searched again: its kill is that record."""
     todo = spec_mutants() if mutants is None else mutants
+    known = {m.name: proven[m.name] for m in todo
+             if proven and m.name in proven and m.name in EQUIVALENT}
+    search = [m for m in todo if m.name not in known]
     workers = jobs or os.cpu_count() or 1
+    found: Iterator[Kill]
     if workers == 1:
+        found = (_run((m, full)) for m in search)
+    else:
+        pool = ProcessPoolExecutor(workers)
+        found = pool.map(_run, [(m, full) for m in search])
+    try:
         for n, m in enumerate(todo, 1):
-            yield _run((m, full))
+            if m.name in known:
+                yield Kill(m.name, "survived", None, 0, known[m.name],
+                           equivalent=EQUIVALENT[m.name])
+            else:
+                yield next(found)
             if progress is not None:
                 progress(n, len(todo))
-        return
-    with ProcessPoolExecutor(workers) as pool:
-        for n, kill in enumerate(pool.map(_run, [(m, full) for m in todo]), 1):
-            yield kill
-            if progress is not None:
-                progress(n, len(todo))
+    finally:
+        if workers != 1:
+            pool.shutdown(cancel_futures=True)

@@ -243,6 +243,9 @@ def register(sub: Any) -> None:
                    help="also run the older reachability check (a quiescent state reachable "
                    "from every state; implied by liveness P-3)")
     c.add_argument("--max-states", type=int, default=None)
+    c.add_argument("--reprove", action="store_true",
+                   help="with --mutate: search the listed survivors again, even where "
+                   "spec/equivalents.proof.json proved them at this fingerprint")
     c.add_argument("--jobs", type=int, default=None,
                    help="with --mutate: processes (default: every core)")
     c.add_argument("--svg", help="write the counterexample drawn over the machines here")

@@ -8,25 +8,41 @@ from collections import Counter
 from dataclasses import asdict
 
 from spec.equivalents import EQUIVALENT
-from statemachine.checker.mutation import kill_matrix, matrix_scenarios, spec_mutants
+from statemachine.checker import mutation
+from statemachine.checker.mutation import (
+    PROOF,
+    kill_matrix,
+    matrix_scenarios,
+    proven_survivors,
+    spec_mutants,
+    write_proof,
+)
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, Progress, print_table
 
 
 def cmd_mutate(args: argparse.Namespace) -> int:
     mutants = spec_mutants()
+    scenarios = matrix_scenarios()
+    proven = {} if args.reprove else proven_survivors(scenarios)
     show = Progress("mutants")
-    kills = list(kill_matrix(mutants, jobs=args.jobs,
+    kills = list(kill_matrix(mutants, jobs=args.jobs, proven=proven,
                              progress=None if args.json else
                              lambda n, total: show(f"{n} of {total}")))
     show.close()
+    reused = sorted({k.mutant for k in kills} & set(proven) & set(EQUIVALENT))
     gaps = [k for k in kills if not k.killed and k.equivalent is None]
     wrong = [k for k in kills if k.by == "disagreement"]
     # a listed survivor that is killed now, or that no longer exists: its reason is stale
     stale = sorted(set(EQUIVALENT) - {k.mutant for k in kills if not k.killed})
     tally = Counter(k.by.split()[0] if k.killed else
                     (k.equivalent.kind if k.equivalent else "survived") for k in kills)
+    complete = not reused and {k.mutant for k in kills} == \
+        {m.name for m in mutation.spec_mutants()}
+    if complete and not (gaps or wrong or stale):
+        write_proof(kills, scenarios)  # every mutant searched: the survivors are proven
     if args.json:
         print(json.dumps({
+            "proven_before": reused,
             "scenarios": [s.name for s in matrix_scenarios()],
             "mutants": len(kills), "tally": dict(tally),
             "non_equivalent_survivors": [k.mutant for k in gaps],
@@ -41,6 +57,10 @@ def cmd_mutate(args: argparse.Namespace) -> int:
         print_table(rows, ["mutant", "killed by", "in", "steps"])
         print(f"\n{len(kills)} mutants over {len(matrix_scenarios())} scenarios: "
               + ", ".join(f"{n} {what}" for what, n in sorted(tally.items())))
+        if reused:
+            print(f"  {len(reused)} listed survivors proven at this fingerprint "
+                  f"({PROOF.relative_to(mutation.ROOT)}), not searched again "
+                  "(--reprove searches them)")
         for k in gaps:
             print(f"  survived, not listed as equivalent in spec/equivalents.py: {k.mutant}")
         for k in wrong:
