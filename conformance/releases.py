@@ -17,6 +17,12 @@ Standard library only, usable from the shell before any venv exists:
     python3 conformance/releases.py check 0.26.0    # exit 1, naming the supported ones, if not
     python3 conformance/releases.py extras 0.22.0   # the extra pip packages, one a line
     python3 conformance/releases.py show            # the table
+
+One command reads an installed vLLM instead, so the venv's python runs it once vLLM (with
+--no-deps) and `packaging` are in:
+
+    VENV/bin/python conformance/releases.py pins transformers fastapi ...
+        # each package as a pip requirement, with the version range vLLM declares for it
 """
 
 from __future__ import annotations
@@ -303,6 +309,28 @@ def features(version: Version) -> frozenset[str]:
     return frozenset(f for f in FEATURES if has(f, version))
 
 
+def pins(packages: list[str], requires: list[str]) -> list[str]:
+    """Each of `packages` as a pip requirement bounded as vLLM's own requirements
+    (`requires`, `importlib.metadata.requires("vllm")`) bound it, where they name it and
+    apply here (markers evaluated, extras' requirements left out); the bare name where they
+    do not. The venv installs vLLM with --no-deps, so without this a package would come at
+    the index's newest version, which vLLM may exclude: transformers 5.25.0 (vLLM 0.33.0
+    asks for <5.21.0) pulls in Hugging Face's `kernels`, whose name this project's
+    `kernels/` shadows."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    bounds: dict[str, list[str]] = {}
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if str(req.specifier):
+            bounds.setdefault(canonicalize_name(req.name), []).append(str(req.specifier))
+    return [package + ",".join(bounds.get(canonicalize_name(package), []))
+            for package in packages]
+
+
 def _check_consistent() -> None:
     assert FEATURES.keys() == FEATURE_EVIDENCE.keys() == FEATURE_TAKEN.keys()
     for r in RELEASES:
@@ -315,7 +343,7 @@ _check_consistent()
 
 def main(argv: list[str]) -> int:
     usage = ("usage: releases.py list | show | check VERSION | extras VERSION | "
-             "features VERSION")
+             "features VERSION | pins PACKAGE...")
     if not argv:
         print(usage, file=sys.stderr)
         return 2
@@ -328,6 +356,11 @@ def main(argv: list[str]) -> int:
         for r in RELEASES:
             print(f"{r.version:<8} {'yes' if r.bug_48102 else 'no':<11} "
                   f"{'yes' if r.reset_fence else 'no':<12} {' '.join(r.extras) or '-'}")
+        return 0
+    if cmd == "pins" and args:
+        from importlib.metadata import requires
+
+        print("\n".join(pins(args, requires("vllm") or [])))
         return 0
     if cmd in ("check", "extras", "features") and len(args) == 1:
         release = find(args[0])

@@ -7,7 +7,9 @@
 #      never pull a multi-GB CUDA build);
 #   2. the vLLM wheel itself with --no-deps;
 #   3. the packages its scheduler-side imports need: a common list, then the release's own
-#      extras (conformance/releases.py, e.g. gguf for 0.22.x);
+#      extras (conformance/releases.py, e.g. gguf for 0.22.x), each bounded as vLLM's own
+#      requirements bound it (`releases.py pins`: the index's newest transformers is
+#      outside vLLM 0.33.0's range and pulls in a `kernels` package this project's shadows);
 #   4. xgrammar and apache-tvm-ffi with --no-deps (with their deps, triton, ~1 GB, comes along);
 #   5. this project (editable) with the dependencies pyproject.toml names;
 #   6. a check: every scheduler-side module the conformance code imports, imported.
@@ -36,14 +38,20 @@ pip=("$venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
 "${pip[@]}" install -q "torch==2.13.0"
 "${pip[@]}" install -q --no-deps "vllm==$version"
-"${pip[@]}" install -q packaging psutil pyzmq urllib3 regex numpy transformers cbor2 aiohttp \
+"${pip[@]}" install -q packaging
+# each package at the versions vLLM itself declares (it came with --no-deps)
+pins() { "$venv/bin/python" "$here/conformance/releases.py" pins "$@"; }
+mapfile -t common < <(pins psutil pyzmq urllib3 regex numpy transformers cbor2 aiohttp \
     requests openai-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
-    py-cpuinfo prometheus-client fastapi partial-json-parser llguidance einops
+    py-cpuinfo prometheus-client fastapi partial-json-parser llguidance einops)
+"${pip[@]}" install -q "${common[@]}"
 if ((${#extras[@]})); then
     echo "extras for vLLM $version: ${extras[*]}"
+    mapfile -t extras < <(pins "${extras[@]}")
     "${pip[@]}" install -q "${extras[@]}"
 fi
-"${pip[@]}" install -q --no-deps xgrammar apache-tvm-ffi
+mapfile -t nodeps < <(pins xgrammar apache-tvm-ffi)
+"${pip[@]}" install -q --no-deps "${nodeps[@]}"
 "${pip[@]}" install -q -e "$here[test]"   # the dependencies pyproject.toml names; torch is already there
 (cd "$here" && "$venv/bin/python" -c "
 import sys, vllm
