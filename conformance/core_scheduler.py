@@ -288,6 +288,10 @@ class StepRecord:
     handoffs: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     """The core's Mamba state hand-offs of this step (`take_boundary_state_offloads`:
     request -> `(group, block, boundary tokens)`), what the connector was offered."""
+    junctions: dict[str, int] = field(default_factory=dict)
+    """The shared-prefix junction of every request the Scheduler holds that has one, after
+    `schedule()` (`Request.shared_prefix_boundary`, set at each lookup; absent before vLLM
+    releases that find junctions)."""
 
 
 @dataclass
@@ -491,6 +495,8 @@ class CoreDriver:
         computed = {r: int(req.num_computed_tokens) for r, req in sched.requests.items()}
         tables = {r: [list(map(int, g)) for g in sched.kv_cache_manager.get_block_ids(r)]
                   for r in sched.requests}
+        junctions = {r: int(j) for r, req in sched.requests.items()
+                     if (j := getattr(req, "shared_prefix_boundary", 0))}
         meta = out.kv_connector_metadata
         if not isinstance(meta, self._meta_cls):
             raise CoreHarnessError(f"step {k}: connector metadata is {type(meta).__name__}, "
@@ -579,7 +585,7 @@ class CoreDriver:
             flushed=sorted(int(j) for j in (meta.jobs_to_flush or ())), split_jobs=split,
             acks=dict(sorted(acks.items())), acks_by_worker=by_worker,
             finished_recving=recved, sampled=sampled, finished=finished, computed=computed,
-            tables=tables, handoffs=self._handoffs)
+            tables=tables, handoffs=self._handoffs, junctions=junctions)
         self.records.append(record)
         self.step_count += 1
         return record

@@ -53,6 +53,10 @@ fi
 mapfile -t nodeps < <(pins xgrammar apache-tvm-ffi)
 "${pip[@]}" install -q --no-deps "${nodeps[@]}"
 "${pip[@]}" install -q -e "$here[test]"   # the dependencies pyproject.toml names; torch is already there
+# Hugging Face's `kernels` (a requirement of transformers from 5.21) has the import name of
+# this project's kernels/, which shadows it: transformers then fails importing it. vLLM's
+# scheduler side never uses it, and transformers imports it only where it is installed.
+"${pip[@]}" uninstall -q -y kernels 2>/dev/null || true
 (cd "$here" && "$venv/bin/python" -c "
 import sys, vllm
 from conformance import vllm_env

@@ -124,7 +124,7 @@ def short_hit_blocks(sliding_window: int, tokens_per_block: int) -> int:
 
 def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
                            blocks_per_chunk: int, retention_interval: int | None,
-                           replay_boundary: int, start_block: int, end_block: int,
+                           boundaries: Sequence[int], start_block: int, end_block: int,
                            short_hits: bool = True) -> tuple[bool, ...] | None:
     """Which of a sliding-window group's blocks `start_block <= i < end_block` the store may
     need, because some hit at a chunk-aligned length reads them; None: every block
@@ -132,10 +132,10 @@ def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
     `vllm/v1/core/single_type_kv_cache_manager.py`:1067-1150, as the connector calls it,
     S:1770-1796: alignment at the full-attention chunk, no EAGLE, no decode context
     parallelism). `retention_interval` (vLLM's `prefix_cache_retention_interval`, in tokens):
-    None keeps the window's tail of every chunk; 0 keeps only the tail that ends at the
-    replay boundary (the prompt's last token, rounded down to a chunk); a multiple of the
-    chunk keeps a tail per interval and that one. `replay_boundary` is the prompt's tokens
-    minus one (`replay_boundaries`, `vllm/v1/core/kv_cache_coordinator.py`:65-86).
+    None keeps the window's tail of every chunk; 0 keeps only the tails that end at the
+    request's `reachable_boundaries` (the replay boundary and the shared-prefix junction),
+    each rounded down to a chunk; a multiple of the chunk keeps a tail per interval and
+    those.
 
     The store's final segment (`final_segment_end_block`) changes nothing here: it matters
     only with the dense policy, whose segment is a chunk, and the store's horizon is a
@@ -160,9 +160,10 @@ def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
             if i % per_segment >= per_segment - need:
                 mask[i - start_block] = True
     if retention_interval is not None:
-        end = replay_boundary // tokens_per_chunk * tokens_per_chunk // tokens_per_block
-        for i in range(max(start_block, end - need), min(end_block, end)):
-            mask[i - start_block] = True
+        for boundary in boundaries:
+            end = boundary // tokens_per_chunk * tokens_per_chunk // tokens_per_block
+            for i in range(max(start_block, end - need), min(end_block, end)):
+                mask[i - start_block] = True
     return tuple(mask)
 
 
@@ -200,13 +201,31 @@ def storable_chunks(table: Sequence[int], start: int, end: int, blocks_per_chunk
             yield c, chunk, copied
 
 
+def reachable_boundaries(prompt_tokens: int, shared_prefix_boundary: int = 0
+                         ) -> tuple[int, ...]:
+    """The token positions a later request resumes at, whose window tail (a sliding-window
+    group) or state (a Mamba group) a sparse retention keeps: the replay boundary, the
+    prompt's tokens minus one (`replay_boundaries`, `vllm/v1/core/kv_cache_coordinator.py`:
+    65-86, without EAGLE), and the request's shared-prefix junction, if its lookup found one
+    (`Request.shared_prefix_boundary`, 0: none). The core sets the junction at each lookup
+    (`vllm/v1/core/sched/scheduler.py`:1122-1127): the longest hit of a single group when a
+    sparse-retention group's is shorter, a prefix other requests share that the lagging
+    group has not kept (`vllm/v1/core/kv_cache_manager.py`:318-328). The core keeps the
+    states there (`single_type_kv_cache_manager.py`:510-513) and the connector the window
+    tails (S:1853-1857). Only a GPU prefix cache finds junctions: the model's and the
+    engine's cores have none, so their requests never have one."""
+    if shared_prefix_boundary:
+        return prompt_tokens - 1, shared_prefix_boundary
+    return (prompt_tokens - 1,)
+
+
 def state_retained(position: int, tokens_per_block: int, retention_interval: int | None,
-                   replay_boundary: int) -> bool:
+                   boundaries: Sequence[int]) -> bool:
     """Whether the core keeps (and so hands off) the Mamba state of block `position`
     (`MambaManager.reachable_block_mask`, `single_type_kv_cache_manager.py`:1549-1606, at
     the core's alignment of a block): every state with dense retention (None) or an
-    interval of a block; else the one ending each interval and the one ending at the replay
-    boundary, rounded down to a block."""
+    interval of a block; else the one ending each interval and each one ending at one of
+    the request's `reachable_boundaries`, rounded down to a block."""
     if retention_interval is None:
         return True
     per_segment = retention_interval // tokens_per_block
@@ -214,20 +233,24 @@ def state_retained(position: int, tokens_per_block: int, retention_interval: int
         return True
     if retention_interval and (position + 1) % per_segment == 0:
         return True
-    return position == replay_boundary // tokens_per_block - 1
+    return any(position == b // tokens_per_block - 1 for b in boundaries)
 
 
 def mamba_chunk_end(start: int, end: int, tokens_per_block: int, prompt_tokens: int,
-                    num_tokens: int, max_prefill_tokens: int) -> int:
+                    num_tokens: int, max_prefill_tokens: int,
+                    shared_prefix_boundary: int = 0) -> int:
     """Where the core ends a chunk it would schedule from `start` to `end` tokens, beside a
     Mamba group in align mode, for a request of `prompt_tokens` prompt and `num_tokens`
     tokens in all: during a prefill (up to the prompt, or all but the last token of a
     restarted request) a chunk ends on a block edge, unless it is the prefill's last chunk
     (or a block is wider than `max_prefill_tokens` and the chunk has not reached the
     block's edge); a chunk starting inside a block stops at that block's edge; no chunk runs
-    past the last block edge before the last token (vLLM 0.33.0 `_mamba_block_aligned_split`,
+    past the last block edge before the last token, nor past the request's shared-prefix
+    junction (`reachable_boundaries`), in whole blocks from `start`, so that the core
+    commits and keeps the state there (vLLM 0.33.0 `_mamba_block_aligned_split`,
     `vllm/v1/core/sched/scheduler.py`:546-662, without EAGLE, hash-granular hits, prefill
-    checkpoints or shared-prefix junctions). At most `start`: no aligned chunk fits."""
+    checkpoints, or the opt-in `enable_mamba_shared_prefix_checkpoint`, which stops at a
+    junction inside a block). At most `start`: no aligned chunk fits."""
     prefill_end = max(prompt_tokens, num_tokens - 1)
     if start >= prefill_end:
         return end
@@ -236,20 +259,24 @@ def mamba_chunk_end(start: int, end: int, tokens_per_block: int, prompt_tokens: 
         aligned = end // bs * bs
         if aligned > start or bs <= max_prefill_tokens:
             end = aligned
+    junction = shared_prefix_boundary
     stops = ((start // bs + 1) * bs if start % bs else 0,
-             (num_tokens - 1) // bs * bs)  # the last cacheable block edge
+             (num_tokens - 1) // bs * bs,  # the last cacheable block edge
+             start + (junction - start) // bs * bs if start < junction < end else 0)
     return min((s for s in stops if start < s < end), default=end)
 
 
 def handoff_position(boundary: int, tokens_per_block: int, retention_interval: int | None,
-                     prompt_tokens: int) -> int | None:
+                     prompt_tokens: int, shared_prefix_boundary: int = 0) -> int | None:
     """The block position of the Mamba state the core hands off after a step that ends at
-    `boundary` computed tokens, in a request of `prompt_tokens` prompt tokens: the state it
-    commits there (`committed_state_position`), if it keeps it (`state_retained`, the
-    replay boundary being the prompt's last token); None: no hand-off."""
+    `boundary` computed tokens, in a request of `prompt_tokens` prompt tokens and the
+    junction `shared_prefix_boundary` (0: none): the state it commits there
+    (`committed_state_position`), if it keeps it (`state_retained` at the request's
+    `reachable_boundaries`); None: no hand-off."""
     position = committed_state_position(boundary, tokens_per_block)
-    if position is None or not state_retained(position, tokens_per_block,
-                                              retention_interval, prompt_tokens - 1):
+    if position is None or not state_retained(
+            position, tokens_per_block, retention_interval,
+            reachable_boundaries(prompt_tokens, shared_prefix_boundary)):
         return None
     return position
 

@@ -12,6 +12,7 @@ from spec.groups import (
     group_load_window_chunks,
     group_skipped_blocks,
     group_window_chunks,
+    reachable_boundaries,
     reachable_store_blocks,
     retention_interval_ok,
 )
@@ -246,18 +247,21 @@ class OffloadingConfig:
                                         end_tokens)
 
     def reachable_blocks(self, group: int, prompt_tokens: int, start_block: int,
-                         end_block: int, short_hits: bool = True
-                         ) -> tuple[bool, ...] | None:
+                         end_block: int, short_hits: bool = True,
+                         shared_prefix_boundary: int = 0) -> tuple[bool, ...] | None:
         """The blocks of `group` a store may need among `start_block <= i < end_block` of a
-        request of `prompt_tokens` prompt tokens; None: all (every group but a sliding
-        window keeps every block). `short_hits=False`: vLLM's mask (finding F4)."""
+        request of `prompt_tokens` prompt tokens and the shared-prefix junction
+        `shared_prefix_boundary` (0: none); None: all (every group but a sliding window
+        keeps every block). `short_hits=False`: vLLM's mask (finding F4)."""
         g = self.groups[group]
         if g.kind != "sliding":
             return None
         assert g.sliding_window is not None
         return reachable_store_blocks(g.sliding_window, self.block_size,
                                       self.blocks_per_chunk, self.retention_interval,
-                                      prompt_tokens - 1, start_block, end_block, short_hits)
+                                      reachable_boundaries(prompt_tokens,
+                                                           shared_prefix_boundary),
+                                      start_block, end_block, short_hits)
 
     def skipped_blocks(self, group: int, computed: int) -> int:
         """Blocks of `group` before the window once `computed` tokens are computed (the core

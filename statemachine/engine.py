@@ -532,7 +532,8 @@ class Engine:
             return n
         end = mamba_chunk_end(start, start + n, self.config.block_size,
                               r.request.num_prompt_tokens, r.num_tokens,
-                              self.config.max_num_batched_tokens)
+                              self.config.max_num_batched_tokens,
+                              r.request.shared_prefix_boundary)
         return max(end - start, 0)
 
     def _commit_states(self, num_sched: dict[str, int]
@@ -552,7 +553,8 @@ class Engine:
             boundary = r.num_computed + n
             position = handoff_position(boundary, self.config.block_size,
                                         self.config.retention_interval,
-                                        r.request.num_prompt_tokens)
+                                        r.request.num_prompt_tokens,
+                                        r.request.shared_prefix_boundary)
             if position is None:
                 continue  # no state committed here, or not one the core keeps
             entries = tuple((g, r.tables[g][position], boundary) for g in groups

@@ -41,6 +41,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     kv_transfer_params: dict[str, Any] | None = None
     skip_reading_prefix_cache: bool = False
+    shared_prefix_boundary: int = 0
+    """The shared-prefix junction the core's last lookup found (vLLM's
+    `Request.shared_prefix_boundary`; `spec.groups.reachable_boundaries`), 0: none. Only a
+    GPU prefix cache finds one, so the engine's requests keep 0."""
 
     @property
     def num_prompt_tokens(self) -> int:

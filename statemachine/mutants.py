@@ -211,10 +211,10 @@ def _window_sources_unfenced(orig: Any) -> Any:
 
 def _mask_for_edge_hits(orig: Any) -> Any:
     def reachable_blocks(self: OffloadingConfig, group: int, prompt_tokens: int,
-                         start_block: int, end_block: int, short_hits: bool = True
-                         ) -> tuple[bool, ...] | None:
+                         start_block: int, end_block: int, short_hits: bool = True,
+                         shared_prefix_boundary: int = 0) -> tuple[bool, ...] | None:
         mask: tuple[bool, ...] | None = orig(self, group, prompt_tokens, start_block,
-                                             end_block, False)
+                                             end_block, False, shared_prefix_boundary)
         return mask
     return reachable_blocks
 

@@ -619,8 +619,9 @@ class OffloadingScheduler:
             if g in cfg.handoff_groups:
                 continue  # not positional: stored from the core's hand-offs (S:1904-1905)
             keys = self._request_keys(req, request, g)
-            reach = cfg.reachable_blocks(g, request.num_prompt_tokens, start * bpc,
-                                         n_chunks * bpc)
+            reach = cfg.reachable_blocks(
+                g, request.num_prompt_tokens, start * bpc, n_chunks * bpc,
+                shared_prefix_boundary=request.shared_prefix_boundary)
             # skipped: a chunk with a needed block the core freed or handed out again, or
             # none needed (the reachable-block mask, S:1770-1796)
             for c, _, copied in storable_chunks(table, start, n_chunks, bpc, reach):

@@ -32,6 +32,7 @@ from spec.groups import (
     group_skipped_blocks,
     group_window_chunks,
     offload_key,
+    reachable_boundaries,
     reachable_store_blocks,
     retention_interval_ok,
     split_groups,
@@ -264,7 +265,8 @@ class Bounds:
             return None
         return reachable_store_blocks(self.sliding_window, self.tokens_per_block,
                                       self.blocks_per_chunk, self.retention_interval,
-                                      prompt_tokens - 1, start_block, end_block, short_hits)
+                                      reachable_boundaries(prompt_tokens), start_block,
+                                      end_block, short_hits)
 
     def skipped_blocks(self, g: int, computed: int) -> int:
         return group_skipped_blocks(self.groups[g], self._window(g), self.tokens_per_block,

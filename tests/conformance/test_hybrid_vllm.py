@@ -257,3 +257,62 @@ def test_f4_a_window_chunk_stored_without_a_block_serves_a_short_hit(vllm_ready:
     # alone: sub-block 0 was never written
     assert sizes[1] == 2 and int(dst.block_indices[1]) == 2, (sizes, dst.block_indices)
     assert int(load.src_spec.block_ids[-1]) == window_chunk
+
+
+@pytest.mark.parametrize("junction", [0, 3 * BLOCK], ids=["no-junction", "junction"])
+def test_a_shared_prefix_junction_keeps_its_window_tail_in_vllm_and_the_reference(
+        vllm_ready: Any, junction: int) -> None:
+    """Under sparse retention (vLLM's default `prefix_cache_retention_interval` of 0) the
+    store keeps a window tail only where a later request resumes: the replay boundary and
+    the shared-prefix junction the core's lookup found (`Request.shared_prefix_boundary`,
+    S:1853-1857; `spec.groups.reachable_boundaries`). A prompt of six blocks and a part
+    with a junction after block 3, computed in one step: vLLM's connector and the reference
+    scheduler store every full-attention chunk, and the window group's blocks 5 (the
+    replay boundary) and, with the junction, 2; the same sources in both."""
+    E = vllm_ready
+    if E.vllm_version() < (0, 26, 0):
+        pytest.skip("hybrid KV cache configurations need vLLM 0.33")
+    from statemachine import KVCacheGroup, OffloadingConfig, OffloadingScheduler
+    from statemachine.messages import NewRequestData, Request, SchedulerOutput
+
+    prompt = [5 + i for i in range(6 * BLOCK + 5)]
+    table = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])
+
+    setup = E.make_setup(num_gpu_blocks=32, block_size=BLOCK, sliding_window=WINDOW,
+                         retention_interval=0)
+    conn = setup.connector
+    req = E.make_request(setup, "r0", prompt)
+    req.shared_prefix_boundary = junction
+    conn.on_new_request(req)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, E.kv_blocks(table), 0)
+    req.status = E.request_status().RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (req, table)}, num_scheduled_tokens={"r0": len(prompt)}))
+    vllm_full: set[int] = set()
+    for ids, sizes in _store_sources(meta, "r0"):
+        vllm_full.update(ids[:sizes[0]])
+    vllm_window = _sliding_sources(meta, "r0")
+
+    ours = OffloadingScheduler(OffloadingConfig(
+        block_size=BLOCK, retention_interval=0,
+        groups=(KVCacheGroup("full"), KVCacheGroup("sliding", sliding_window=WINDOW))))
+    mine = Request("r0", prompt, block_hashes=list(range(1, 7)),
+                   shared_prefix_boundary=junction)
+    ours.on_new_request(mine)
+    assert ours.get_num_new_matched_tokens(mine, 0) == (0, False)
+    ours_table = tuple(tuple(b - 1 for b in g) for g in table)  # ids from 0, no null block
+    ours.update_state_after_alloc(mine, ours_table, 0)
+    out = ours.build_connector_meta(SchedulerOutput(
+        (NewRequestData("r0", ours_table),), (), {"r0": len(prompt)}))
+    ours_full: set[int] = set()
+    ours_window: set[int] = set()
+    for job in out.store_jobs.values():
+        first = job.src.group_sizes[0]
+        ours_full.update(b + 1 for b in job.src.block_ids[:first])
+        ours_window.update(b + 1 for b in job.src.block_ids[first:])
+
+    want_window = {table[1][5]} | ({table[1][2]} if junction else set())
+    assert vllm_window == want_window, (vllm_window, want_window)
+    assert ours_window == vllm_window
+    assert vllm_full == ours_full == set(table[0][:6])
