@@ -50,8 +50,9 @@ if ((${#extras[@]})); then
     mapfile -t extras < <(pins "${extras[@]}")
     "${pip[@]}" install -q "${extras[@]}"
 fi
-mapfile -t nodeps < <(pins xgrammar apache-tvm-ffi)
-"${pip[@]}" install -q --no-deps "${nodeps[@]}"
+# the newest of both, not vLLM's pins: 0.25.1 pins apache-tvm-ffi 0.1.9, which the xgrammar
+# its range admits (0.2.9) cannot load
+"${pip[@]}" install -q --no-deps xgrammar apache-tvm-ffi
 "${pip[@]}" install -q -e "$here[test]"   # the dependencies pyproject.toml names; torch is already there
 # Hugging Face's `kernels` (a requirement of transformers from 5.21) has the import name of
 # this project's kernels/, which shadows it: transformers then fails importing it. vLLM's
