@@ -15,6 +15,9 @@ strategy       when / how
 ``PAIR_RUNS``  one ``copy_`` per run consecutive on both sides (CUDA: DMA; no host mapping)
 ``NATIVE``     host memory: the compiled one-pass gather-scatter of :mod:`kernels.native`
                (one call per job and tensor; one ``memcpy`` per run; threads for large jobs)
+``BATCH_DMA``  one batch of descriptors per job, one per pair run and tensor: on CUDA one
+               ``cuMemcpyBatchAsync`` (:mod:`kernels.cudriver`, the op vLLM runs); on host
+               memory a compiled loop over the same descriptors (a stand-in, by choice only)
 =============  ==============================================================================
 
 Pure torch has no single-pass "gather and scatter" op, so a mapping scattered on both sides
@@ -43,7 +46,8 @@ from typing import Any, Literal
 
 import torch
 
-from kernels import native
+from kernels import cudriver, native
+from kernels.descriptors import DescriptorPlan, Descriptors
 from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "copy_rows",
     "host_view_on_device",
     "native_plan",
+    "run_batch",
 ]
 
 _WIDE_DTYPES: dict[int, torch.dtype] = {
@@ -79,6 +84,7 @@ class Strategy(enum.Enum):
     SRC_RUNS = "src_runs"
     PAIR_RUNS = "pair_runs"
     NATIVE = "native"
+    BATCH_DMA = "batch_dma"
 
 
 _PY_ANALYSIS_MAX = 128  # mappings up to this long are analyzed in Python, longer ones in torch
@@ -155,6 +161,12 @@ class RowMapping:
             self._breaks[side] = found
         return found
 
+    def run_starts(self) -> list[int]:
+        """The positions where pair runs start (``0`` first)."""
+        if self.num_pair_runs == 1:
+            return [0]
+        return [0, *(b + 1 for b in self.breaks("pair"))]
+
     def runs(self, side: _Side) -> list[tuple[int, int]]:
         """``(position, length)`` of each run of ``side``."""
         bounds = [0, *(b + 1 for b in self.breaks(side)), len(self)]
@@ -214,6 +226,16 @@ class CopyPolicy:
     one tile, workspace freshly allocated). ``native``: host-memory copies that are not one
     slice use the compiled one-pass copy of :mod:`kernels.native` when it is available (the
     other fields then only matter where it is not; a CUDA engine switches it off).
+
+    ``batch_dma``: a job is one batch of copy descriptors (``BATCH_DMA``, ahead of every
+    other strategy): on CUDA one ``cuMemcpyBatchAsync``, which must then be available; on
+    host memory the compiled loop over them (a stand-in). ``batch_merge_runs``: one
+    descriptor per pair run and tensor (``False``: one per row and tensor, vLLM's form).
+    ``batch_index_below``: loads whose pages are all smaller than this many bytes, of at
+    least :data:`BATCH_INDEX_MIN_ROWS` rows, use index kernels instead (when
+    ``index_kernels``): vLLM 0.33.0 sends such loads to its Triton kernel below 28 KiB
+    (``vllm/v1/kv_offload/cpu/gpu_worker.py:39-65``). ``load_src_order_any``: a batched load
+    lets the driver read its (host) source in any order (``cudriver.SrcAccessOrder.ANY``).
     """
 
     index_kernels: bool = True
@@ -221,14 +243,29 @@ class CopyPolicy:
     runs_by_dma: bool = False
     workspace_bytes: int | None = 64 * 1024 * 1024
     native: bool = True
+    batch_dma: bool = False
+    batch_merge_runs: bool = True
+    batch_index_below: int | None = None
+    load_src_order_any: bool = True
 
     @staticmethod
     def for_device(device: torch.device, host_mapped: bool = True) -> CopyPolicy:
-        """The default policy: measured on a 2-core CPU; untuned guesses for CUDA."""
+        """The default policy: measured on a 2-core CPU; on CUDA the driver's batched copy
+        where it has one, with vLLM's measured split for small loads; untuned guesses else."""
         if device.type == "cpu":
             return CopyPolicy()
         return CopyPolicy(index_kernels=host_mapped, run_min_bytes=1024 * 1024,
-                          runs_by_dma=True, workspace_bytes=None, native=False)
+                          runs_by_dma=True, workspace_bytes=None, native=False,
+                          batch_dma=cudriver.batch_copy() is not None,
+                          batch_index_below=BATCH_INDEX_BELOW if host_mapped else None)
+
+
+BATCH_INDEX_BELOW = 28 * 1024
+"""vLLM 0.33.0's ``THRESHOLD_BYTES``: below this page size its loads of at least
+:data:`BATCH_INDEX_MIN_ROWS` descriptors run as an SM kernel rather than a batched DMA
+(``vllm/v1/kv_offload/cpu/swap_blocks_triton.py:20-21``)."""
+BATCH_INDEX_MIN_ROWS = 16
+"""vLLM 0.33.0's ``MIN_N``: fewer descriptors than this always go to the batched DMA."""
 
 
 def _native_applies(policy: CopyPolicy) -> bool:
@@ -245,8 +282,14 @@ def native_plan(dst: Sequence[RowTensor], src: Sequence[RowTensor],
     return native.TensorPairs([t.data for t in dst], [t.data for t in src])
 
 
-def choose_strategy(mapping: RowMapping, row_bytes: int, policy: CopyPolicy) -> Strategy:
-    """The strategy :func:`copy_rows` uses for ``mapping`` with rows of ``row_bytes`` bytes."""
+def choose_strategy(mapping: RowMapping, row_bytes: int, policy: CopyPolicy, *,
+                    load: bool = False) -> Strategy:
+    """The strategy :func:`copy_rows` uses for ``mapping`` with rows of ``row_bytes`` bytes
+    (for a job of several tensors: the largest); ``load``: the copy goes host to device."""
+    if policy.batch_dma and not (
+            load and policy.index_kernels and policy.batch_index_below is not None
+            and row_bytes < policy.batch_index_below and len(mapping) >= BATCH_INDEX_MIN_ROWS):
+        return Strategy.BATCH_DMA
     if _native_applies(policy):
         return Strategy.NATIVE  # before any run analysis: the C loop merges runs itself
     if mapping.num_src_runs == 1 and mapping.num_dst_runs == 1:
@@ -415,7 +458,13 @@ def copy_rows(
     """
     if dst.rows.dtype != src.rows.dtype or dst.row_bytes != src.row_bytes:
         raise KernelSpecError("source and destination rows differ in size or dtype")
-    strategy = choose_strategy(mapping, dst.row_bytes, policy)
+    load = src.data.device.type == "cpu" and dst.data.device.type != "cpu"
+    strategy = choose_strategy(mapping, dst.row_bytes, policy, load=load)
+    if strategy is Strategy.BATCH_DMA:
+        plan = DescriptorPlan([dst.data], [src.data])
+        run_batch(batch_descriptors([plan], [mapping], policy), dst.data.device
+                  if dst.data.device.type != "cpu" else src.data.device, load, policy)
+        return strategy
     if strategy is Strategy.NATIVE:
         if dst.data.device.type != "cpu" or src.data.device.type != "cpu":
             raise KernelSpecError("the native copy addresses host memory only")
@@ -452,6 +501,40 @@ def copy_rows(
     else:
         _two_pass(dst.rows, dst_idx, src.rows, src_idx, policy, workspace)
     return strategy
+
+
+def batch_descriptors(plans: Sequence[DescriptorPlan], mappings: Sequence[RowMapping],
+                      policy: CopyPolicy) -> Descriptors:
+    """One batch: each group's plan over its part of the job's mapping, in order."""
+    return Descriptors.concat([
+        plan.descriptors(m.dst, m.src, m.run_starts() if policy.batch_merge_runs else None)
+        for plan, m in zip(plans, mappings, strict=True)])
+
+
+@functools.cache
+def _attributes(device: int, order: cudriver.SrcAccessOrder,
+                store: bool) -> cudriver.CUmemcpyAttributes:
+    return cudriver.BatchCopy.attributes(order, device, store)
+
+
+def run_batch(batch: Descriptors, device: torch.device, load: bool, policy: CopyPolicy) -> None:
+    """Issue ``batch`` on ``device``'s current stream: one ``cuMemcpyBatchAsync`` on CUDA (its
+    source in any order for a load where the policy allows it, else in stream order), the
+    compiled loop over the descriptors on the host. Keep ``batch`` alive until it has run."""
+    if device.type == "cpu":
+        if not native.available():
+            raise KernelSpecError(f"the host stand-in of a batched copy needs the compiled "
+                                  f"copy: {native.unavailable_reason()}")
+        native.copy_descriptors(batch.dst, batch.src, batch.sizes)
+        return
+    op = cudriver.batch_copy()
+    if op is None:
+        raise KernelSpecError(f"policy.batch_dma needs the CUDA driver's cuMemcpyBatchAsync: "
+                              f"{cudriver.unavailable_reason()}")
+    order = (cudriver.SrcAccessOrder.ANY if load and policy.load_src_order_any
+             else cudriver.SrcAccessOrder.STREAM)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    op(batch, torch.cuda.current_stream(device).cuda_stream, _attributes(index, order, not load))
 
 
 def _two_pass(

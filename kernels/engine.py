@@ -41,17 +41,22 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from kernels import native
+from kernels import cudriver, native
 from kernels.copy import (
     CopyPolicy,
     RowMapping,
     RowTensor,
+    Strategy,
     Workspace,
+    batch_descriptors,
     check_kv_tensors,
+    choose_strategy,
     copy_rows,
     host_view_on_device,
     native_plan,
+    run_batch,
 )
+from kernels.descriptors import DescriptorPlan, Descriptors
 from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
 
 __all__ = ["CopyEngine", "CopyResult", "Direction", "KernelStateError"]
@@ -95,6 +100,8 @@ class _Job:
     fail: bool
     start: Any = None  # torch.cuda.Event on CUDA
     end: Any = None
+    batch: Descriptors | None = None
+    """A batched job's descriptors, kept until the job completes (the driver reads them)."""
 
 
 class _Backend(Protocol):
@@ -108,23 +115,53 @@ class _Backend(Protocol):
 class _Copier:
     """Runs one job's copies (on the current stream): each KV cache group's rows in that
     group's tensors. On host memory with the compiled copy, a group's part of a job is one
-    call for all its tensors, planned once per group and direction."""
+    call for all its tensors, planned once per group and direction. Under a batched policy
+    a whole job, every group, is one batch of descriptors (one driver call on CUDA), the
+    descriptor plans made once per group and direction."""
 
     def __init__(self, gpu: list[RowTensor], cpu: list[RowTensor], policy: CopyPolicy,
-                 groups: tuple[tuple[int, ...], ...]) -> None:
-        self.policy = policy
+                 groups: tuple[tuple[int, ...], ...], device: torch.device) -> None:
+        self.policy, self.device = policy, device
         self.workspace = Workspace()
         self.tensors = [([gpu[t] for t in g], [cpu[t] for t in g]) for g in groups]
         self.plans: dict[Direction, list[native.TensorPairs | None]] = {
             Direction.STORE: [native_plan(c, g, policy) for g, c in self.tensors],
             Direction.LOAD: [native_plan(g, c, policy) for g, c in self.tensors]}
+        self.max_row_bytes = max(r.row_bytes for r in gpu)
+        self.batch_plans: dict[Direction, list[DescriptorPlan]] = {}
+        if policy.batch_dma:
+            self.batch_plans = {
+                Direction.STORE: [DescriptorPlan([t.data for t in c], [t.data for t in g])
+                                  for g, c in self.tensors],
+                Direction.LOAD: [DescriptorPlan([t.data for t in g], [t.data for t in c])
+                                 for g, c in self.tensors]}
 
-    def run(self, job: _Job) -> None:
+    def strategy(self, job: _Job) -> Strategy | None:
+        """``BATCH_DMA`` where the job goes as one batch, else ``None`` (chosen tensor by
+        tensor)."""
+        if self.batch_plans and choose_strategy(
+                job.mapping, self.max_row_bytes, self.policy,
+                load=job.direction is Direction.LOAD) is Strategy.BATCH_DMA:
+            return Strategy.BATCH_DMA
+        return None
+
+    def run(self, job: _Job) -> Descriptors | None:
+        """Issue the job's copies; a batched job's descriptors are returned (keep them until
+        the job completes)."""
+        if self.strategy(job) is Strategy.BATCH_DMA:
+            plans = self.batch_plans[job.direction]
+            parts = ([job.mapping] if len(job.segments) == 1 else
+                     [job.mapping.part(start, size) for _, start, size in job.segments])
+            batch = batch_descriptors([plans[group] for group, _, _ in job.segments], parts,
+                                      self.policy)
+            run_batch(batch, self.device, job.direction is Direction.LOAD, self.policy)
+            return batch
         if len(job.segments) == 1:
             self._run_group(job.direction, job.segments[0][0], job.mapping)
-            return
+            return None
         for group, start, size in job.segments:
             self._run_group(job.direction, group, job.mapping.part(start, size))
+        return None
 
     def _run_group(self, direction: Direction, group: int, mapping: RowMapping) -> None:
         plan = self.plans[direction][group]
@@ -176,7 +213,7 @@ class _CudaBackend:
         with torch.cuda.stream(stream):
             start.record(stream)
             if not job.fail:
-                self.copier.run(job)
+                job.batch = self.copier.run(job)
             end.record(stream)
         job.start, job.end = start, end
         self.last_end[job.direction] = end
@@ -250,11 +287,17 @@ class CopyEngine:
         if self.policy.index_kernels and not self.host_mapped:
             raise KernelSpecError("policy.index_kernels needs CPU tensors mapped into the device "
                                   "address space; use index_kernels=False")
+        if self.policy.batch_dma and dev.type == "cuda" and cudriver.batch_copy() is None:
+            raise KernelSpecError(f"policy.batch_dma needs the CUDA driver's "
+                                  f"cuMemcpyBatchAsync: {cudriver.unavailable_reason()}")
+        if self.policy.batch_dma and dev.type == "cpu" and not native.available():
+            raise KernelSpecError(f"policy.batch_dma on host memory needs the compiled copy: "
+                                  f"{native.unavailable_reason()}")
         gpu_rows = [RowTensor.of(g, p, max_itemsize=itemsize)
                     for g, p in zip(gpu_tensors, pages, strict=True)]
         cpu_rows = [RowTensor.of(c, p, mapped=m, max_itemsize=itemsize)
                     for c, m, p in zip(cpu_tensors, mapped, pages, strict=True)]
-        copier = _Copier(gpu_rows, cpu_rows, self.policy, self.layout.groups)
+        copier = _Copier(gpu_rows, cpu_rows, self.policy, self.layout.groups, dev)
         self._backend: _Backend = (
             _CpuBackend(copier) if dev.type == "cpu"
             else _CudaBackend(copier, dev, num_streams))

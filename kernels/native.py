@@ -40,6 +40,7 @@ __all__ = [
     "TensorPairs",
     "available",
     "copy_byte_rows",
+    "copy_descriptors",
     "copy_rows",
     "library_path",
     "unavailable_reason",
@@ -182,6 +183,14 @@ int64_t kvspec_copy_job(int64_t num_tensors, char *const *dst, const char *const
     for (int64_t t = 0; t < num_threads; ++t) kvspec_copy_share(&shares[t]);
     return 0;
 }
+
+/* A batch of descriptors (the form of a batched DMA): sizes[i] bytes from address src[i] to
+   address dst[i], for i < n. The caller made every address from checked rows. */
+void kvspec_copy_descriptors(int64_t n, const int64_t *dst, const int64_t *src,
+                             const int64_t *sizes) {
+    for (int64_t i = 0; i < n; ++i)
+        memcpy((char *)(intptr_t)dst[i], (const char *)(intptr_t)src[i], (size_t)sizes[i]);
+}
 """
 
 _FLAGS = ["-O2", "-shared", "-fPIC", "-fopenmp"]
@@ -238,6 +247,9 @@ def _load() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    batch = lib.kvspec_copy_descriptors
+    batch.restype = None
+    batch.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -338,3 +350,12 @@ def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     int64 of equal length: :mod:`kernels.copy` guarantees this), through a one-pair plan
     (which checks the tensors); row ranges are checked in C."""
     TensorPairs([dst], [src]).copy(dst_rows, src_rows)
+
+
+def copy_descriptors(dst: torch.Tensor, src: torch.Tensor, sizes: torch.Tensor) -> None:
+    """``sizes[i]`` bytes from host address ``src[i]`` to host address ``dst[i]`` for all ``i``
+    (contiguous 1-D int64 CPU tensors of equal length), in one call: the host stand-in for a
+    batched DMA. The addresses are trusted: :class:`kernels.descriptors.DescriptorPlan` makes
+    them from checked rows."""
+    _library().kvspec_copy_descriptors(int(sizes.shape[0]), dst.data_ptr(), src.data_ptr(),
+                                       sizes.data_ptr())

@@ -151,6 +151,9 @@ POLICIES = {  # every torch strategy with the compiled copy off, and the default
     "runs": CopyPolicy(run_min_bytes=1, native=False),
     "pair_runs": CopyPolicy(index_kernels=False, native=False),
     "dma_runs": CopyPolicy(run_min_bytes=1, runs_by_dma=True, native=False),
+    # the batched strategy's descriptors, run on the host by the compiled loop
+    "batch_runs": CopyPolicy(batch_dma=True),
+    "batch_rows": CopyPolicy(batch_dma=True, batch_merge_runs=False),  # vLLM's form
 }
 
 SHAPES = {  # (gpu_blocks, cpu_chunks, first_block_index) with bpc = 2
@@ -460,7 +463,8 @@ def jobs(draw: st.DrawFn) -> tuple[KVLayout, int, int, TransferSpec, TransferSpe
     chunk_ids = draw(st.permutations(range(num_chunks)))[:chunks]
     store = TransferSpec(perm[:n], chunk_ids, first)
     load = TransferSpec(perm[n:2 * n], chunk_ids, first)
-    return KVLayout(pages, bpc), num_blocks, num_chunks, store, load, draw(st.integers(0, 5))
+    return (KVLayout(pages, bpc), num_blocks, num_chunks, store, load,
+            draw(st.integers(0, len(POLICIES) - 1)))
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,9 +12,11 @@ from kernels import (
     CopyPolicy,
     Direction,
     KVLayout,
+    Strategy,
     TransferSpec,
     allocate_cpu_kv,
     allocate_gpu_kv,
+    cudriver,
 )
 from tests.kernel_oracle import oracle_load, oracle_store
 
@@ -57,10 +59,22 @@ ENGINES = {  # (host_mapping, policy)
                                          workspace_bytes=None)),
     "unmapped-default": (False, None),
     "unmapped-torch_policy": (False, CopyPolicy(index_kernels=False)),  # native: switched off
+    # one cuMemcpyBatchAsync per job: descriptors per pair run, and per row (vLLM's form)
+    "unmapped-batch_runs": (False, CopyPolicy(index_kernels=False, batch_dma=True)),
+    "unmapped-batch_rows": (False, CopyPolicy(index_kernels=False, batch_dma=True,
+                                              batch_merge_runs=False)),
+    "mapped-batch_runs": (True, CopyPolicy(runs_by_dma=True, workspace_bytes=None,
+                                           batch_dma=True)),
+    "mapped-batch_small_loads_indexed": (True, CopyPolicy(
+        runs_by_dma=True, workspace_bytes=None, batch_dma=True, batch_index_below=1 << 30)),
 }
+needs_batch = pytest.mark.skipif(cudriver.batch_copy() is None,
+                                 reason=f"no batched copy: {cudriver.unavailable_reason()}")
 
 
-@pytest.mark.parametrize(("host_mapping", "policy"), ENGINES.values(), ids=ENGINES.keys())
+@pytest.mark.parametrize(("host_mapping", "policy"), [
+    pytest.param(*engine, marks=needs_batch) if engine[1] is not None and engine[1].batch_dma
+    else engine for engine in ENGINES.values()], ids=ENGINES.keys())
 @pytest.mark.parametrize("bpc", [1, 3, 4])
 @pytest.mark.parametrize("pages", [(512,), (1024, 4096), (16384, 1 << 20)],
                          ids=lambda p: "x".join(map(str, p)))
@@ -128,3 +142,27 @@ def test_fifo_and_failure_on_cuda() -> None:
     assert_equal_all(cpu, expected)  # the later store won; the failed one wrote nothing
     engine.wait([999])  # unknown: ignored
     engine.shutdown()
+
+
+@needs_batch
+def test_the_default_engine_batches_stores_and_keeps_the_descriptors_until_complete() -> None:
+    """A driver of CUDA 12.8 or later: the default policy stores through one
+    cuMemcpyBatchAsync, ordered after the compute stream, and the job holds its descriptors
+    (the driver's arrays) until it is reported."""
+    layout = KVLayout((4096, 1024), 2)
+    gpu, cpu = random_kv(layout, 16, 8, seed=3)
+    engine = CopyEngine(gpu, cpu, 2)
+    assert engine.policy.batch_dma
+    spec = TransferSpec([3, 4, 9, 1], [2, 5])
+    expected = oracle_store(gpu, cpu, spec, 2)
+    torch.cuda._sleep(100_000_000)
+    gpu[0][9].fill_(5)  # on the compute stream, before the submit: the store must see it
+    expected[0][5, :4096].fill_(5)
+    engine.submit_store(1, spec)
+    [job] = engine._fifo[Direction.STORE]
+    assert engine._backend.copier.strategy(job) is Strategy.BATCH_DMA  # type: ignore[attr-defined]
+    assert job.batch is not None and job.batch.count == 2 * 3  # runs [3,4], [9], [1] x 2
+    engine.wait([1])
+    assert engine.poll()[0].success
+    assert_equal_all(cpu, expected)
+

@@ -7,7 +7,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels import CopyPolicy, KVLayout, Strategy, TransferSpec, copy_blocks_to_chunks, native
+from kernels import (
+    CopyEngine,
+    CopyPolicy,
+    KernelSpecError,
+    KVLayout,
+    Strategy,
+    TransferSpec,
+    copy_blocks_to_chunks,
+    native,
+)
 from kernels.copy import RowMapping, RowTensor, copy_rows
 from tests.kernel_oracle import oracle_store
 
@@ -110,6 +119,13 @@ def test_switched_off_falls_back_to_torch(fresh_native: pytest.MonkeyPatch) -> N
     assert copy_rows(RowTensor.of(cpu[0], 64), RowTensor.of(gpu[0], 64), mapping,
                      CopyPolicy()) is Strategy.TWO_PASS
     assert torch.equal(cpu[0], expected[0])
+    before = cpu[0].clone()  # the batched stand-in runs on the compiled loop: refused, untouched
+    with pytest.raises(KernelSpecError, match="stand-in of a batched copy needs the compiled"):
+        copy_rows(RowTensor.of(cpu[0], 64), RowTensor.of(gpu[0], 64), mapping,
+                  CopyPolicy(batch_dma=True))
+    assert torch.equal(cpu[0], before)
+    with pytest.raises(KernelSpecError, match=r"policy\.batch_dma on host memory needs"):
+        CopyEngine(gpu, cpu, 2, policy=CopyPolicy(batch_dma=True))
 
 
 def _rows_of(spec: TransferSpec, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
