@@ -12,10 +12,19 @@ For each GPU page size and job size (blocks per job), measured side by side in o
 * ``loop``: one ``copy_`` per block from Python (``cpu[row].copy_(gpu[b])``; on CUDA issued
   ``non_blocking`` on a stream, a stand-in for one cudaMemcpyAsync per block).
 
-Then, on the CPU, the jobs vLLM 0.33.0 produces (a request's store of 1, 4 or 16 new chunks
-over 32 or 64 layers, GQA K/V pages or an MLA latent page, one or two groups; a step's 64
-requests storing back to back), per job against one contiguous copy of the same bytes, and
-the fixed cost of the smallest job in microseconds.
+On CUDA, per shape, the strategies side by side (to choose the policy by measurement): the
+engine with the batched copy off (index kernels over mapped host memory, or one DMA per run),
+the engine with every job batched (one ``cuMemcpyBatchAsync``, a descriptor per pair run and
+tensor), and ``vllm``: vLLM 0.33.0's op as its worker issues it (``VllmOp``: a descriptor per
+block and tensor, built from the ids each job, one ``cuMemcpyBatchAsync`` on a side stream
+ordered after the compute stream and the previous job; ``vllm/_custom_ops.py:3039-3065``,
+``vllm/v1/kv_offload/cpu/gpu_worker.py:563-716``).
+
+Then the jobs vLLM 0.33.0 produces (a request's store of 1, 4 or 16 new chunks over 32 or
+64 layers, GQA K/V pages or an MLA latent page, one or two groups; a step's 64 requests
+storing back to back), per job against one contiguous copy of the same bytes (and on CUDA
+against ``VllmOp`` on the same jobs), and on the CPU the fixed cost of the smallest job in
+microseconds.
 
 Usage: ``python bench/kernels.py [--quick] [--json] [--bpc N] [--threads N] [--reps N]
 [--budget S] [--device cpu|cuda|all] [--no-vllm]``. The default grid takes well under a
@@ -27,6 +36,7 @@ reported here only; tests never look at them.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -36,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # This file is named like the package it measures: make ``import kernels`` find the package
@@ -49,6 +59,7 @@ import torch  # noqa: E402
 
 from kernels import (  # noqa: E402
     CopyEngine,
+    CopyPolicy,
     KVLayout,
     RowMapping,
     TransferSpec,
@@ -56,7 +67,9 @@ from kernels import (  # noqa: E402
     allocate_gpu_kv,
     block_rows,
     choose_strategy,
+    cudriver,
 )
+from kernels.descriptors import DescriptorPlan, Descriptors  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -94,6 +107,8 @@ class Row:
     strategy_store: str
     strategy_load: str
     noisy: bool = False  # the host disturbed this measurement (see NOISE_RATIO): left out
+    variants: dict[str, tuple[float, float]] | None = None
+    """CUDA: GB/s (store, load) of each strategy measured beside the default (STRATEGIES)."""
 
     @property
     def vs_contig(self) -> tuple[float, float]:
@@ -149,6 +164,69 @@ def _measure(fns: dict[str, Callable[[], None]], nbytes: int, reps: int,
             break
     noisy = any(statistics.median(s) > NOISE_RATIO * min(s) for s in samples.values())
     return {name: nbytes / statistics.median(s) / 1e9 for name, s in samples.items()}, noisy
+
+
+class VllmOp:
+    """vLLM 0.33.0's batched op as its offloading worker issues it, over one worker's tensors:
+    per job, the ids made a spec, a descriptor per block and KV tensor
+    (``vllm/v1/kv_offload/cpu/gpu_worker.py:407-447``), one ``cuMemcpyBatchAsync`` on a side
+    stream that waits for the compute stream and for the previous job (stores in stream
+    order, loads in any order: ``gpu_worker.py:700-716``) between a start and an end event
+    (timing events from a pool, as vLLM's). The descriptors are kept until :meth:`drain`."""
+
+    def __init__(self, gpu: list[torch.Tensor], cpu: list[torch.Tensor], bpc: int,
+                 device: torch.device) -> None:
+        op = cudriver.batch_copy()
+        if op is None:
+            raise RuntimeError(f"no batched copy: {cudriver.unavailable_reason()}")
+        self.op, self.device, self.bpc = op, device, bpc
+        sub_rows = [c.view(-1, g.shape[1]) for g, c in zip(gpu, cpu, strict=True)]
+        self.store_plan = DescriptorPlan(sub_rows, gpu)
+        self.load_plan = DescriptorPlan(gpu, sub_rows)
+        self.num_blocks, self.num_chunks = int(gpu[0].shape[0]), int(cpu[0].shape[0])
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.attrs = {True: op.attributes(cudriver.SrcAccessOrder.STREAM, index, True),
+                      False: op.attributes(cudriver.SrcAccessOrder.ANY, index, False)}
+        self.stream = torch.cuda.Stream(device)
+        self.last: torch.cuda.Event | None = None
+        self.kept: list[Descriptors] = []
+        self.events: list[torch.cuda.Event] = []
+        self.used: list[torch.cuda.Event] = []
+
+    def _event(self) -> torch.cuda.Event:
+        event = self.events.pop() if self.events else torch.cuda.Event(enable_timing=True)
+        self.used.append(event)
+        return event
+
+    def submit(self, store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
+        g, c = block_rows(TransferSpec(gpu_ids, cpu_ids), self.bpc, self.num_blocks,
+                          self.num_chunks)
+        batch = (self.store_plan.descriptors(c, g) if store
+                 else self.load_plan.descriptors(g, c))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.last is not None:
+            self.stream.wait_event(self.last)
+        self._event().record(self.stream)
+        self.op(batch, self.stream.cuda_stream, self.attrs[store])
+        self.last = self._event()
+        self.last.record(self.stream)
+        self.kept.append(batch)
+
+    def drain(self) -> None:
+        if self.last is not None:
+            self.last.synchronize()
+        self.last = None
+        self.kept.clear()
+        self.events += self.used
+        self.used.clear()
+
+
+STRATEGIES = {  # CUDA policies measured beside the default, per shape
+    "unbatched": lambda mapped: replace(CopyPolicy.for_device(torch.device("cuda"), mapped),
+                                        batch_dma=False),
+    "batched": lambda mapped: replace(CopyPolicy.for_device(torch.device("cuda"), mapped),
+                                      batch_dma=True, batch_index_below=None),
+}
 
 
 def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
@@ -209,22 +287,53 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
         "loop_store": loop(True),
         "loop_load": loop(False),
     }
-    gbps, noisy = _measure(fns, nbytes, reps, device, deadline,
-                           {"job_store": drain_jobs, "job_load": drain_jobs})
+    drains = {"job_store": drain_jobs, "job_load": drain_jobs}
+    others: dict[str, CopyEngine] = {}
+    if device.type == "cuda" and cudriver.batch_copy() is not None:
+        for name, policy in STRATEGIES.items():
+            other = CopyEngine(gpu, cpu, bpc, device, policy=policy(engine.host_mapped))
+            others[name] = other
+            for direction, submit in (("store", other.submit_store), ("load", other.submit_load)):
+                fns[f"{name}_{direction}"] = job(submit)
+                drains[f"{name}_{direction}"] = _drain(other)
+        vllm = VllmOp(gpu, cpu, bpc, device)
+        for store in (True, False):
+            key = f"vllm_{'store' if store else 'load'}"
+            fns[key] = functools.partial(vllm.submit, store, gpu_ids, chunk_ids)
+            drains[key] = vllm.drain
+    measured, noisy = _measure(fns, nbytes, reps, device, deadline, drains)
+    gbps = {k: v for k, v in measured.items() if k.split("_")[0] in ("contig", "job", "loop")}
+    variants = {name: (measured[f"{name}_store"], measured[f"{name}_load"])
+                for name in (*others, "vllm") if f"{name}_store" in measured} or None
+    for other in others.values():
+        other.shutdown()
     # check (whatever the buffers hold now): after a store, every job block equals its sub-row
     engine.submit_store(next(job_ids), spec)
     engine.wait(engine.in_flight())
     engine.poll()
     _sync(device)
     assert torch.equal(sub_rows[cpu_rows], gpu_blocks[gpu_rows.to(device)].cpu())
+    if "vllm" in (variants or {}):  # and vLLM's op, on a fresh pattern
+        gpu_blocks.copy_(torch.randint(-128, 128, gpu_blocks.shape, dtype=torch.int8,
+                                       generator=gen).to(device))
+        vllm.submit(True, gpu_ids, chunk_ids)
+        vllm.drain()
+        assert torch.equal(sub_rows[cpu_rows], gpu_blocks[gpu_rows.to(device)].cpu())
     engine.shutdown()
     store_map = RowMapping(gpu_rows, cpu_rows)
     return Row(
         device=device.type, page=page, blocks=n, job_mib=nbytes / MIB,
         strategy_store=choose_strategy(store_map, page, engine.policy).value,
-        strategy_load=choose_strategy(store_map.inverse(), page, engine.policy).value,
-        noisy=noisy, **gbps,
+        strategy_load=choose_strategy(store_map.inverse(), page, engine.policy, load=True).value,
+        noisy=noisy, variants=variants, **gbps,
     )
+
+
+def _drain(engine: CopyEngine) -> Callable[[], None]:
+    def drain() -> None:
+        engine.wait(engine.in_flight())
+        assert all(r.success for r in engine.poll())
+    return drain
 
 
 def _fmt_size(page: int) -> str:
@@ -259,6 +368,25 @@ def print_table(rows: list[Row], skipped: list[tuple[int, int]],
     if no_time:
         print("not measured (time budget spent, or the host stalled; see --budget): "
               + ", ".join(f"{_fmt_size(p)}x{n}" for p, n in no_time))
+
+
+def print_strategies(rows: list[Row]) -> None:
+    """CUDA: each strategy's GB/s per shape beside the default, and the fastest."""
+    measured = [r for r in rows if r.variants]
+    if not measured:
+        return
+    names = ["default", *(measured[0].variants or {})]
+    print("\nstrategies per shape (GB/s store/load; default = the engine's own choice, "
+          "vllm = vLLM's op; * = fastest):")
+    print(f"{'page':>5} {'blocks':>6} | " + " | ".join(f"{n:>15}" for n in names)
+          + " | fastest S/L")
+    for r in measured:
+        each = {"default": (r.job_store, r.job_load), **(r.variants or {})}
+        best = [max(each, key=lambda n, d=d: each[n][d]) for d in (0, 1)]
+        cells = [f"{each[n][0]:>6.2f}{'*' if best[0] == n else ' '} "
+                 f"{each[n][1]:>6.2f}{'*' if best[1] == n else ' '}" for n in names]
+        print(f"{_fmt_size(r.page):>5} {r.blocks:>6} | " + " | ".join(cells)
+              + f" | {best[0]}/{best[1]}{'  NOISY' if r.noisy else ''}")
 
 
 @dataclass
@@ -380,17 +508,24 @@ class VllmRow:
     job_kib: float
     job_us: float
     contig_us: float
+    vllm_us: float | None = None
+    """CUDA: vLLM's batched op on the same jobs (VllmOp)."""
 
     @property
     def vs_contig(self) -> float:
         return self.contig_us / self.job_us
 
+    @property
+    def vs_vllm(self) -> float | None:
+        return None if self.vllm_us is None else self.vllm_us / self.job_us
+
 
 def _engines(page: int, tensors: int, groups: int, pool: int,
-             device: torch.device) -> list[CopyEngine]:
-    """One engine per KV cache group over its share of the tensors (a worker's view)."""
+             device: torch.device) -> tuple[list[CopyEngine], list[VllmOp]]:
+    """One engine per KV cache group over its share of the tensors (a worker's view), and on
+    CUDA vLLM's op over the same tensors."""
     per = tensors // groups
-    out = []
+    out, ops = [], []
     for _ in range(groups):
         layout = KVLayout((page,) * per, 1)
         gpu = allocate_gpu_kv(layout, pool, device)
@@ -398,7 +533,9 @@ def _engines(page: int, tensors: int, groups: int, pool: int,
         for t in (*gpu, *cpu):
             t.fill_(1)  # first touch, outside the timed region
         out.append(CopyEngine(gpu, cpu, 1, device))
-    return out
+        if device.type == "cuda" and cudriver.batch_copy() is not None:
+            ops.append(VllmOp(gpu, cpu, 1, device))
+    return out, ops
 
 
 def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int,
@@ -410,7 +547,7 @@ def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int
     page, per_layer = VLLM_PAGES[shape]
     tensors = layers * per_layer
     pool = 2 * chunks * jobs + 1
-    engines = _engines(page, tensors, groups, pool, device)
+    engines, ops = _engines(page, tensors, groups, pool, device)
     gen = torch.Generator().manual_seed(seed)
     ids = [(torch.randperm(pool, generator=gen)[:chunks].tolist(),
             torch.randperm(pool, generator=gen)[:chunks].tolist()) for _ in range(jobs)]
@@ -431,11 +568,22 @@ def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int
     def contig() -> None:
         dst.copy_(src, non_blocking=non_blocking)
 
-    gbps, _ = _measure({"job": run_jobs, "contig": contig}, nbytes, reps, device,
-                       time.perf_counter() + 60.0)
+    def run_vllm() -> None:
+        for gpu_ids, cpu_ids in ids:
+            for op in ops:
+                op.submit(True, gpu_ids, cpu_ids)
+        for op in ops:
+            op.drain()
+
+    fns = {"job": run_jobs, "contig": contig, **({"vllm": run_vllm} if ops else {})}
+    gbps, _ = _measure(fns, nbytes, reps, device, time.perf_counter() + 60.0)
     n_jobs = jobs * groups
+
+    def us(name: str) -> float:
+        return nbytes / gbps[name] / 1e3 / n_jobs
+
     return VllmRow(device.type, shape, layers, groups, chunks, n_jobs, nbytes / n_jobs / KIB,
-                   nbytes / gbps["job"] / 1e3 / n_jobs, nbytes / gbps["contig"] / 1e3 / n_jobs)
+                   us("job"), us("contig"), us("vllm") if ops else None)
 
 
 def fixed_cost_us(reps: int) -> float:
@@ -462,14 +610,38 @@ def print_vllm(rows: list[VllmRow], fixed_us: float | None) -> None:
     device = rows[0].device if rows else "-"
     print(f"\n== vLLM-shaped store jobs ({device}, blocks_per_chunk 1): time per job, and one "
           "contiguous copy of the same bytes")
+    vllm = any(r.vllm_us is not None for r in rows)
     print(f"{'page':>10} {'layers':>6} {'groups':>6} {'chunks':>6} {'jobs':>5} "
-          f"{'KiB/job':>8} {'us/job':>9} {'contig us':>9} {'vs contig':>9}")
+          f"{'KiB/job':>8} {'us/job':>9} {'contig us':>9} {'vs contig':>9}"
+          + (f" {'vllm us':>9} {'vs vllm':>8}" if vllm else ""))
     for r in rows:
         print(f"{r.shape:>10} {r.layers:6} {r.groups:6} {r.chunks:6} {r.jobs:5} "
-              f"{r.job_kib:8.0f} {r.job_us:9.1f} {r.contig_us:9.1f} {r.vs_contig:9.2f}")
+              f"{r.job_kib:8.0f} {r.job_us:9.1f} {r.contig_us:9.1f} {r.vs_contig:9.2f}"
+              + (f" {r.vllm_us:9.1f} {r.vs_vllm:7.2f}x" if r.vllm_us is not None
+                 and r.vs_vllm is not None else ""))
     if fixed_us is not None:
         print(f"fixed cost of the smallest job (1 block of 16 bytes, 1 tensor, spec built, "
               f"submitted, run, polled): {fixed_us:.1f} us")
+
+
+def vllm_gpu_targets(rows: list[VllmRow]) -> list[Target]:
+    """CUDA: at least vLLM's own batched op on every vLLM-shaped job, and 0.8 of one
+    contiguous pinned copy on those of 4 MiB and more."""
+    versus = [r for r in rows if r.vs_vllm is not None]
+    large = [r for r in rows if r.job_kib * KIB >= 4 * MIB]
+
+    def show(sel: list[VllmRow], value: Callable[[VllmRow], float]) -> str:
+        return ", ".join(f"{r.shape} {r.layers}L {r.chunks}c x{r.jobs}: {value(r):.2f}"
+                         for r in sel) or "not measured"
+
+    return [
+        Target("cuda", ">= 1.0x vLLM's batched op on every vLLM-shaped job",
+               all((r.vs_vllm or 0.0) >= 1.0 for r in versus) if versus else None,
+               show(versus, lambda r: r.vs_vllm or 0.0)),
+        Target("cuda", ">= 0.8 of a contiguous pinned copy on jobs of >= 4 MiB",
+               all(r.vs_contig >= 0.8 for r in large) if large else None,
+               show(large, lambda r: r.vs_contig)),
+    ]
 
 
 def vllm_targets(rows: list[VllmRow], fixed_us: float) -> list[Target]:
@@ -552,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{torch.get_num_threads()} threads, {args.bpc} blocks per chunk, "
                   f"median of {reps}; S = store (GPU->CPU), L = load (CPU->GPU)")
             print_table(rows, skipped, no_time)
+            print_strategies(rows)
             print(f"targets (jobs of >= {TARGET_MIN_BLOCKS} blocks; bandwidth targets on jobs "
                   f"of >= {TARGET_MIN_BYTES // MIB} MiB):")
             for t in targets:
@@ -564,12 +737,13 @@ def main(argv: list[str] | None = None) -> int:
                  for i, (shape, layers, groups, chunks) in enumerate(VLLM_SHAPES)]
         vrows.append(bench_vllm_jobs("gqa 8x128", 32, 1, 1, STEP_REQUESTS, reps, seed=99,
                                      device=device))
-        # the CPU targets; on CUDA the targets compare with vLLM's batched op (not built yet)
+        # the CPU targets; on CUDA the targets compare with vLLM's batched op
         fixed = fixed_cost_us(reps) if device.type == "cpu" else None
-        vtargets = vllm_targets(vrows, fixed) if fixed is not None else []
+        vtargets = vllm_targets(vrows, fixed) if fixed is not None else vllm_gpu_targets(vrows)
         all_targets += vtargets
         vllm_report[device.type] = {
-            "rows": [asdict(r) | {"vs_contig": r.vs_contig} for r in vrows],
+            "rows": [asdict(r) | {"vs_contig": r.vs_contig, "vs_vllm": r.vs_vllm}
+                     for r in vrows],
             "fixed_cost_us": fixed, "targets": [asdict(t) for t in vtargets]}
         if not args.json:
             print_vllm(vrows, fixed)

@@ -195,11 +195,18 @@ class _CpuBackend:
 
 
 class _CudaBackend:
+    """Side streams round-robin; timing events from a pool (an event is created once and
+    reused after its job completed: creating two per job costs more than a small copy)."""
+
     def __init__(self, copier: _Copier, device: torch.device, num_streams: int) -> None:
         self.copier, self.device = copier, device
         self.streams = [_new_stream(device=device) for _ in range(num_streams)]
         self.next_stream = 0
         self.last_end: dict[Direction, Any] = {d: None for d in Direction}
+        self.events: list[Any] = []
+
+    def _event(self) -> Any:
+        return self.events.pop() if self.events else _new_event(enable_timing=True)
 
     def launch(self, job: _Job) -> None:
         stream = self.streams[self.next_stream]
@@ -208,8 +215,7 @@ class _CudaBackend:
         previous = self.last_end[job.direction]
         if previous is not None:
             stream.wait_event(previous)
-        start = _new_event(enable_timing=True)
-        end = _new_event(enable_timing=True)
+        start, end = self._event(), self._event()
         with torch.cuda.stream(stream):
             start.record(stream)
             if not job.fail:
@@ -223,7 +229,12 @@ class _CudaBackend:
 
     def complete(self, job: _Job) -> float:
         job.end.synchronize()
-        return 0.0 if job.fail else float(job.start.elapsed_time(job.end)) / 1000.0
+        seconds = 0.0 if job.fail else float(job.start.elapsed_time(job.end)) / 1000.0
+        if self.last_end[job.direction] is job.end:  # complete: nothing left to wait for
+            self.last_end[job.direction] = None
+        self.events += (job.start, job.end)
+        job.start = job.end = job.batch = None
+        return seconds
 
 
 class CopyEngine:
