@@ -13,12 +13,13 @@ For each GPU page size and job size (blocks per job), measured side by side in o
   ``non_blocking`` on a stream, a stand-in for one cudaMemcpyAsync per block).
 
 On CUDA, per shape, the strategies side by side (to choose the policy by measurement): the
-engine with the batched copy off (index kernels over mapped host memory, or one DMA per run),
-the engine with every job batched (one ``cuMemcpyBatchAsync``, a descriptor per pair run and
-tensor), and ``vllm``: vLLM 0.33.0's op as its worker issues it (``VllmOp``: a descriptor per
-block and tensor, built from the ids each job, one ``cuMemcpyBatchAsync`` on a side stream
-ordered after the compute stream and the previous job; ``vllm/_custom_ops.py:3039-3065``,
-``vllm/v1/kv_offload/cpu/gpu_worker.py:563-716``).
+default (every job one ``cuMemcpyBatchAsync``, a descriptor per pair run and tensor), the
+engine with the batched copy off (``unbatched``: index kernels over mapped host memory, or
+one DMA per run), with vLLM's split for small loads (``split28k``: loads of pages under
+28 KiB to index kernels), and ``vllm``: vLLM 0.33.0's op as its worker issues it
+(``VllmOp``: a descriptor per block and tensor, built from the ids each job, one
+``cuMemcpyBatchAsync`` on a side stream ordered after the compute stream and the previous
+job; ``vllm/_custom_ops.py:3039-3065``, ``vllm/v1/kv_offload/cpu/gpu_worker.py:563-716``).
 
 Then the jobs vLLM 0.33.0 produces (a request's store of 1, 4 or 16 new chunks over 32 or
 64 layers, GQA K/V pages or an MLA latent page, one or two groups; a step's 64 requests
@@ -69,6 +70,7 @@ from kernels import (  # noqa: E402
     choose_strategy,
     cudriver,
 )
+from kernels.copy import BATCH_INDEX_BELOW  # noqa: E402
 from kernels.descriptors import DescriptorPlan, Descriptors  # noqa: E402
 
 KIB = 1024
@@ -221,11 +223,11 @@ class VllmOp:
         self.used.clear()
 
 
-STRATEGIES = {  # CUDA policies measured beside the default, per shape
+STRATEGIES = {  # CUDA policies measured beside the default (every job batched), per shape
     "unbatched": lambda mapped: replace(CopyPolicy.for_device(torch.device("cuda"), mapped),
-                                        batch_dma=False),
-    "batched": lambda mapped: replace(CopyPolicy.for_device(torch.device("cuda"), mapped),
-                                      batch_dma=True, batch_index_below=None),
+                                        batch_dma=False),  # index kernels or a DMA per run
+    "split28k": lambda mapped: replace(CopyPolicy.for_device(torch.device("cuda"), mapped),
+                                       batch_index_below=BATCH_INDEX_BELOW),  # vLLM's split
 }
 
 

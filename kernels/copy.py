@@ -233,9 +233,13 @@ class CopyPolicy:
     descriptor per pair run and tensor (``False``: one per row and tensor, vLLM's form).
     ``batch_index_below``: loads whose pages are all smaller than this many bytes, of at
     least :data:`BATCH_INDEX_MIN_ROWS` rows, use index kernels instead (when
-    ``index_kernels``): vLLM 0.33.0 sends such loads to its Triton kernel below 28 KiB
-    (``vllm/v1/kv_offload/cpu/gpu_worker.py:39-65``). ``load_src_order_any``: a batched load
-    lets the driver read its (host) source in any order (``cudriver.SrcAccessOrder.ANY``).
+    ``index_kernels``; ``None``: never), the split vLLM 0.33.0 makes for its Triton kernel
+    (:data:`BATCH_INDEX_BELOW`, ``vllm/v1/kv_offload/cpu/gpu_worker.py:39-65``). It is off by
+    default: that kernel is one launch for a whole job, where this project's index kernels
+    are two launches per KV tensor (128 for a load over 64 tensors), so the split is a
+    setting to measure (``bench/kernels.py`` on CUDA), not one to take over unmeasured.
+    ``load_src_order_any``: a batched load lets the driver read its (host) source in any
+    order (``cudriver.SrcAccessOrder.ANY``), as vLLM's loads do.
     """
 
     index_kernels: bool = True
@@ -250,14 +254,13 @@ class CopyPolicy:
 
     @staticmethod
     def for_device(device: torch.device, host_mapped: bool = True) -> CopyPolicy:
-        """The default policy: measured on a 2-core CPU; on CUDA the driver's batched copy
-        where it has one, with vLLM's measured split for small loads; untuned guesses else."""
+        """The default policy: measured on a 2-core CPU; on CUDA every job one batch of the
+        driver's where it has one (vLLM's op), the H200's measured choices without it."""
         if device.type == "cpu":
             return CopyPolicy()
         return CopyPolicy(index_kernels=host_mapped, run_min_bytes=1024 * 1024,
                           runs_by_dma=True, workspace_bytes=None, native=False,
-                          batch_dma=cudriver.batch_copy() is not None,
-                          batch_index_below=BATCH_INDEX_BELOW if host_mapped else None)
+                          batch_dma=cudriver.batch_copy() is not None)
 
 
 BATCH_INDEX_BELOW = 28 * 1024
