@@ -3,6 +3,9 @@
 A standalone layer: it knows tensors, layouts and transfer jobs, nothing of the spec or the
 state machine. ``layout`` describes tensors and jobs, ``copy`` issues a job's batched copies,
 ``engine`` runs jobs asynchronously (CUDA streams, or a CPU stand-in with the same API).
+``descriptors`` turns a job into (destination, source, bytes) triples, which ``cudriver``
+hands to the CUDA driver's ``cuMemcpyBatchAsync`` in one call (vLLM's own op) and ``native``
+copies on the host.
 """
 
 from typing import TYPE_CHECKING, Any

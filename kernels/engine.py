@@ -390,9 +390,10 @@ class CopyEngine:
         """
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
-        self._drain_completed()
-        if isinstance(self._backend, _CpuBackend):
+        if isinstance(self._backend, _CpuBackend):  # nothing completes by itself there
             self._complete_in_order(limit)
+        else:
+            self._drain_completed()
         count = len(self._done) if limit is None else min(limit, len(self._done))
         results = [self._done.popleft() for _ in range(count)]
         for result in results:
