@@ -57,7 +57,7 @@ from kernels.copy import (
     run_batch,
 )
 from kernels.descriptors import DescriptorPlan, Descriptors
-from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
+from kernels.layout import KernelSpecError, KVLayout, Segment, TransferSpec, block_rows
 
 __all__ = ["CopyEngine", "CopyResult", "Direction", "KernelStateError"]
 
@@ -94,8 +94,8 @@ class _Job:
     job_id: int
     direction: Direction
     mapping: RowMapping
-    segments: tuple[tuple[int, int, int], ...]
-    """(KV cache group, first position in the mapping, rows) of each group the job copies."""
+    segments: tuple[Segment, ...]
+    """The groups the job copies: each one's blocks at their positions in the mapping."""
     nbytes: int
     fail: bool
     start: Any = None  # torch.cuda.Event on CUDA
@@ -151,16 +151,16 @@ class _Copier:
         if self.strategy(job) is Strategy.BATCH_DMA:
             plans = self.batch_plans[job.direction]
             parts = ([job.mapping] if len(job.segments) == 1 else
-                     [job.mapping.part(start, size) for _, start, size in job.segments])
-            batch = batch_descriptors([plans[group] for group, _, _ in job.segments], parts,
+                     [job.mapping.part(seg.start, seg.size) for seg in job.segments])
+            batch = batch_descriptors([plans[seg.group] for seg in job.segments], parts,
                                       self.policy)
             run_batch(batch, self.device, job.direction is Direction.LOAD, self.policy)
             return batch
         if len(job.segments) == 1:
-            self._run_group(job.direction, job.segments[0][0], job.mapping)
+            self._run_group(job.direction, job.segments[0].group, job.mapping)
             return None
-        for group, start, size in job.segments:
-            self._run_group(job.direction, group, job.mapping.part(start, size))
+        for seg in job.segments:
+            self._run_group(job.direction, seg.group, job.mapping.part(seg.start, seg.size))
         return None
 
     def _run_group(self, direction: Direction, group: int, mapping: RowMapping) -> None:
@@ -343,7 +343,7 @@ class CopyEngine:
         if job_id in self._pending:
             raise KernelStateError(f"job id {job_id} is still pending")
         groups = self.layout.num_groups
-        if any(seg.group >= groups for seg in spec.segments):
+        if spec.segments[-1].group >= groups:  # segments come in group order
             raise KernelSpecError(f"the job names blocks of KV cache group "
                                   f"{spec.segments[-1].group}; the layout has {groups} groups")
         gpu_rows, cpu_rows = block_rows(
@@ -353,7 +353,7 @@ class CopyEngine:
         fail = job_id in self._fail
         self._fail.discard(job_id)
         job = _Job(self._seq, job_id, direction, mapping,
-                   tuple((seg.group, seg.start, seg.size) for seg in spec.segments),
+                   spec.segments,
                    self.layout.job_bytes(spec), fail)
         self._seq += 1
         self._backend.launch(job)

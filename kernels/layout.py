@@ -120,6 +120,9 @@ class KVLayout:
 
     def job_bytes(self, spec: TransferSpec) -> int:
         """Bytes `spec` moves: each group's blocks over that group's tensors."""
+        if len(spec.segments) == 1:
+            seg = spec.segments[0]
+            return seg.size * self.group_block_bytes(seg.group)
         return sum(seg.size * self.group_block_bytes(seg.group) for seg in spec.segments)
 
 
@@ -216,11 +219,17 @@ class Segment:
         return math.ceil((self.size + self.skip(blocks_per_chunk)) / blocks_per_chunk)
 
 
+@functools.lru_cache(maxsize=4096)
+def _one_group(num_blocks: int, first_block_index: int) -> tuple[Segment, ...]:
+    """The segments of a job of one group (a value: shared by the jobs of that shape)."""
+    return (Segment(0, 0, num_blocks, first_block_index),)
+
+
 def _check_group_layout(num_blocks: int, first_block_index: int,
                         group_sizes: Sequence[int] | None,
                         block_indices: Sequence[int] | None) -> tuple[Segment, ...]:
     if group_sizes is None and block_indices is None:
-        return (Segment(0, 0, num_blocks, first_block_index),)
+        return _one_group(num_blocks, first_block_index)
     if group_sizes is None or block_indices is None:
         raise KernelSpecError("group_sizes and block_indices go together (one entry per KV "
                               "cache group)")
@@ -279,13 +288,10 @@ class TransferSpec:
         cpu_tuple, cpu_ids, cpu_max = _id_tensor("cpu_chunks", cpu_chunks)
         segments = _check_group_layout(len(gpu_tuple), first_block_index, group_sizes,
                                        block_indices)
-        object.__setattr__(self, "gpu_blocks", gpu_tuple)
-        object.__setattr__(self, "cpu_chunks", cpu_tuple)
-        object.__setattr__(self, "first_block_index", segments[0].first_block_index)
-        object.__setattr__(self, "segments", segments)
-        object.__setattr__(self, "_gpu_ids", gpu_ids)
-        object.__setattr__(self, "_cpu_ids", cpu_ids)
-        object.__setattr__(self, "_max_ids", (gpu_max, cpu_max))
+        vars(self).update(  # a frozen value: its fields set once, here (one call, not seven)
+            gpu_blocks=gpu_tuple, cpu_chunks=cpu_tuple,
+            first_block_index=segments[0].first_block_index, segments=segments,
+            _gpu_ids=gpu_ids, _cpu_ids=cpu_ids, _max_ids=(gpu_max, cpu_max))
 
     @property
     def num_blocks(self) -> int:
@@ -297,6 +303,8 @@ class TransferSpec:
 
     def expected_chunks(self, blocks_per_chunk: int) -> int:
         """Chunks the job must name: ``ceil((size + skip) / blocks_per_chunk)`` per group."""
+        if blocks_per_chunk == 1:
+            return len(self.gpu_blocks)
         return sum(seg.num_chunks(blocks_per_chunk) for seg in self.segments)
 
     def chunk_position(self, block_position: int, blocks_per_chunk: int) -> int:

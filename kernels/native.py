@@ -184,6 +184,22 @@ int64_t kvspec_copy_job(int64_t num_tensors, char *const *dst, const char *const
     return 0;
 }
 
+/* A job's tensors, planned once (TensorPairs): kvspec_copy_job's first six arguments. */
+typedef struct {
+    int64_t num_tensors;
+    char *const *dst;
+    const char *const *src;
+    const int64_t *row_bytes;
+    int64_t dst_num_rows, src_num_rows;
+} kvspec_plan;
+
+int64_t kvspec_copy_planned(const kvspec_plan *p, const int64_t *dst_rows,
+                            const int64_t *src_rows, int64_t n, int64_t num_threads,
+                            int64_t stream) {
+    return kvspec_copy_job(p->num_tensors, p->dst, p->src, p->row_bytes, p->dst_num_rows,
+                           p->src_num_rows, dst_rows, src_rows, n, num_threads, stream);
+}
+
 /* A batch of descriptors (the form of a batched DMA): sizes[i] bytes from address src[i] to
    address dst[i], for i < n. The caller made every address from checked rows. */
 void kvspec_copy_descriptors(int64_t n, const int64_t *dst, const int64_t *src,
@@ -247,6 +263,10 @@ def _load() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    planned = lib.kvspec_copy_planned
+    planned.restype = ctypes.c_int64
+    planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_int64]
     batch = lib.kvspec_copy_descriptors
     batch.restype = None
     batch.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -269,6 +289,14 @@ def unavailable_reason() -> str:
     """Why :func:`available` is ``False`` (empty when it is ``True``)."""
     _load()
     return _reason
+
+
+class _Plan(ctypes.Structure):
+    """``kvspec_plan``: a job's tensors as the C copy takes them."""
+
+    _fields_ = [("num_tensors", ctypes.c_int64), ("dst", ctypes.c_void_p),
+                ("src", ctypes.c_void_p), ("row_bytes", ctypes.c_void_p),
+                ("dst_num_rows", ctypes.c_int64), ("src_num_rows", ctypes.c_int64)]
 
 
 class TensorPairs:
@@ -301,6 +329,10 @@ class TensorPairs:
         self.pair_bytes = sum(sizes)
         """Bytes one row pair moves over all tensors."""
         self.dst_num_rows, self.src_num_rows = int(dst[0].shape[0]), int(src[0].shape[0])
+        self._plan = _Plan(n, ctypes.addressof(self._dst), ctypes.addressof(self._src),
+                           ctypes.addressof(self._row_bytes), self.dst_num_rows,
+                           self.src_num_rows)
+        self._plan_address = ctypes.addressof(self._plan)
 
     def copy(self, dst_rows: torch.Tensor, src_rows: torch.Tensor,
              num_threads: int | None = None) -> None:
@@ -312,9 +344,8 @@ class TensorPairs:
         threads = 1
         if nbytes >= PARALLEL_MIN_BYTES:
             threads = num_threads if num_threads is not None else torch.get_num_threads()
-        status = _library().kvspec_copy_job(
-            self.num_tensors, self._dst, self._src, self._row_bytes, self.dst_num_rows,
-            self.src_num_rows, dst_rows.data_ptr(), src_rows.data_ptr(), n, max(1, threads),
+        status = _library().kvspec_copy_planned(
+            self._plan_address, dst_rows.data_ptr(), src_rows.data_ptr(), n, max(1, threads),
             nbytes >= STREAM_MIN_BYTES)
         if status < 0:
             i = -status - 1
