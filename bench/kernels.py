@@ -203,8 +203,8 @@ class VllmOp:
     def submit(self, store: bool, gpu_ids: list[int], cpu_ids: list[int]) -> None:
         g, c = block_rows(TransferSpec(gpu_ids, cpu_ids), self.bpc, self.num_blocks,
                           self.num_chunks)
-        batch = (self.store_plan.descriptors(c, g) if store
-                 else self.load_plan.descriptors(g, c))
+        batch = (self.store_plan.descriptors(c, g, rows_checked=True) if store  # as vLLM's
+                 else self.load_plan.descriptors(g, c, rows_checked=True))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.last is not None:
             self.stream.wait_event(self.last)

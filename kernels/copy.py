@@ -507,10 +507,12 @@ def copy_rows(
 
 
 def batch_descriptors(plans: Sequence[DescriptorPlan], mappings: Sequence[RowMapping],
-                      policy: CopyPolicy) -> Descriptors:
-    """One batch: each group's plan over its part of the job's mapping, in order."""
+                      policy: CopyPolicy, *, rows_checked: bool = False) -> Descriptors:
+    """One batch: each group's plan over its part of the job's mapping, in order
+    (``rows_checked``: as :meth:`DescriptorPlan.descriptors`)."""
     return Descriptors.concat([
-        plan.descriptors(m.dst, m.src, m.run_starts() if policy.batch_merge_runs else None)
+        plan.descriptors(m.dst, m.src, m.run_starts() if policy.batch_merge_runs else None,
+                         rows_checked=rows_checked)
         for plan, m in zip(plans, mappings, strict=True)])
 
 

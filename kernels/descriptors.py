@@ -111,17 +111,21 @@ class DescriptorPlan:
         self.devices = frozenset(t.device for t in (*dst, *src))
 
     def descriptors(self, dst_rows: torch.Tensor, src_rows: torch.Tensor,
-                    run_starts: Sequence[int] | None = None) -> Descriptors:
+                    run_starts: Sequence[int] | None = None, *,
+                    rows_checked: bool = False) -> Descriptors:
         """Every tensor's ``dst[dst_rows[i]] <- src[src_rows[i]]`` as descriptors.
 
         ``run_starts``: the positions where pair runs start (``0`` first, increasing), so
         that each run is one descriptor per tensor; ``None``: one descriptor per row and
-        tensor (vLLM's form). Rows are checked against the tensors first."""
+        tensor (vLLM's form). Rows are checked against the tensors first, unless
+        ``rows_checked`` says the caller made them from ids already checked against them
+        (:func:`~kernels.layout.block_rows` does, for the engine's jobs)."""
         n = int(dst_rows.shape[0])
         if n == 0 or int(src_rows.shape[0]) != n:
             raise KernelSpecError("descriptors need row index tensors of one non-zero length")
-        check_rows(dst_rows, self.dst_num_rows, "destination")
-        check_rows(src_rows, self.src_num_rows, "source")
+        if not rows_checked:
+            check_rows(dst_rows, self.dst_num_rows, "destination")
+            check_rows(src_rows, self.src_num_rows, "source")
         if run_starts is None:
             starts_dst, starts_src = dst_rows, src_rows
             lengths: torch.Tensor | int = 1

@@ -153,7 +153,7 @@ class _Copier:
             parts = ([job.mapping] if len(job.segments) == 1 else
                      [job.mapping.part(seg.start, seg.size) for seg in job.segments])
             batch = batch_descriptors([plans[seg.group] for seg in job.segments], parts,
-                                      self.policy)
+                                      self.policy, rows_checked=True)  # by block_rows
             run_batch(batch, self.device, job.direction is Direction.LOAD, self.policy)
             return batch
         if len(job.segments) == 1:
