@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.layout import KernelSpecError
+from kernels.layout import KernelSpecError, check_tensor_pairs
 
 __all__ = ["DescriptorPlan", "Descriptors", "check_rows"]
 
@@ -88,17 +88,7 @@ class DescriptorPlan:
     references to them)."""
 
     def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-        if len(dst) != len(src) or not dst:
-            raise KernelSpecError("a descriptor plan needs as many source as destination "
-                                  "tensors, at least one")
-        for t in (*dst, *src):
-            if t.dim() != 2 or not t.is_contiguous():
-                raise KernelSpecError("descriptors address contiguous 2-D tensors")
-        sizes = [int(d.shape[1]) * d.element_size() for d in dst]
-        if sizes != [int(s.shape[1]) * s.element_size() for s in src]:
-            raise KernelSpecError("source and destination rows differ in size")
-        if len({int(d.shape[0]) for d in dst}) != 1 or len({int(s.shape[0]) for s in src}) != 1:
-            raise KernelSpecError("the destination (or source) tensors differ in row count")
+        sizes = check_tensor_pairs(dst, src, "a descriptor plan")
         self._tensors = (tuple(dst), tuple(src))
         self.dst_base = torch.tensor([t.data_ptr() for t in dst], dtype=torch.int64)[:, None]
         self.src_base = torch.tensor([t.data_ptr() for t in src], dtype=torch.int64)[:, None]

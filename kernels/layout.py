@@ -46,6 +46,7 @@ __all__ = [
     "allocate_cpu_kv",
     "allocate_gpu_kv",
     "block_rows",
+    "check_tensor_pairs",
     "default_device",
 ]
 
@@ -124,6 +125,28 @@ class KVLayout:
             seg = spec.segments[0]
             return seg.size * self.group_block_bytes(seg.group)
         return sum(seg.size * self.group_block_bytes(seg.group) for seg in spec.segments)
+
+
+def check_tensor_pairs(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], what: str,
+                       *, host_only: bool = False) -> list[int]:
+    """Destination and source tensors of a whole-row copy (a compiled job, a batch of
+    descriptors): as many of each and at least one, contiguous 2-D (in host memory where
+    ``host_only``), each pair's rows of one byte size, all destinations of one row count and
+    all sources of one. Returns each pair's row size in bytes; a :class:`KernelSpecError`
+    naming ``what`` otherwise."""
+    if len(dst) != len(src) or not dst:
+        raise KernelSpecError(f"{what} needs as many source as destination tensors, at least "
+                              "one")
+    for t in (*dst, *src):
+        if t.dim() != 2 or not t.is_contiguous() or (host_only and t.device.type != "cpu"):
+            raise KernelSpecError(f"{what} needs contiguous 2-D{' CPU' if host_only else ''} "
+                                  "tensors")
+    sizes = [int(d.shape[1]) * d.element_size() for d in dst]
+    if sizes != [int(s.shape[1]) * s.element_size() for s in src]:
+        raise KernelSpecError(f"{what}: source and destination rows differ in size")
+    if len({int(d.shape[0]) for d in dst}) != 1 or len({int(s.shape[0]) for s in src}) != 1:
+        raise KernelSpecError(f"{what}: the destination (or source) tensors differ in row count")
+    return sizes
 
 
 def default_device() -> torch.device:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kernels import toolchain
+from kernels.layout import check_tensor_pairs
 
 __all__ = [
     "NativeCopyError",
@@ -310,16 +311,7 @@ class TensorPairs:
     outlive the plan (it keeps references to them)."""
 
     def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-        if len(dst) != len(src) or not dst:
-            raise ValueError("a plan needs as many source as destination tensors, at least one")
-        for t in (*dst, *src):
-            if t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
-                raise ValueError("native copy needs contiguous 2-D CPU tensors")
-        sizes = [int(d.shape[1]) * d.element_size() for d in dst]
-        if sizes != [int(x.shape[1]) * x.element_size() for x in src]:
-            raise ValueError("source and destination rows differ in size")
-        if len({int(d.shape[0]) for d in dst}) != 1 or len({int(x.shape[0]) for x in src}) != 1:
-            raise ValueError("the destination (or source) tensors differ in row count")
+        sizes = check_tensor_pairs(dst, src, "the native copy", host_only=True)
         self._tensors = (tuple(dst), tuple(src))
         n = len(dst)
         self._dst = (ctypes.c_void_p * n)(*(t.data_ptr() for t in dst))
