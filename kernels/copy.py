@@ -161,12 +161,6 @@ class RowMapping:
             self._breaks[side] = found
         return found
 
-    def run_starts(self) -> list[int]:
-        """The positions where pair runs start (``0`` first)."""
-        if self.num_pair_runs == 1:
-            return [0]
-        return [0, *(b + 1 for b in self.breaks("pair"))]
-
     def runs(self, side: _Side) -> list[tuple[int, int]]:
         """``(position, length)`` of each run of ``side``."""
         bounds = [0, *(b + 1 for b in self.breaks(side)), len(self)]
@@ -511,7 +505,7 @@ def batch_descriptors(plans: Sequence[DescriptorPlan], mappings: Sequence[RowMap
     """One batch: each group's plan over its part of the job's mapping, in order
     (``rows_checked``: as :meth:`DescriptorPlan.descriptors`)."""
     return Descriptors.concat([
-        plan.descriptors(m.dst, m.src, m.run_starts() if policy.batch_merge_runs else None,
+        plan.descriptors(m.dst, m.src, merge_runs=policy.batch_merge_runs,
                          rows_checked=rows_checked)
         for plan, m in zip(plans, mappings, strict=True)])
 

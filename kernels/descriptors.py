@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from kernels.layout import KernelSpecError, check_tensor_pairs
 
 __all__ = ["DescriptorPlan", "Descriptors", "check_rows"]
@@ -47,13 +48,12 @@ class Descriptors:
     nbytes: int
 
     def __post_init__(self) -> None:
-        n = int(self.sizes.shape[0])
-        for name in ("dst", "src", "sizes"):
-            t: torch.Tensor = getattr(self, name)
-            if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous() or \
-                    t.device.type != "cpu" or int(t.shape[0]) != n:
+        shape = self.sizes.shape
+        for name, t in (("dst", self.dst), ("src", self.src), ("sizes", self.sizes)):
+            if t.dtype != torch.int64 or t.shape != shape or len(shape) != 1 or \
+                    not t.is_contiguous() or t.is_cuda:
                 raise KernelSpecError(f"descriptors: {name} must be a contiguous 1-D int64 CPU "
-                                      f"tensor of {n} entries (what the driver reads)")
+                                      f"tensor of {shape[0]} entries (what the driver reads)")
 
     @property
     def count(self) -> int:
@@ -85,9 +85,12 @@ class DescriptorPlan:
     one page each (contiguous 2-D, any device; each pair's rows of one byte size; all
     destinations of one row count, all sources of one row count, as :mod:`kernels.layout`
     makes them). The tensors must outlive the plan and its descriptors (the plan keeps
-    references to them)."""
+    references to them). ``compiled``: build descriptors with the compiled builder
+    (:func:`kernels.native.descriptors`; ``None``: where it is available), else with tensor
+    ops; both give the same descriptors."""
 
-    def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    def __init__(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *,
+                 compiled: bool | None = None) -> None:
         sizes = check_tensor_pairs(dst, src, "a descriptor plan")
         self._tensors = (tuple(dst), tuple(src))
         self.dst_base = torch.tensor([t.data_ptr() for t in dst], dtype=torch.int64)[:, None]
@@ -99,35 +102,60 @@ class DescriptorPlan:
         self.max_row_bytes = max(sizes)
         self.dst_num_rows, self.src_num_rows = int(dst[0].shape[0]), int(src[0].shape[0])
         self.devices = frozenset(t.device for t in (*dst, *src))
+        if compiled and not native.available():
+            raise KernelSpecError(f"the compiled descriptor builder is unavailable: "
+                                  f"{native.unavailable_reason()}")
+        use = native.available() if compiled is None else compiled
+        self._addresses = native.AddressPlan(dst, src, sizes) if use else None
 
-    def descriptors(self, dst_rows: torch.Tensor, src_rows: torch.Tensor,
-                    run_starts: Sequence[int] | None = None, *,
-                    rows_checked: bool = False) -> Descriptors:
-        """Every tensor's ``dst[dst_rows[i]] <- src[src_rows[i]]`` as descriptors.
+    def descriptors(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, *,
+                    merge_runs: bool = False, rows_checked: bool = False) -> Descriptors:
+        """Every tensor's ``dst[dst_rows[i]] <- src[src_rows[i]]`` as descriptors (1-D int64
+        row index tensors of one length).
 
-        ``run_starts``: the positions where pair runs start (``0`` first, increasing), so
-        that each run is one descriptor per tensor; ``None``: one descriptor per row and
-        tensor (vLLM's form). Rows are checked against the tensors first, unless
-        ``rows_checked`` says the caller made them from ids already checked against them
-        (:func:`~kernels.layout.block_rows` does, for the engine's jobs)."""
+        ``merge_runs``: one descriptor per pair run and tensor (rows consecutive on both
+        sides move as one copy); else one per row and tensor (vLLM's form). Built in one call
+        of the compiled builder where the plan has it, else with tensor ops. Rows are checked
+        against the tensors first, unless ``rows_checked`` says the caller made them from ids
+        already checked against them (:func:`~kernels.layout.block_rows` does, for the
+        engine's jobs)."""
         n = int(dst_rows.shape[0])
         if n == 0 or int(src_rows.shape[0]) != n:
             raise KernelSpecError("descriptors need row index tensors of one non-zero length")
+        if self._addresses is not None and dst_rows.is_contiguous() and \
+                src_rows.is_contiguous() and dst_rows.dtype == src_rows.dtype == torch.int64:
+            return self._compiled(dst_rows, src_rows, merge_runs, rows_checked)
+        return self._by_tensor_ops(dst_rows, src_rows, merge_runs, rows_checked)
+
+    def _compiled(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, merge: bool,
+                  rows_checked: bool) -> Descriptors:
+        """One call of the compiled builder (the runs found in C)."""
+        assert self._addresses is not None
+        try:
+            dst, src, sizes = native.descriptors(self._addresses, dst_rows, src_rows, merge,
+                                                 not rows_checked)
+        except native.NativeCopyError as exc:  # the same message as the tensor-op check
+            check_rows(dst_rows, self.dst_num_rows, "destination")
+            check_rows(src_rows, self.src_num_rows, "source")
+            raise KernelSpecError(str(exc)) from None
+        return Descriptors(dst, src, sizes, int(dst_rows.shape[0]) * self.pair_bytes)
+
+    def _by_tensor_ops(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, merge: bool,
+                       rows_checked: bool) -> Descriptors:
+        """The same descriptors with tensor ops (no compiler, ``KVSPEC_NATIVE=0``)."""
+        n = int(dst_rows.shape[0])
         if not rows_checked:
             check_rows(dst_rows, self.dst_num_rows, "destination")
             check_rows(src_rows, self.src_num_rows, "source")
-        if run_starts is None:
-            starts_dst, starts_src = dst_rows, src_rows
-            lengths: torch.Tensor | int = 1
-        else:
-            if not run_starts or run_starts[0] != 0:
-                raise KernelSpecError("pair runs start at position 0")
-            if len(run_starts) == n:
-                starts_dst, starts_src, lengths = dst_rows, src_rows, 1
-            else:
-                at = torch.tensor(run_starts, dtype=torch.int64)
+        starts_dst, starts_src = dst_rows, src_rows
+        lengths: torch.Tensor | int = 1
+        if merge and n > 1:
+            breaks = (torch.diff(dst_rows) != 1) | (torch.diff(src_rows) != 1)
+            if not bool(breaks.all()):  # some run longer than one row
+                at = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                torch.nonzero(breaks).flatten() + 1])
                 starts_dst, starts_src = dst_rows[at], src_rows[at]
-                ends = torch.tensor([*run_starts[1:], n], dtype=torch.int64)
+                ends = torch.cat([at[1:], torch.tensor([n])])
                 lengths = (ends - at)[None, :]
         rb = self.row_bytes
         dst = (self.dst_base + starts_dst[None, :] * rb).reshape(-1)

@@ -72,16 +72,21 @@ def mappings(draw: st.DrawFn) -> tuple[list[int], list[int], list[int], int, int
     return pages, src, dst, src_rows, dst_rows
 
 
+BUILDERS = [pytest.param(True, id="compiled", marks=needs_native),
+            pytest.param(False, id="tensor_ops")]
+
+
+@pytest.mark.parametrize("compiled", BUILDERS)
 @settings(max_examples=80, deadline=None)
-@given(mappings(), st.booleans())
+@given(case=mappings(), merge=st.booleans())
 def test_descriptors_match_the_oracle(case: tuple[list[int], list[int], list[int], int, int],
-                                      merge: bool) -> None:
+                                      merge: bool, compiled: bool) -> None:
     pages, src, dst, src_rows, dst_rows = case
     src_t = [torch.empty(src_rows, p, dtype=torch.int8) for p in pages]
     dst_t = [torch.empty(dst_rows, p, dtype=torch.int8) for p in pages]
-    plan = DescriptorPlan(dst_t, src_t)
+    plan = DescriptorPlan(dst_t, src_t, compiled=compiled)
     mapping = RowMapping(torch.tensor(src), torch.tensor(dst))
-    got = plan.descriptors(mapping.dst, mapping.src, mapping.run_starts() if merge else None)
+    got = plan.descriptors(mapping.dst, mapping.src, merge_runs=merge)
     runs = _pair_runs(src, dst) if merge else [(i, 1) for i in range(len(src))]
     want = [(d.data_ptr() + dst[p] * page, s.data_ptr() + src[p] * page, length * page)
             for d, s, page in zip(dst_t, src_t, pages, strict=True) for p, length in runs]
@@ -97,7 +102,7 @@ def test_vllm_form_is_one_descriptor_per_block_and_tensor() -> None:
     gpu, cpu = random_kv(KVLayout((64, 32, 32), 1), 12, 12, seed=1)
     g, c = block_rows(TransferSpec([4, 5, 6, 9], [1, 2, 3, 7]), 1, 12, 12)
     plan = DescriptorPlan(cpu, gpu)
-    merged = plan.descriptors(c, g, RowMapping(g, c).run_starts())
+    merged = plan.descriptors(c, g, merge_runs=True)
     per_row = plan.descriptors(c, g)
     assert per_row.count == 4 * 3 and merged.count == 2 * 3  # [4,5,6]->[1,2,3] is one run
     assert per_row.sizes.tolist() == [64] * 4 + [32] * 8
@@ -105,15 +110,14 @@ def test_vllm_form_is_one_descriptor_per_block_and_tensor() -> None:
     assert per_row.nbytes == merged.nbytes == 4 * 128
 
 
-def test_rows_out_of_range_make_no_descriptor() -> None:
+@pytest.mark.parametrize("compiled", BUILDERS)
+def test_rows_out_of_range_make_no_descriptor(compiled: bool) -> None:
     plan = DescriptorPlan([torch.empty(4, 8, dtype=torch.int8)],
-                          [torch.empty(6, 8, dtype=torch.int8)])
+                          [torch.empty(6, 8, dtype=torch.int8)], compiled=compiled)
     with pytest.raises(KernelSpecError, match=r"source row 6 at position 1 is out of range"):
         plan.descriptors(torch.tensor([0, 1]), torch.tensor([2, 6]))
     with pytest.raises(KernelSpecError, match=r"destination row -1 at position 0"):
         plan.descriptors(torch.tensor([-1]), torch.tensor([0]))
-    with pytest.raises(KernelSpecError, match="pair runs start at position 0"):
-        plan.descriptors(torch.tensor([0, 1]), torch.tensor([0, 1]), [1])
     with pytest.raises(KernelSpecError, match="one non-zero length"):
         plan.descriptors(torch.tensor([0, 1]), torch.tensor([0]))
 
