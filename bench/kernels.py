@@ -61,6 +61,7 @@ import torch  # noqa: E402
 from kernels import (  # noqa: E402
     CopyEngine,
     CopyPolicy,
+    KernelSpecError,
     KVLayout,
     RowMapping,
     TransferSpec,
@@ -615,6 +616,32 @@ def fixed_cost_us(reps: int) -> float:
     return statistics.median(sample() for _ in range(reps))
 
 
+def descriptor_cost_us(reps: int) -> dict[str, float]:
+    """Microseconds to build a batched job's descriptors (a store of 4 blocks over 64 tensors
+    of 32 KiB pages, rows already checked), by the compiled builder and by tensor ops, one
+    per row (vLLM's form) and one per run: the host's share of a batched job on CUDA."""
+    tensors = [torch.empty(64, 32 * KIB, dtype=torch.int8) for _ in range(128)]
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randperm(64, generator=gen)[:4], torch.randperm(64, generator=gen)[:4])
+            for _ in range(50)]
+    out: dict[str, float] = {}
+    for compiled in (True, False):
+        try:
+            plan = DescriptorPlan(tensors[:64], tensors[64:], compiled=compiled)
+        except KernelSpecError:  # no compiled builder here
+            continue
+        for merge in (False, True):
+            def sample(plan: DescriptorPlan = plan, merge: bool = merge) -> float:
+                t0 = time.perf_counter()
+                for i in range(1000):
+                    plan.descriptors(*rows[i % 50], merge_runs=merge, rows_checked=True)
+                return (time.perf_counter() - t0) / 1000 * 1e6
+            sample()
+            key = f"{'compiled' if compiled else 'tensor ops'}, {'runs' if merge else 'rows'}"
+            out[key] = statistics.median(sample() for _ in range(reps))
+    return out
+
+
 def print_vllm(rows: list[VllmRow], fixed_us: float | None) -> None:
     device = rows[0].device if rows else "-"
     print(f"\n== vLLM-shaped store jobs ({device}, blocks_per_chunk 1): time per job, and one "
@@ -748,14 +775,18 @@ def main(argv: list[str] | None = None) -> int:
                                      device=device))
         # the CPU targets; on CUDA the targets compare with vLLM's batched op
         fixed = fixed_cost_us(reps) if device.type == "cpu" else None
+        build = descriptor_cost_us(reps)
         vtargets = vllm_targets(vrows, fixed) if fixed is not None else vllm_gpu_targets(vrows)
         all_targets += vtargets
         vllm_report[device.type] = {
             "rows": [asdict(r) | {"vs_contig": r.vs_contig, "vs_vllm": r.vs_vllm}
                      for r in vrows],
-            "fixed_cost_us": fixed, "targets": [asdict(t) for t in vtargets]}
+            "fixed_cost_us": fixed, "descriptor_us": build,
+            "targets": [asdict(t) for t in vtargets]}
         if not args.json:
             print_vllm(vrows, fixed)
+            print("descriptors of a batched store of 4 blocks over 64 tensors: "
+                  + ", ".join(f"{k} {v:.1f} us" for k, v in build.items()))
             for t in vtargets:
                 verdict = "n/a" if t.met is None else "met" if t.met else "NOT MET"
                 print(f"  [{verdict}] {t.name}: {t.detail}")
