@@ -99,9 +99,7 @@ class DescriptorPlan:
         self.num_tensors = len(dst)
         self.pair_bytes = sum(sizes)
         """Bytes one row pair moves over all tensors."""
-        self.max_row_bytes = max(sizes)
         self.dst_num_rows, self.src_num_rows = int(dst[0].shape[0]), int(src[0].shape[0])
-        self.devices = frozenset(t.device for t in (*dst, *src))
         if compiled and not native.available():
             raise KernelSpecError(f"the compiled descriptor builder is unavailable: "
                                   f"{native.unavailable_reason()}")
