@@ -260,10 +260,6 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
             submit(next(job_ids), spec)
         return run
 
-    def drain_jobs() -> None:
-        engine.wait(engine.in_flight())
-        assert all(r.success for r in engine.poll())
-
     nbytes = n * page
     gpu_flat, cpu_flat = gpu[0].view(-1)[:nbytes], cpu[0].view(-1)[:nbytes]
     gpu_blocks, sub_rows = gpu[0], cpu[0].view(-1, page)
@@ -297,7 +293,7 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
         "loop_store": loop(True),
         "loop_load": loop(False),
     }
-    drains = {"job_store": drain_jobs, "job_load": drain_jobs}
+    drains = {"job_store": _drain(engine), "job_load": _drain(engine)}
     others: dict[str, CopyEngine] = {}
     if device.type == "cuda" and cudriver.batch_copy() is not None:
         for name, policy in STRATEGIES.items():
@@ -340,6 +336,7 @@ def bench_one(device: torch.device, page: int, n: int, bpc: int, reps: int,
 
 
 def _drain(engine: CopyEngine) -> Callable[[], None]:
+    """Complete every job in flight on ``engine``; each must have succeeded."""
     def drain() -> None:
         engine.wait(engine.in_flight())
         assert all(r.success for r in engine.poll())
@@ -572,8 +569,7 @@ def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int
             for e in engines:
                 e.submit_store(next(counter), TransferSpec(gpu_ids, cpu_ids))
         for e in engines:
-            e.wait(e.in_flight())
-            assert all(r.success for r in e.poll())
+            _drain(e)()
 
     def contig() -> None:
         dst.copy_(src, non_blocking=non_blocking)

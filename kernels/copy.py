@@ -56,6 +56,7 @@ __all__ = [
     "RowTensor",
     "Strategy",
     "Workspace",
+    "batch_unavailable",
     "check_kv_tensors",
     "choose_strategy",
     "copy_blocks_to_chunks",
@@ -516,20 +517,32 @@ def _attributes(device: int, order: cudriver.SrcAccessOrder,
     return cudriver.BatchCopy.attributes(order, device, store)
 
 
+def batch_unavailable(device: torch.device) -> str | None:
+    """Why a batched copy cannot run on ``device`` (``None`` where it can): on the host its
+    stand-in needs the compiled copy, on CUDA the driver needs ``cuMemcpyBatchAsync``."""
+    if device.type == "cpu":
+        if native.available():
+            return None
+        return (f"policy.batch_dma on host memory needs the compiled copy (it runs the "
+                f"stand-in of a batched copy): {native.unavailable_reason()}")
+    if cudriver.batch_copy() is not None:
+        return None
+    return (f"policy.batch_dma needs the CUDA driver's cuMemcpyBatchAsync: "
+            f"{cudriver.unavailable_reason()}")
+
+
 def run_batch(batch: Descriptors, device: torch.device, load: bool, policy: CopyPolicy) -> None:
     """Issue ``batch`` on ``device``'s current stream: one ``cuMemcpyBatchAsync`` on CUDA (its
     source in any order for a load where the policy allows it, else in stream order), the
     compiled loop over the descriptors on the host. Keep ``batch`` alive until it has run."""
+    why = batch_unavailable(device)
+    if why is not None:
+        raise KernelSpecError(why)
     if device.type == "cpu":
-        if not native.available():
-            raise KernelSpecError(f"the host stand-in of a batched copy needs the compiled "
-                                  f"copy: {native.unavailable_reason()}")
         native.copy_descriptors(batch.dst, batch.src, batch.sizes)
         return
     op = cudriver.batch_copy()
-    if op is None:
-        raise KernelSpecError(f"policy.batch_dma needs the CUDA driver's cuMemcpyBatchAsync: "
-                              f"{cudriver.unavailable_reason()}")
+    assert op is not None  # batch_unavailable said so
     order = (cudriver.SrcAccessOrder.ANY if load and policy.load_src_order_any
              else cudriver.SrcAccessOrder.STREAM)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -41,7 +41,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from kernels import cudriver, native
+from kernels import native
 from kernels.copy import (
     CopyPolicy,
     RowMapping,
@@ -49,6 +49,7 @@ from kernels.copy import (
     Strategy,
     Workspace,
     batch_descriptors,
+    batch_unavailable,
     check_kv_tensors,
     choose_strategy,
     copy_rows,
@@ -298,12 +299,9 @@ class CopyEngine:
         if self.policy.index_kernels and not self.host_mapped:
             raise KernelSpecError("policy.index_kernels needs CPU tensors mapped into the device "
                                   "address space; use index_kernels=False")
-        if self.policy.batch_dma and dev.type == "cuda" and cudriver.batch_copy() is None:
-            raise KernelSpecError(f"policy.batch_dma needs the CUDA driver's "
-                                  f"cuMemcpyBatchAsync: {cudriver.unavailable_reason()}")
-        if self.policy.batch_dma and dev.type == "cpu" and not native.available():
-            raise KernelSpecError(f"policy.batch_dma on host memory needs the compiled copy: "
-                                  f"{native.unavailable_reason()}")
+        why = batch_unavailable(dev) if self.policy.batch_dma else None
+        if why is not None:
+            raise KernelSpecError(why)
         gpu_rows = [RowTensor.of(g, p, max_itemsize=itemsize)
                     for g, p in zip(gpu_tensors, pages, strict=True)]
         cpu_rows = [RowTensor.of(c, p, mapped=m, max_itemsize=itemsize)

@@ -299,11 +299,6 @@ def _load() -> ctypes.CDLL | None:
             _reason = f"build or load failed: {exc}"
     if lib is None:
         return None
-    fn = lib.kvspec_copy_job
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     planned = lib.kvspec_copy_planned
     planned.restype = ctypes.c_int64
     planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
