@@ -216,7 +216,12 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
     if core == "remote" and not st.transfer_jobs:
         return R.ORPHANED_LOAD
     if st.transfer_jobs:
-        return R.PREEMPTED_FLUSHING
+        # waiting with jobs: every one flushed as the core preempted it, or none: the store
+        # of the state its async load ended on, which the core handed off as it cached the
+        # loaded blocks without scheduling it (nothing flushes that store while it waits)
+        if all(j in obs.flush_requested for j in st.transfer_jobs):
+            return R.PREEMPTED_FLUSHING
+        return R.WAITING_STORING
     if getattr(st, "deferred_lookup_start_time", None) is not None:
         return R.LOOKUP_DEFERRED
     return R.IDLE

@@ -53,10 +53,11 @@ FAIRNESS: tuple[Fairness, ...] = (
              "a worker that is alive eventually reports a job it was sent (an ack or a "
              "failure: which one is the environment's choice)"),
 )
-"""The weakly fair classes. Every other event (arrive, abort, preempt, reset, a stray report
-of a drained stale id) is the environment's choice and carries no fairness."""
+"""The weakly fair classes. Every other event (arrive, abort, preempt, reset, a promotion
+without a schedule, a stray report of a drained stale id) is the environment's choice and
+carries no fairness."""
 
-UNFAIR = ("arrive", "abort", "preempt", "reset", "stray report")
+UNFAIR = ("arrive", "abort", "preempt", "reset", "promote", "stray report")
 """The environment's events, named in SPEC.md's fairness table (no fairness)."""
 
 

@@ -144,6 +144,22 @@ REGRESSIONS: tuple[Regression, ...] = (
                decode_tokens=3),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step(admit=r0) ; step() ; "
         "ack(job 2, count 2) ; step()"),
+    Regression(
+        "loaded-state-stored-again-after-a-reset",
+        "make conformance on vLLM 0.33.0's real core with a Mamba group (test_core_mamba, "
+        "CONFORMANCE.md D4)",
+        "vLLM's core hands off the Mamba state an async load ended on when it caches the "
+        "loaded blocks, as it resumes the request; the CPU cache holds that state, unless a "
+        "reset emptied it between the load's report and that step, and then vLLM's "
+        "connector stores it again. The model's core left that hand-off out, so after such "
+        "a reset its CPU cache lacked a state vLLM's holds. The model's core "
+        "(`spec.model.hooks.handoffs`, its `resumed` requests) and the engine's now hand "
+        "it off.",
+        Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
+               failures=0, preemptions=0, groups=("full", "mamba")),
+        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
+        "step(admit=r1) ; ack(job 6, count 1) ; reset() ; step(admit=r1)"),
 )
 
 

@@ -31,6 +31,7 @@ LOADING_SYNC = "LOADING_SYNC"
 RUNNING = "RUNNING"
 STORING = "STORING"
 PREEMPTED_FLUSHING = "PREEMPTED_FLUSHING"
+WAITING_STORING = "WAITING_STORING"
 ORPHANED_LOAD = "ORPHANED_LOAD"
 RECOMPUTE = "RECOMPUTE"
 TIMED_OUT = "TIMED_OUT"
@@ -57,6 +58,13 @@ STATES = (
     State(PREEMPTED_FLUSHING, "preempted while holding jobs; every job was flushed and the "
           "request is not looked up again until they end",
           "in preempted_req_ids (this step or earlier), transfer_jobs != {}; core PREEMPTED"),
+    State(WAITING_STORING, "waits in the core's queue with store jobs in flight: its async load "
+          "ended, the core's waiting loop cached the loaded blocks and handed off the Mamba "
+          "state the load ended on, but did not schedule the request in that step (no "
+          "budget, no room); the connector stored the state",
+          "transfer_jobs != {}, every _jobs[j].is_store, not scheduled and not in "
+          "preempted_req_ids; core status WAITING (PREEMPTED if it was ever preempted) after "
+          "_update_waiting_for_remote_kv"),
     State(ORPHANED_LOAD, "a reset made its async load stale: the connector holds no job, the "
           "core still waits for that load's finished_recving",
           "transfer_jobs == {} after reset_cache; core status WAITING_FOR_REMOTE_KVS"),
@@ -79,7 +87,7 @@ STATES = (
 UNFINISHED_TRACKED = StateGroup(
     "unfinished_tracked", "tracked and not finished: request_finished may end it",
     (IDLE, LOOKUP_DEFERRED, LOADING_ASYNC, LOADING_SYNC, RUNNING, STORING, PREEMPTED_FLUSHING,
-     ORPHANED_LOAD, RECOMPUTE, TIMED_OUT))
+     WAITING_STORING, ORPHANED_LOAD, RECOMPUTE, TIMED_OUT))
 FINISHED = StateGroup(
     "finished", "request_finished was called (req.is_finished())",
     (FINISHED_PENDING_FINAL, FINISHED_DRAINING))
@@ -106,8 +114,8 @@ PREEMPTED_IF_RUNNING = StateGroup(
 MAY_HOLD_JOBS = StateGroup(
     "may_hold_jobs", "its transfer_jobs may be non-empty (every way out of these states that a "
     "reset takes must drop them: INV-1)",
-    (LOADING_ASYNC, LOADING_SYNC, STORING, PREEMPTED_FLUSHING, FINISHED_PENDING_FINAL,
-     FINISHED_DRAINING))
+    (LOADING_ASYNC, LOADING_SYNC, STORING, PREEMPTED_FLUSHING, WAITING_STORING,
+     FINISHED_PENDING_FINAL, FINISHED_DRAINING))
 AWAITING_ADMISSION = StateGroup(
     "awaiting_admission", "the core's waiting queue holds it: its next admission starts with "
     "a lookup", (IDLE, LOOKUP_DEFERRED, PREEMPTED_FLUSHING, RECOMPUTE, TIMED_OUT))
@@ -214,6 +222,9 @@ TRANSITIONS = (
     Transition("schedule", (IDLE, RECOMPUTE, TIMED_OUT), RUNNING, "build_connector_meta",
                "S:1502-1552", effects=("record_block_ids",),
                note="_update_req_states for a scheduled request (a recomputing one too)"),
+    Transition("schedule", (WAITING_STORING,), STORING, "build_connector_meta",
+               "S:1502-1552", effects=("record_block_ids",),
+               note="scheduled while the store of its loaded state is in flight"),
     # --- stores ---------------------------------------------------------------------
     Transition("store", (RUNNING, STORING), STORING, "build_connector_meta",
                "S:1815-2101, S:1554-1624", unless=("load_invalid",),
@@ -225,7 +236,15 @@ TRANSITIONS = (
                effects=("create_store_job",),
                note="beside a sync load; or the final store of a finished request; never "
                "from KV that a failed load invalidated (the hook offers nothing then)"),
-    Transition("store_alloc_failed", (RUNNING, STORING, LOADING_SYNC, FINISHED_PENDING_FINAL),
+    Transition("store", (IDLE, WAITING_STORING), WAITING_STORING, "build_connector_meta",
+               "S:1554-1624, CS:3467-3535", unless=("load_invalid",),
+               effects=("create_store_job",),
+               note="a Mamba state the core handed off as its waiting loop cached the blocks an "
+               "async load filled, without scheduling the request in that step; stored alone "
+               "and fenced at creation (the CPU cache held it, unless a reset or an eviction "
+               "emptied its chunk since the load)"),
+    Transition("store_alloc_failed", (RUNNING, STORING, LOADING_SYNC, FINISHED_PENDING_FINAL,
+                                      IDLE, WAITING_STORING),
                SAME, "build_connector_meta", "S:1988-1996", unless=("load_invalid",),
                effects=("count_allocation_failure",), note="prepare_store returned None"),
     # --- job endings ----------------------------------------------------------------
@@ -235,6 +254,10 @@ TRANSITIONS = (
                unless=("other_jobs_remain",)),
     Transition("store_ended", (LOADING_SYNC, FINISHED_PENDING_FINAL), SAME, _ENDING_STORE,
                "S:2283-2308", note="the sync load, or the pending finalisation, remains"),
+    Transition("store_ended", (WAITING_STORING,), SAME, _ENDING_STORE, "S:2283-2308",
+               requires=("other_jobs_remain",)),
+    Transition("store_ended", (WAITING_STORING,), IDLE, _ENDING_STORE, "S:2283-2308",
+               unless=("other_jobs_remain",), note="still waiting to be scheduled"),
     Transition("load_ended", (LOADING_ASYNC,), IDLE, _ENDING_STORE, "S:2283-2308, CS:3569-3575",
                note="then finished_recving: the core re-queues it with the loaded tokens"),
     Transition("load_ended", (LOADING_SYNC,), STORING, _ENDING_STORE, "S:2283-2308",
@@ -295,6 +318,9 @@ TRANSITIONS = (
     Transition("reset", (LOADING_SYNC,), RECOMPUTE, "reset_cache", BEYOND_VLLM,
                requires=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET, note="a worker already failed its sync load: recompute"),
+    Transition("reset", (WAITING_STORING,), IDLE, "reset_cache", "S:2429-2433",
+               effects=("drop_request_jobs", "reset_store_cursor"), path=Path.RESET,
+               note="its loaded blocks stay with the core; it is scheduled without a lookup"),
     Transition("reset", (PREEMPTED_FLUSHING,), IDLE, "reset_cache", "S:2429-2433",
                unless=("load_invalid",), effects=("drop_request_jobs", "reset_store_cursor"),
                path=Path.RESET),

@@ -183,7 +183,25 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=4, workers=1, cpu_chunks=6, gpu_blocks=8, resets=0,
                     failures=0, preemptions=0, groups=("full", "mamba"), tokens_per_block=2,
                     partial_tails=True),
-             Expect("pass", 9_427, 17)),
+             Expect("pass", 10_251, 17)),
+    Scenario("loaded-state-handoff",
+             "a Mamba group alone, two requests of three tokens sharing a prefix, async "
+             "loads and two resets: as the core resumes a request after its load it hands "
+             "off the state the load ended on; after a reset emptied the CPU cache it is "
+             "stored again, by a request the core schedules in that step or by one it only "
+             "promotes, which then waits with the store in flight (WAITING_STORING) until "
+             "the store ends, the core schedules it, a reset or an abort",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=1, gpu_blocks=4, resets=2,
+                    failures=0, preemptions=0, partial_reports=False, groups=("mamba",)),
+             Expect("pass", 36_632, 16)),
+    Scenario("loaded-states-of-two-groups",
+             "two Mamba groups: the state a load ended on is handed off in both, so a "
+             "promoted request waits with two stores (one per group) in flight; a reset "
+             "empties the CPU cache of two chunks",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=2, gpu_blocks=6, resets=1,
+                    failures=0, preemptions=0, partial_reports=False,
+                    groups=("mamba", "mamba")),
+             Expect("pass", 74_239, 18)),
     Scenario("multi-block",
              "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
              "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "

@@ -195,6 +195,10 @@ class EngineRequest:
     """Blocks [0, loaded_blocks) of the current admission came from a load."""
     load_failed: bool = False
     """Some rank reported the current load failed (its bytes are not to be trusted)."""
+    loaded_state_due: bool = False
+    """An async load ended and the core has not yet cached the loaded blocks: it does when
+    its waiting loop next reaches the request, and then hands off the state the load ended
+    on."""
     preemptions: int = 0
     recomputes: int = 0
 
@@ -518,10 +522,11 @@ class Engine:
             self.ledger.run(r.id, new, n)
             budget -= n
             idx += 1
+        resumed: set[str] = set()
         if not preempted_now:
-            budget = self._schedule_waiting(budget)
+            budget = self._schedule_waiting(budget, resumed)
         step = self.ledger.close()
-        step.handoffs = self._commit_states(step.num_scheduled)
+        step.handoffs = self._commit_states(step.num_scheduled, resumed)
         return step.scheduler_output()
 
     def _aligned_split(self, r: EngineRequest, start: int, n: int) -> int:
@@ -536,35 +541,45 @@ class Engine:
                               r.request.shared_prefix_boundary)
         return max(end - start, 0)
 
-    def _commit_states(self, num_sched: dict[str, int]
+    def _commit_states(self, num_sched: dict[str, int], resumed: set[str]
                        ) -> dict[str, tuple[tuple[int, int, int], ...]]:
         """The Mamba states the core commits in this step and hands to the connector: for
         every scheduled request whose step ends on a block edge, each Mamba group's block
         of the state after the step's last token, as `(group, block, boundary)`
-        (`boundary_state_offloads`; vLLM 0.33.0 `vllm/v1/core/sched/output.py`:214-228).
-        A loaded state is not handed off, as in the spec's model (vLLM's core hands it off
-        when it caches the loaded blocks: CONFORMANCE.md, D4)."""
+        (`boundary_state_offloads`; vLLM 0.33.0 `vllm/v1/core/sched/output.py`:214-228);
+        before it, for each request in `resumed` (the waiting loop reached it after its async
+        load ended, whether or not it scheduled it), the state the load ended on, which the
+        core hands off as it caches the loaded blocks (as `spec.model.hooks.handoffs`
+        says). Both under the retention (`handoff_position`)."""
         groups = self._offloading.handoff_groups
         out: dict[str, tuple[tuple[int, int, int], ...]] = {}
         if not groups:
             return out
-        for rid, n in num_sched.items():
+        for rid in sorted({*num_sched, *resumed}):
             r = self.requests[rid]
-            boundary = r.num_computed + n
-            position = handoff_position(boundary, self.config.block_size,
-                                        self.config.retention_interval,
-                                        r.request.num_prompt_tokens,
-                                        r.request.shared_prefix_boundary)
-            if position is None:
-                continue  # no state committed here, or not one the core keeps
-            entries = tuple((g, r.tables[g][position], boundary) for g in groups
-                            if r.tables[g][position] != NULL_BLOCK)
+            ends: tuple[int, ...] = (r.num_computed,) if rid in resumed else ()
+            if rid in num_sched:
+                ends += (r.num_computed + num_sched[rid],)
+            entries: tuple[tuple[int, int, int], ...] = ()
+            for boundary in ends:
+                position = handoff_position(boundary, self.config.block_size,
+                                            self.config.retention_interval,
+                                            r.request.num_prompt_tokens,
+                                            r.request.shared_prefix_boundary)
+                if position is None:
+                    continue  # no state committed here, or not one the core keeps
+                entries += tuple((g, r.tables[g][position], boundary) for g in groups
+                                 if r.tables[g][position] != NULL_BLOCK)
             if entries:
                 out[rid] = entries
                 self.stats["states_handed_off"] += len(entries)
         return out
 
-    def _schedule_waiting(self, budget: int) -> int:
+    def _schedule_waiting(self, budget: int, resumed: set[str]) -> int:
+        """Admit waiting requests while the budget and the running slots last. A request
+        whose async load ended joins `resumed` when the loop reaches it: the core caches
+        its loaded blocks then, scheduled or not (vLLM's `_handle_blocked_waiting_request`,
+        CS:3519-3535)."""
         bs = self.config.block_size
         skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
@@ -572,6 +587,9 @@ class Engine:
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(r)
                 continue
+            if r.loaded_state_due:
+                r.loaded_state_due = False
+                resumed.add(r.id)
             hit = 0
             is_async = False
             if r.num_computed == 0:
@@ -643,6 +661,7 @@ class Engine:
         r.load_job = None
         r.load_failed = False
         r.loaded_blocks = 0
+        r.loaded_state_due = False
         r.preemptions += 1
         self.waiting.insert(0, r)
         self.ledger.preempt(r.id)
@@ -970,6 +989,7 @@ class Engine:
                               "promotes it as loaded")
         r.request.num_computed_tokens = r.load_end
         r.loaded_blocks = r.load_end // self.config.block_size
+        r.loaded_state_due = True
         r.request.status = RequestStatus.WAITING
         self.stats["loads_promoted"] += 1
 
@@ -981,6 +1001,7 @@ class Engine:
         r.load_job = None
         r.load_failed = False
         r.loaded_blocks = 0
+        r.loaded_state_due = False
         r.recomputes += 1
         self.stats["recomputes"] += 1
 

@@ -493,6 +493,7 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     EVENT_RULES: ClassVar[tuple[tuple[str, str | None, str], ...]] = (
         ("new_request", None, "arrive"),
         ("step", None, "step"),
+        ("promote", None, "promote"),
         ("partial_ack", "partial", "report"),
         ("complete_ack", None, "report"),
         ("late_ack", "late", "report"),
@@ -550,6 +551,13 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         """An engine step, admitting a waiting request or not (jobs age: timeouts)."""
         self._draw(data, "step")
+
+    @precondition(lambda self: bool(self.candidates("promote")))
+    @rule(data=st.data())
+    def promote(self, data: st.DataObject) -> None:
+        """An engine step whose waiting loop reaches a request whose async load ended, caches
+        its loaded blocks (their Mamba state handed off) and does not schedule it."""
+        self._draw(data, "promote")
 
     @precondition(lambda self: bool(self.candidates("partial_ack")))
     @rule(data=st.data())

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from spec import request as R
 from spec.groups import NULL_BLOCK
 from statemachine.config import KVCacheGroup
-from statemachine.engine import Engine, EngineConfig
+from statemachine.engine import Engine, EngineConfig, StepResult
 from statemachine.mutants import by_name
 from statemachine.oracle import CorruptedBytes
 
@@ -69,6 +70,77 @@ def test_a_hit_loads_the_state_at_its_end_into_one_block() -> None:
     e.run_until_idle()
     assert e.group_stats[1]["loaded_blocks_verified"] == 1
     assert e.group_stats[0]["loaded_blocks_verified"] == 4
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def _resume_after_a_load(reset: bool) -> tuple[Engine, StepResult, int]:
+    """a stores its prompt; b (a's first 16 tokens, then its own) loads 16 tokens
+    asynchronously; its load is reported and the core promotes it; then, with `reset`, the
+    connector's cache is reset. Returns the step that schedules b and the block its load
+    filled with the state (the core frees it once that step ran)."""
+    e = mamba_engine()
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    e.add_request("b", [*PROMPT[:16], 1, 2, 3, 4, 5], 1)
+    b = e.requests["b"]
+    while b.num_computed == 0:
+        assert not e.step().scheduled.get("b")  # the load is in flight
+    assert b.loaded_state_due and b.num_computed == 16
+    state = b.tables[1][3]
+    assert state != NULL_BLOCK
+    if reset:
+        assert e.reset_prefix_cache()
+    step = e.step()
+    assert step.scheduled.get("b") and not b.loaded_state_due
+    return e, step, state
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_the_core_hands_off_a_loaded_state_as_it_resumes_the_request(reset: bool) -> None:
+    """CONFORMANCE.md D4: vLLM's core hands off the state an async load ended on when it
+    caches the loaded blocks. The CPU cache holds that state, so no store comes of it;
+    after a reset it holds nothing, and the state is stored again (with the prefix's
+    full-attention chunks) and checked byte for byte."""
+    e, step, state = _resume_after_a_load(reset)
+    assert step.meta is not None
+    mamba = [j for j in step.meta.store_jobs.values() if j.src.group_sizes == (0, 1)]
+    if not reset:
+        assert mamba == []
+    else:
+        (job,) = mamba
+        assert job.src.block_ids == (state,) and job.src.block_indices == (0, 3)
+        assert state in e.scheduler.block_fence  # fenced from the job's creation
+    before = e.group_stats[1]["stored_blocks_verified"]
+    e.run_until_idle()
+    assert e.group_stats[1]["stored_blocks_verified"] - before == (1 if reset else 0)
+    assert all(v == 0 for v in e.leaks().values())
+
+
+def test_a_loaded_request_the_core_cannot_schedule_waits_with_the_store_of_its_state(
+        ) -> None:
+    """The waiting loop reaches b after its load, caches the loaded blocks and hands off
+    their state, but the 3 tokens y leaves of the budget hold no block-aligned chunk of b:
+    b is not scheduled. After a reset the connector stores the state for the waiting b
+    (`WAITING_STORING`), the store is checked byte for byte, and b runs later."""
+    e = mamba_engine(num_gpu_blocks=48, budget=11)
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    e.add_request("b", [*PROMPT[:16], 1, 2, 3, 4, 5], 1)
+    e.add_request("y", list(range(700, 760)), 1)
+    b = e.requests["b"]
+    while not b.loaded_state_due:
+        assert "b" not in e.step().scheduled
+    state = b.tables[1][3]
+    e.reset_prefix_cache()
+    step = e.step()
+    assert step.scheduled == {"y": 8} and step.meta is not None
+    (job,) = [j for j in step.meta.store_jobs.values() if j.req_id == "b"]
+    assert job.src.block_ids == (state,) and job.src.group_sizes == (0, 1)
+    assert e.scheduler.request_state("b") == R.WAITING_STORING
+    before = e.group_stats[1]["stored_blocks_verified"]
+    e.run_until_idle()
+    assert e.group_stats[1]["stored_blocks_verified"] > before
+    assert b.request.is_finished()
     assert all(v == 0 for v in e.leaks().values())
 
 

@@ -160,3 +160,31 @@ def test_a_decoding_request_with_partial_tails_keeps_a_hash_per_token() -> None:
     req = m.impl.requests["r1"]
     assert req.output_token_ids  # it decoded
     assert len(req.block_hashes) == req.num_tokens // BLOCK
+
+
+def test_a_loaded_state_is_stored_again_after_a_reset() -> None:
+    """CONFORMANCE.md D4 in the model: resuming r1 after its async load, the core hands off
+    the state the load ended on (boundary 1) before the step's own (boundary 2). Without
+    the reset the CPU cache holds both states and the prefix's chunk, so no store comes of
+    them; after it, all three are stored again, the loaded state's store first."""
+    reg = by_name("loaded-state-stored-again-after-a-reset")
+    events = reg.events()
+    for with_reset in (False, True):
+        program = [ev for ev in events if with_reset or ev.kind != "reset"]
+        s = M.initial(reg.bounds)
+        for ev in program:
+            s, calls, _ = M.apply(s, ev)
+        meta = next(c for c in calls if c.hook == "build_connector_meta")
+        given = meta.args[6]
+        (r1,) = [r for r in s.reqs if r.id == "r1"]
+        mamba_blocks = dict(given)["r1"]
+        assert [(g, boundary) for g, _block, boundary in mamba_blocks] == [(1, 1), (1, 2)]
+        stores = sorted((j for j in s.jobs if j.owner == "r1" and j.kind == "store"),
+                        key=lambda j: j.id)
+        if not with_reset:
+            assert r1.state == "RUNNING" and stores == []
+        else:
+            assert r1.state == "STORING"
+            assert [j.blocks for j in stores][:2] == [(mamba_blocks[0][1],),
+                                                    (mamba_blocks[1][1],)]
+            assert len(stores) == 3

@@ -51,7 +51,8 @@ class Call:
 
 @dataclass(frozen=True)
 class Event:
-    kind: Literal["arrive", "step", "report", "finish", "abort", "preempt", "reset"]
+    kind: Literal["arrive", "step", "promote", "report", "finish", "abort", "preempt",
+                  "reset"]
     req: str | None = None
     job: int | None = None
     count: int = 0
@@ -85,7 +86,7 @@ def parse_events(text: str) -> list[Event]:
                 raise ValueError(f"not a report: {item!r}")
             out.append(Event("report", job=int(nums.group(1)), count=int(nums.group(2)),
                              failed=kind == "fail"))
-        elif kind in ("arrive", "finish", "abort", "preempt", "reset"):
+        elif kind in ("arrive", "promote", "finish", "abort", "preempt", "reset"):
             out.append(Event(kind, arg or None))  # type: ignore[arg-type]
         else:
             raise ValueError(f"unknown event kind {kind!r} in {item!r}")
@@ -183,11 +184,25 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         w.core[ev.req] = MCore()
         fire(w, "request", ev.req, "add")
         calls.append(Call("on_new_request", (ev.req,)))
-    elif ev.kind == "step":
+    elif ev.kind in ("step", "promote"):
         new: dict[str, tuple[int, ...]] = {}
         cached: dict[str, tuple[int, ...]] = {}
         sched: dict[str, int] = {}
-        if ev.req is not None:
+        resumed: frozenset[str] = frozenset()
+        if ev.kind == "promote":
+            # the core's waiting loop reaches a request whose async load ended, caches the
+            # loaded blocks (handing off their state) but does not schedule it in this step
+            # (no budget, no room); it admits no one else
+            r = ev.req
+            assert r is not None
+            c = w.core.get(r)
+            if not b.handoff_groups():
+                raise NotEnabled("no hand-off groups: a promotion is not seen by the connector")
+            if c is None or c.status != "waiting" or not c.blocks or c.promoted:
+                raise NotEnabled("no loaded request to promote")
+            w.core[r] = c._replace(promoted=True)
+            resumed = frozenset({r})
+        elif ev.req is not None:
             r = ev.req
             c = w.core.get(r)
             if c is None or c.status != "waiting":
@@ -216,9 +231,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                         new[r] = blocks
                         sched[r] = 1
             else:  # an async load ended: it runs now, without a lookup
-                w.core[r] = c._replace(status="running")
+                w.core[r] = c._replace(status="running", promoted=False)
                 new[r] = c.blocks
                 sched[r] = 1
+                if not c.promoted:
+                    resumed = frozenset({r})  # the core caches the loaded blocks now
         for r, c in sorted(w.core.items()):
             if c.status == "running" and r not in sched and c.computed < w.tokens_to_compute(r):
                 grown = _decode_blocks(w, r)
@@ -226,7 +243,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                     cached[r] = grown
                     sched[r] = 1
         fin, pre = frozenset(w.pending_finished), frozenset(w.pending_preempted)
-        given = handoffs(w, sched)
+        given = handoffs(w, sched, resumed)
         tails, copies = tail_handoffs(w, new, sched)
         for r, entries in tails.items():
             given[r] = given.get(r, ()) + entries
@@ -341,6 +358,8 @@ def events(s: ModelState) -> Iterator[Event]:
     for r, c in sorted(core.items()):
         if c.status == "waiting":
             yield Event("step", r)
+            if c.blocks and not c.promoted and b.handoff_groups():
+                yield Event("promote", r)
         if c.status == "running":
             if c.computed >= b.tokens:
                 yield Event("finish", r)

@@ -403,29 +403,46 @@ def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
     return candidates
 
 
-def handoffs(w: World, sched: dict[str, int]) -> dict[str, tuple[tuple[int, int, int], ...]]:
+def handoffs(w: World, sched: dict[str, int], resumed: frozenset[str] = frozenset()
+             ) -> dict[str, tuple[tuple[int, int, int], ...]]:
     """The boundary states the core hands to the connector in this step
-    (`boundary_state_offloads`, vLLM `vllm/v1/core/sched/output.py`:214-228): for each
-    scheduled request whose step completes a block, each Mamba group's state block after the
-    step's last token, with that boundary, as `(group, block, boundary)`. The core commits a
-    state at every block it completes (`MambaManager.cache_blocks`, with every state
-    retained). vLLM's core also hands off the state an async load ended on, when it caches
-    the loaded blocks: the model leaves that out (CONFORMANCE.md, D4; the CPU cache holds
-    that state already, unless a reset emptied it)."""
+    (`boundary_state_offloads`, vLLM `vllm/v1/core/sched/output.py`:214-228), as
+    `(group, block, boundary)`: for each scheduled request whose step completes a block, each
+    Mamba group's state block after the step's last token (`MambaManager.cache_blocks`
+    commits a state at every block it completes); and for each request in `resumed` (an
+    async load ended and the core's waiting loop reaches it in this step), the state the load
+    ended on, which the core offers as it caches the loaded blocks (`_update_waiting_for_
+    remote_kv`, CS:3467-3500, then `MambaManager.cache_blocks`, vLLM `vllm/v1/core/
+    single_type_kv_cache_manager.py`:1978-2025), before the step's own. Both obey the
+    retention (`handoff_position`). The CPU cache holds a loaded state already, so its
+    hand-off makes no store unless a reset (or an eviction) emptied the chunk since the load
+    (CONFORMANCE.md, D4)."""
     b = w.bounds
     tpb = b.tokens_per_block
     out: dict[str, tuple[tuple[int, int, int], ...]] = {}
-    for r, n in sched.items():
+    for r in sorted({*sched, *resumed}):
         core = w.core[r]
-        boundary = core.computed + n
-        position = handoff_position(boundary, tpb, b.retention_interval, w.template(r).tokens)
-        if position is None:
-            continue  # the block is not complete, or its state is not kept: no hand-off
-        states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
-        entries = tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
+        prompt = w.template(r).tokens
+        ends: tuple[int, ...] = (core.computed,) if r in resumed else ()
+        if r in sched:
+            ends += (core.computed + sched[r],)
+        entries: tuple[tuple[int, int, int], ...] = ()
+        for boundary in ends:
+            position = handoff_position(boundary, tpb, b.retention_interval, prompt)
+            if position is None:
+                continue  # the block is not complete, or its state is not kept: no hand-off
+            states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
+            entries += tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
         if entries:
             out[r] = entries
     return out
+
+
+def stores_handoffs(w: World, state: str) -> bool:
+    """Whether the connector stores a hand-off of a request in `state`: the table has a
+    `store` row from there (vLLM stores a hand-off of any request it tracks, S:1554-1624;
+    the table says in which states that happens)."""
+    return bool(w.tables.rows("request", state, "store"))
 
 
 def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...]]) -> None:
@@ -436,7 +453,7 @@ def _store_boundaries(w: World, given: dict[str, tuple[tuple[int, int, int], ...
     for r, entries in given.items():
         for g, block, boundary in entries:
             req = w.reqs.get(r)
-            if req is None or req.state not in R.STORE_CANDIDATES or req.load_invalid:
+            if req is None or not stores_handoffs(w, req.state) or req.load_invalid:
                 continue
             if boundary % tpc or boundary > _offloadable(w, r, w.num_tokens(r)):
                 continue
@@ -495,8 +512,7 @@ def _store_tails(w: World, given: dict[str, tuple[tuple[int, int, int], ...]]) -
     for r, entries in sorted(given.items()):
         tails = [(g, block, boundary) for g, block, boundary in entries if boundary % tpb]
         req = w.reqs.get(r)
-        if not tails or req is None or req.state not in R.STORE_CANDIDATES or \
-                req.load_invalid:
+        if not tails or req is None or not stores_handoffs(w, req.state) or req.load_invalid:
             continue
         boundary = tails[0][2]
         if boundary > _offloadable(w, r, w.template(r).tokens):

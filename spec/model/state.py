@@ -370,6 +370,10 @@ class MCore(NamedTuple):
     generated: int = 0
     """Output tokens sampled so far (vLLM: `len(request.output_token_ids)`); a restart
     keeps them."""
+    promoted: bool = False
+    """Waiting after its async load ended, and the core's waiting loop already reached it:
+    the loaded blocks are cached and their state handed off (`_update_waiting_for_remote_kv`,
+    CS:3467-3535); its admission hands off nothing more."""
 
     def restarted(self) -> MCore:
         """The request back to waiting from token zero (a preemption, a failed or timed-out

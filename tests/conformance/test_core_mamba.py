@@ -20,6 +20,7 @@ a request has just loaded is stored again.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -38,12 +39,13 @@ from conformance.core_scheduler import (
     scenario_requests,
 )
 from conformance.vllm_env import VOCAB_SIZE
+from spec import request as R
 from spec.groups import (
     NULL_BLOCK,
-    committed_state_position,
     handoff_position,
     mamba_chunk_end,
 )
+from statemachine.monitor.replay import replay as monitor_replay
 
 pytestmark = [
     pytest.mark.conformance,
@@ -104,8 +106,9 @@ def expected_handoffs(rec: StepRecord, prev: StepRecord | None, prompts: dict[st
         if end is not None:
             positions.add(end)
         hit = computed - n  # what it held before the step's tokens
-        if hit and r in noticed:
-            start = committed_state_position(hit, block_size)
+        if hit and r in noticed:  # the loaded state, under the same retention
+            start = handoff_position(hit, block_size, retention_interval, prompts[r],
+                                     rec.junctions.get(r, 0))
             if start is not None:
                 positions.add(start)
         table = rec.tables[r][MAMBA_GROUP]
@@ -203,11 +206,13 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
-def _load_then_step(reset: bool) -> tuple[CoreDriver, StepRecord, StepRecord]:
+def _load_then_step(reset: bool, retention_interval: int | None = None, b_tail: int = 8
+                    ) -> tuple[CoreDriver, StepRecord, StepRecord]:
     """`a` (3 blocks and a half) stores its prefix; a long `x` evicts it from the GPU;
-    `b`, sharing the 3 blocks, loads them from the CPU (async). Once its load is reported,
-    with `reset` the operator resets the caches; then one step."""
-    run = mamba_run(retention_interval=None, gpu_blocks=24, workers=1)
+    `b`, sharing the 3 blocks and then `b_tail` tokens of its own, loads them from the CPU
+    (async). Once its load is reported, with `reset` the operator resets the caches; then
+    one step."""
+    run = mamba_run(retention_interval=retention_interval, gpu_blocks=24, workers=1)
     driver = CoreDriver(run)
     rng = random.Random("load-then-step")
     prefix = _tokens(rng, 3 * run.block_size)
@@ -215,7 +220,7 @@ def _load_then_step(reset: bool) -> tuple[CoreDriver, StepRecord, StepRecord]:
     assert driver.run_until_idle(40).idle
     driver.add_request("x", _tokens(rng, 330), 2)
     assert driver.run_until_idle(40).idle
-    driver.add_request("b", prefix + _tokens(rng, 8), 2)
+    driver.add_request("b", prefix + _tokens(rng, b_tail), 2)
     loaded = next(rec for rec in (driver.step() for _ in range(20))
                   if "b" in rec.finished_recving)
     if reset:
@@ -243,3 +248,83 @@ def test_a_loaded_state_is_handed_off_and_stored_again_after_a_reset(reset: bool
             ((table[2],), (0, 1), (0, 2)),
             (tuple(rec.tables["b"][0][:3]), (3, 0), (0, 0))])
     assert driver.run_until_idle(40).idle
+
+
+def test_at_retention_0_a_loaded_state_the_request_cannot_resume_at_is_not_handed_off(
+        ) -> None:
+    """The retention applies to a loaded state as to a computed one (`handoff_position`):
+    at vLLM's default of 0, `b`'s prompt runs two blocks past the loaded 3, so the loaded
+    state is not at its replay boundary (nor at a junction: the GPU no longer holds `a`), and
+    the core neither keeps nor hands it off; `a`'s replay boundary was there, so it was
+    stored and loaded. With the prompt of the same length as `a`'s it is handed off."""
+    for b_tail, handed in ((8, True), (40, False)):
+        driver, _loaded, rec = _load_then_step(False, retention_interval=0, b_tail=b_tail)
+        bs = driver.run.block_size
+        prompt = 3 * bs + b_tail
+        position = handoff_position(3 * bs, bs, 0, prompt, rec.junctions.get("b", 0))
+        assert (position is not None) == handed
+        offered = [boundary for _, _, boundary in rec.handoffs.get("b", [])]
+        assert (3 * bs in offered) == handed, (b_tail, rec.handoffs)
+        assert driver.run_until_idle(40).idle
+
+
+def test_a_loaded_request_the_core_cannot_schedule_waits_with_the_store_of_its_state(
+        tmp_path: Path) -> None:
+    """D4's second case on vLLM's real core, under the live monitor. `b` loads `a`'s prefix
+    (async), and a long `y` starts to prefill 64 tokens a step, leaving 4 of the 68-token
+    budget; after `b`'s load is reported the operator resets the caches. In the next step the core's
+    waiting loop reaches `b`, caches the loaded blocks and hands off their state, but no
+    block-aligned chunk of `b` fits the 4 tokens left, so it does not schedule `b`. vLLM's
+    connector stores the state for the waiting `b`: the spec's `WAITING_STORING`, which the
+    monitor projects and finds legal; the store then ends while `b` waits (`IDLE`), or `b`
+    runs with it in flight (`STORING`). Once drained, the monitor has found nothing, live
+    or in replay."""
+    log = tmp_path / "waiting-storing.jsonl"
+    run = make_core_scheduler(
+        num_gpu_blocks=40, num_cpu_chunks=CPU_CHUNKS, num_workers=1, groups=MAMBA,
+        retention_interval=None, max_num_batched_tokens=68,
+        kv_connector="MonitoredOffloadingConnector",
+        kv_connector_module_path="statemachine.monitor.connector",
+        extra_config={"kvspec_mode": "warn", "kvspec_log": str(log),
+                      "kvspec_whole_every": 1})
+    bs = run.block_size
+    driver = CoreDriver(run)
+    rng = random.Random("waiting-storing")
+    prefix = _tokens(rng, 3 * bs)
+    driver.add_request("a", prefix + _tokens(rng, 8), 2)
+    assert driver.run_until_idle(60).idle
+    driver.add_request("x", _tokens(rng, 550), 2)  # evicts a's blocks from the GPU cache
+    assert driver.run_until_idle(60).idle
+    driver.add_request("b", prefix + _tokens(rng, 8), 2)
+    first = driver.step()
+    assert first.scheduled == {} and list(first.load_jobs.values()) == ["b"]
+    driver.add_request("y", _tokens(rng, 400), 2)
+    loaded = next(rec for rec in (driver.step() for _ in range(10))
+                  if "b" in rec.finished_recving)
+    assert loaded.scheduled == {"y": 64}
+    # False (y holds GPU blocks: the GPU prefix cache stays); the connector's is reset
+    assert not driver.reset_prefix_cache() and not run.offloading._jobs
+    rec = driver.step()
+    assert rec.scheduled == {"y": 64}  # b reached, not scheduled
+    table = rec.tables["b"][MAMBA_GROUP]
+    assert rec.handoffs["b"] == [(MAMBA_GROUP, table[2], 3 * bs)]
+    (store,) = [j for j, r in rec.store_jobs.items() if r == "b"]
+    assert rec.store_sources[store] == ((table[2],), (0, 1), (0, 2))
+    st = run.offloading._req_status["b"]
+    assert set(st.transfer_jobs) == {store}
+    mon = run.connector.kvspec
+    assert mon is not None
+    assert mon.projector.requests["b"].state == R.WAITING_STORING
+    states = [R.WAITING_STORING]
+    while "b" in mon.projector.requests and len(states) < 60:
+        driver.step()
+        if "b" in mon.projector.requests:
+            states.append(mon.projector.requests["b"].state)
+    # the store ends while b waits (IDLE), or b runs with it in flight (STORING)
+    after = next(x for x in states if x != R.WAITING_STORING)
+    assert after in (R.IDLE, R.STORING), states
+    assert driver.run_until_idle(80).idle
+    run.connector.kvspec.close()
+    assert list(mon.findings) == []
+    v = monitor_replay(log)
+    assert v.clean, v.text()
