@@ -84,6 +84,21 @@ BYPASS_CACHE = Survivor(
     "poisoned and rolled back; the tier misses chunks it could have had, no invalid KV is "
     "published (INV-20 holds)")
 
+TABLE_FROM_THE_LOAD = Survivor(
+    "equivalent",
+    "a request reaches WAITING_STORING only after an async load, whose creation recorded the "
+    "block table the core gave it (the model records it there; vLLM at the schedule, "
+    "CONFORMANCE.md D3); the core schedules it on those same blocks, so recording them again "
+    "changes nothing the model holds")
+
+CURSOR_OF_A_LOADED_STATE = Survivor(
+    "cache-only",
+    "the reset emptied the CPU cache; a store cursor left past the loaded chunks only skips "
+    "storing them again (a lost cache entry). INV-21 demands the cursor at 0 after a reset and "
+    "kills this mutant of every other reset row; the scenarios that reach WAITING_STORING hold "
+    "Mamba groups only (beside a full-attention group the search takes minutes), where no "
+    "positional group moves the cursor off 0")
+
 FENCE_SLOTS = Survivor(
     "cache-only",
     "leave_job_table already moves the stale job into the reset fence; enter_reset_fence only "
@@ -107,9 +122,11 @@ EQUIVALENT: dict[str, Survivor] = {
     "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero": RESTART_CACHE,
     "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop bypass_offload_lookup": BYPASS_CACHE,
     "request: lookup_blocked(PREEMPTED_FLUSHING)->= drop restart_from_token_zero": RESTART_AGAIN,
-    ("request: store_alloc_failed(RUNNING,STORING,LOADING_SYNC,FINISHED_PENDING_FINAL)->= "
-     "[!load_invalid] drop count_allocation_failure"):
+    ("request: store_alloc_failed(RUNNING,STORING,LOADING_SYNC,FINISHED_PENDING_FINAL,IDLE,"
+     "WAITING_STORING)->= [!load_invalid] drop count_allocation_failure"):
         BOOKKEEPING,
+    "request: schedule(WAITING_STORING)->STORING drop record_block_ids": TABLE_FROM_THE_LOAD,
+    "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor": CURSOR_OF_A_LOADED_STATE,
     ("request: load_recving(ORPHANED_LOAD)->IDLE [!load_invalid] drop promote_after_recving"):
         BOOKKEEPING,
     "request: load_failed(LOADING_ASYNC)->RECOMPUTE drop mark_load_invalid": INVALID_UNTIL_LOOKUP,

@@ -202,7 +202,11 @@ def _inv12(s: AbstractState) -> Iterator[Violation]:
                 if s.ref_cnt(k) != -1:
                     yield Violation("INV-12", f"store key {k} is not write-pending "
                                     f"(ref_cnt {s.ref_cnt(k)})", j.owner, (j.id,))
+    written = {k for j in s.jobs if j.kind == "store" for k in j.keys}
     for k, n in s.chunk_ref_cnt:
+        if n == -1 and k not in written:
+            yield Violation("INV-12", f"chunk {k} is write-pending but no live store writes it "
+                            "(it would never become ready nor be evicted)")
         if n >= 0 and n != readers.get(k, 0):
             yield Violation("INV-12", f"chunk {k} ref_cnt {n} but {readers.get(k, 0)} live "
                             "loads read it")
@@ -372,8 +376,9 @@ INVARIANTS: tuple[Invariant, ...] = (
               "with no job implies untracked", "S:2181-2184, S:2309-2310", _inv10),
     Invariant("INV-11", "finish-once", "on_request_finished once per request, after its last "
               "prepare_store", "B:430-448, M:424-431", _inv11),
-    Invariant("INV-12", "manager-pins", "live store keys are write-pending; a ready chunk's "
-              "ref_cnt equals the live (and quarantined) loads reading it",
+    Invariant("INV-12", "manager-pins", "live store keys are write-pending, and a "
+              "write-pending chunk is written by a live store; a ready chunk's ref_cnt equals "
+              "the live (and quarantined) loads reading it",
               "M:233-238, M:251-258, M:387-391", _inv12),
     Invariant("INV-13", "jobs-drain", "if the engine keeps stepping and workers report (or the "
               "timeout fires), every live job leaves the table and the fence drains",

@@ -160,6 +160,21 @@ REGRESSIONS: tuple[Regression, ...] = (
         "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
         "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
         "step(admit=r1) ; ack(job 6, count 1) ; reset() ; step(admit=r1)"),
+    Regression(
+        "loaded-state-stored-while-waiting",
+        "the same, where vLLM's core reaches the loaded request but cannot schedule it in "
+        "that step (vLLM 0.33.0's real core: test_core_mamba)",
+        "vLLM's connector stores the handed-off state for a request that waits in the "
+        "core's queue; the request table had no store row for a waiting request, and the "
+        "projection called it PREEMPTED_FLUSHING. The table now has WAITING_STORING, and "
+        "the model the event promote(r): the request waits with the store in flight, the "
+        "store ends, and the request runs.",
+        Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
+               failures=0, preemptions=0, groups=("full", "mamba")),
+        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
+        "step(admit=r1) ; ack(job 6, count 1) ; reset() ; promote(r1) ; "
+        "ack(job 7, count 1) ; step(admit=r1)"),
 )
 
 

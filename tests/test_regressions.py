@@ -188,3 +188,20 @@ def test_a_loaded_state_is_stored_again_after_a_reset() -> None:
             assert [j.blocks for j in stores][:2] == [(mamba_blocks[0][1],),
                                                     (mamba_blocks[1][1],)]
             assert len(stores) == 3
+
+
+def test_a_promoted_request_waits_with_the_store_of_its_loaded_state() -> None:
+    """The same after a promote(r1) step: the core caches r1's loaded blocks and hands off
+    their state without scheduling r1, so r1 waits with that store (WAITING_STORING); its
+    end leaves r1 IDLE, and r1's admission then hands off only the step's own state."""
+    reg = by_name("loaded-state-stored-while-waiting")
+    s = M.initial(reg.bounds)
+    seen: list[tuple[str, str]] = []
+    for ev in reg.events():
+        s, calls, _ = M.apply(s, ev)
+        (r1,) = [r.state for r in s.reqs if r.id == "r1"] or ["-"]
+        seen.append((str(ev), r1))
+    assert seen[-3:] == [("promote(r1)", "WAITING_STORING"), ("ack(job 7, count 1)", "IDLE"),
+                         ("step(admit=r1)", "STORING")]
+    meta = next(c for c in calls if c.hook == "build_connector_meta")
+    assert [boundary for _g, _b, boundary in dict(meta.args[6])["r1"]] == [2]

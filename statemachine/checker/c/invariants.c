@@ -168,8 +168,14 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
                 for (int k = 0; k < MAXK; k++)
                     if ((j->keys >> k) & 1 && s->chunk[k] != -1) return 12;
         }
+        uint32_t written = 0; /* the keys live stores write (failed ones too) */
+        for (int i = 0; i < s->njobs; i++) {
+            const Job *j = &s->job[i];
+            if (live(j) && j->kind == KIND_STORE) written |= j->keys;
+        }
         for (int k = 0; k < MAXK; k++) {
             int8_t ref = s->chunk[k];
+            if (ref == -1 && !((written >> k) & 1)) return 12;
             if (ref != CH_ABSENT && ref >= 0 && ref != readers[k]) return 12;
             if (readers[k] && (ref == CH_ABSENT || ref < readers[k])) return 12;
         }
