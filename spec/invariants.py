@@ -202,11 +202,7 @@ def _inv12(s: AbstractState) -> Iterator[Violation]:
                 if s.ref_cnt(k) != -1:
                     yield Violation("INV-12", f"store key {k} is not write-pending "
                                     f"(ref_cnt {s.ref_cnt(k)})", j.owner, (j.id,))
-    written = {k for j in s.jobs if j.kind == "store" for k in j.keys}
     for k, n in s.chunk_ref_cnt:
-        if n == -1 and k not in written:
-            yield Violation("INV-12", f"chunk {k} is write-pending but no live store writes it "
-                            "(it would never become ready nor be evicted)")
         if n >= 0 and n != readers.get(k, 0):
             yield Violation("INV-12", f"chunk {k} ref_cnt {n} but {readers.get(k, 0)} live "
                             "loads read it")
@@ -345,6 +341,16 @@ def _inv22(s: AbstractState) -> Iterator[Violation]:
                         "falls in)")
 
 
+def _inv24(s: AbstractState) -> Iterator[Violation]:
+    for r in s.requests:
+        if r.state in R.HOLDS_JOBS and not r.transfer_jobs:
+            yield Violation("INV-24", f"request in {r.state} holds no job (its state says a "
+                            "job is in flight)", r.id)
+        elif r.state not in R.MAY_HOLD_JOBS and r.transfer_jobs:
+            yield Violation("INV-24", f"request in {r.state} holds jobs (its state says none "
+                            "is in flight)", r.id, tuple(sorted(r.transfer_jobs)))
+
+
 def _inv23(s: AbstractState) -> Iterator[Violation]:
     for k in sorted(s.unwritten_reads):
         yield Violation("INV-23", f"a load read a block of chunk {k} that no store wrote (the "
@@ -376,9 +382,8 @@ INVARIANTS: tuple[Invariant, ...] = (
               "with no job implies untracked", "S:2181-2184, S:2309-2310", _inv10),
     Invariant("INV-11", "finish-once", "on_request_finished once per request, after its last "
               "prepare_store", "B:430-448, M:424-431", _inv11),
-    Invariant("INV-12", "manager-pins", "live store keys are write-pending, and a "
-              "write-pending chunk is written by a live store; a ready chunk's ref_cnt equals "
-              "the live (and quarantined) loads reading it",
+    Invariant("INV-12", "manager-pins", "live store keys are write-pending; a ready chunk's "
+              "ref_cnt equals the live (and quarantined) loads reading it",
               "M:233-238, M:251-258, M:387-391", _inv12),
     Invariant("INV-13", "jobs-drain", "if the engine keeps stepping and workers report (or the "
               "timeout fires), every live job leaves the table and the fence drains",
@@ -424,6 +429,10 @@ INVARIANTS: tuple[Invariant, ...] = (
               "kept out by the reachable-block mask) never serves a load that needs them "
               "(the data's truth, kept by the model; the engine checks the same on the "
               "bytes)", "S:1904-1980, S:2024-2045", _inv23),
+    Invariant("INV-24", "state-holds-jobs", "a request's state agrees with its transfer_jobs: "
+              "a state whose vLLM predicate has a job in flight (`holds_jobs`) holds one, a "
+              "state that may hold none (outside `may_hold_jobs`) holds none",
+              "S:348-493", _inv24),
 )
 
 SAFETY = tuple(i for i in INVARIANTS if not i.is_progress)

@@ -116,6 +116,10 @@ MAY_HOLD_JOBS = StateGroup(
     "reset takes must drop them: INV-1)",
     (LOADING_ASYNC, LOADING_SYNC, STORING, PREEMPTED_FLUSHING, WAITING_STORING,
      FINISHED_PENDING_FINAL, FINISHED_DRAINING))
+HOLDS_JOBS = StateGroup(
+    "holds_jobs", "its transfer_jobs is not empty (the state's vLLM predicate says so): a "
+    "job is in flight for it", (LOADING_ASYNC, LOADING_SYNC, STORING, PREEMPTED_FLUSHING,
+                                WAITING_STORING, FINISHED_DRAINING))
 AWAITING_ADMISSION = StateGroup(
     "awaiting_admission", "the core's waiting queue holds it: its next admission starts with "
     "a lookup", (IDLE, LOOKUP_DEFERRED, PREEMPTED_FLUSHING, RECOMPUTE, TIMED_OUT))
@@ -128,8 +132,8 @@ WAITING_ON_CONNECTOR = StateGroup(
     "jobs, a backend retry, another request's load); P-2 demands it does not stay forever",
     (LOOKUP_DEFERRED, PREEMPTED_FLUSHING))
 GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, STORE_CANDIDATES, HOLDS_GPU_BLOCKS,
-          MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, MAY_HOLD_JOBS, AWAITING_ADMISSION, QUIESCENT,
-          WAITING_ON_CONNECTOR)
+          MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, MAY_HOLD_JOBS, HOLDS_JOBS, AWAITING_ADMISSION,
+          QUIESCENT, WAITING_ON_CONNECTOR)
 
 
 def finished_keeps_destinations(kind: str, sync: bool) -> bool:

@@ -18,9 +18,9 @@ def test_summary_json_counts_the_tables(capsys: pytest.CaptureFixture[str]) -> N
     by_name = {m["machine"]: m for m in data["machines"]}
     assert set(by_name) == {"request", "job", "fence", "worker"}
     assert by_name["worker"]["states"] == 6
-    assert by_name["request"]["states"] == 13
+    assert by_name["request"]["states"] == 14
     assert all(m["problems"] == 0 for m in data["machines"])
-    assert data["invariants_total"] == 23
+    assert data["invariants_total"] == 24
 
 
 def test_bad_usage_exits_2() -> None:
@@ -32,7 +32,7 @@ def test_console_script_entry_point_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "kvspec", "summary"],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
-    assert "request" in out.stdout and "invariants: 23" in out.stdout
+    assert "request" in out.stdout and "invariants: 24" in out.stdout
 
 
 @pytest.mark.parametrize("argv", [["summary"], ["check", "--help"], ["mutants"],

@@ -81,6 +81,9 @@ def _break(name: str) -> AbstractState:
                           requests=(replace(r1, store_cursor=2), r2)),
         "INV-22": replace(s, misplaced_chunks=frozenset({20})),
         "INV-23": replace(s, unwritten_reads=frozenset({20})),
+        "INV-24": replace(s, requests=(replace(r1, state=R.RUNNING), r2)),
+        "INV-24b": replace(s, requests=(r1, replace(r2, state=R.WAITING_STORING,
+                                                    transfer_jobs=frozenset()))),
     }
     return cases[name]
 
@@ -91,6 +94,13 @@ SAFETY_IDS = [i.id for i in spec.SAFETY]
 @pytest.mark.parametrize("inv", [i for i in SAFETY_IDS if i != "INV-1"])
 def test_each_invariant_detects_its_violation(inv: str) -> None:
     assert inv in ids(_break(inv))
+
+
+def test_a_state_that_holds_a_job_holding_none_breaks_inv24() -> None:
+    """The other half of INV-24: WAITING_STORING says a store is in flight; with no job
+    (its store never made), the request would wait for an end no report brings."""
+    (v,) = [x for x in check(_break("INV-24b")) if x.invariant == "INV-24"]
+    assert v.request == "r2" and "WAITING_STORING holds no job" in str(v)
 
 
 def test_an_unflushed_pre_reset_job_is_a_cpu_safety_violation() -> None:
@@ -125,7 +135,7 @@ def test_the_store_cursor_counts_only_between_a_reset_and_the_next_step() -> Non
 
 
 def test_every_invariant_is_named() -> None:
-    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 24)]
+    assert [i.id for i in spec.INVARIANTS] == [f"INV-{n}" for n in range(1, 25)]
     progress = {i.id for i in spec.INVARIANTS if i.is_progress}
     assert progress == {"INV-13", "INV-14"}
     covered = {inv for p in spec.PROGRESS for inv in p.invariant.split(", ")}

@@ -168,14 +168,8 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
                 for (int k = 0; k < MAXK; k++)
                     if ((j->keys >> k) & 1 && s->chunk[k] != -1) return 12;
         }
-        uint32_t written = 0; /* the keys live stores write (failed ones too) */
-        for (int i = 0; i < s->njobs; i++) {
-            const Job *j = &s->job[i];
-            if (live(j) && j->kind == KIND_STORE) written |= j->keys;
-        }
         for (int k = 0; k < MAXK; k++) {
             int8_t ref = s->chunk[k];
-            if (ref == -1 && !((written >> k) & 1)) return 12;
             if (ref != CH_ABSENT && ref >= 0 && ref != readers[k]) return 12;
             if (readers[k] && (ref == CH_ABSENT || ref < readers[k])) return 12;
         }
@@ -267,5 +261,13 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
     if (ON(21) && s->reset_since_step && !step_open)
         for (int r = 0; r < R; r++)
             if (tracked(&s->req[r]) && s->req[r].cursor != 0) return 21;
+    /* INV-24 state-holds-jobs */
+    if (ON(24))
+        for (int r = 0; r < R; r++) {
+            const Req *q = &s->req[r];
+            if (!tracked(q)) continue;
+            if (IN(RS_HOLDS_JOBS, q->state) && !q->jobs) return 24;
+            if (!IN(RS_MAY_HOLD_JOBS, q->state) && q->jobs) return 24;
+        }
     return -1;
 }
