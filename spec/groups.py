@@ -281,6 +281,25 @@ def handoff_position(boundary: int, tokens_per_block: int, retention_interval: i
     return position
 
 
+def handoff_positions(computed: int, scheduled: int, resumed: bool, tokens_per_block: int,
+                      retention_interval: int | None, prompt_tokens: int,
+                      shared_prefix_boundary: int = 0) -> tuple[tuple[int, int], ...]:
+    """`(boundary, block position)` of each Mamba state the core hands off for one request in
+    one step, in the core's order: if `resumed` (its waiting loop reached the request after
+    an async load ended), the state the load ended on, at its `computed` tokens, which it
+    offers as it caches the loaded blocks (`_update_waiting_for_remote_kv`, vLLM 0.33.0
+    `vllm/v1/core/sched/scheduler.py`:3467-3500); then, if the step schedules `scheduled` > 0
+    tokens, the state after them. Each under the retention (`handoff_position`)."""
+    ends = ((computed,) if resumed else ()) + ((computed + scheduled,) if scheduled else ())
+    out: list[tuple[int, int]] = []
+    for boundary in ends:
+        position = handoff_position(boundary, tokens_per_block, retention_interval,
+                                    prompt_tokens, shared_prefix_boundary)
+        if position is not None:  # else the block is not complete, or its state not kept
+            out.append((boundary, position))
+    return tuple(out)
+
+
 def window_chunks(sliding_window: int, tokens_per_chunk: int) -> int:
     """A sliding-window group's window in chunks (no extra retained tokens)."""
     return cdiv(sliding_window, tokens_per_chunk)

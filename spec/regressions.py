@@ -31,6 +31,15 @@ class Regression:
 _THREE = Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
                 failures=2, preemptions=2)
 
+_MAMBA_LOAD = Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
+                     failures=0, preemptions=0, groups=("full", "mamba"))
+_LOADED_THEN_RESET = (
+    "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
+    "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
+    "step(admit=r1) ; ack(job 6, count 1) ; reset() ; ")
+"""r0 stores its prompt and Mamba states; r1 (the same prefix) loads one token of them
+asynchronously, its load is reported, and a reset empties the CPU cache."""
+
 REGRESSIONS: tuple[Regression, ...] = (
     Regression(
         "store-block-reused-inside-the-step",
@@ -155,11 +164,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "a reset its CPU cache lacked a state vLLM's holds. The model's core "
         "(`spec.model.hooks.handoffs`, its `resumed` requests) and the engine's now hand "
         "it off.",
-        Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
-               failures=0, preemptions=0, groups=("full", "mamba")),
-        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
-        "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
-        "step(admit=r1) ; ack(job 6, count 1) ; reset() ; step(admit=r1)"),
+        _MAMBA_LOAD,
+        _LOADED_THEN_RESET + "step(admit=r1)"),
     Regression(
         "loaded-state-stored-while-waiting",
         "the same, where vLLM's core reaches the loaded request but cannot schedule it in "
@@ -169,12 +175,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "projection called it PREEMPTED_FLUSHING. The table now has WAITING_STORING, and "
         "the model the event promote(r): the request waits with the store in flight, the "
         "store ends, and the request runs.",
-        Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
-               failures=0, preemptions=0, groups=("full", "mamba")),
-        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
-        "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r1) ; "
-        "step(admit=r1) ; ack(job 6, count 1) ; reset() ; promote(r1) ; "
-        "ack(job 7, count 1) ; step(admit=r1)"),
+        _MAMBA_LOAD,
+        _LOADED_THEN_RESET + "promote(r1) ; ack(job 7, count 1) ; step(admit=r1)"),
 )
 
 

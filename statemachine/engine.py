@@ -55,7 +55,7 @@ import torch
 
 from spec import job as J
 from spec import request as R
-from spec.groups import NULL_BLOCK, handoff_position, mamba_chunk_end, offload_key
+from spec.groups import NULL_BLOCK, handoff_positions, mamba_chunk_end, offload_key
 from statemachine.config import KVCacheGroup, OffloadingConfig, TieringConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -550,26 +550,20 @@ class Engine:
         before it, for each request in `resumed` (the waiting loop reached it after its async
         load ended, whether or not it scheduled it), the state the load ended on, which the
         core hands off as it caches the loaded blocks (as `spec.model.hooks.handoffs`
-        says). Both under the retention (`handoff_position`)."""
+        says). Both under the retention (`spec.groups.handoff_positions`)."""
         groups = self._offloading.handoff_groups
         out: dict[str, tuple[tuple[int, int, int], ...]] = {}
         if not groups:
             return out
         for rid in sorted({*num_sched, *resumed}):
             r = self.requests[rid]
-            ends: tuple[int, ...] = (r.num_computed,) if rid in resumed else ()
-            if rid in num_sched:
-                ends += (r.num_computed + num_sched[rid],)
-            entries: tuple[tuple[int, int, int], ...] = ()
-            for boundary in ends:
-                position = handoff_position(boundary, self.config.block_size,
-                                            self.config.retention_interval,
-                                            r.request.num_prompt_tokens,
-                                            r.request.shared_prefix_boundary)
-                if position is None:
-                    continue  # no state committed here, or not one the core keeps
-                entries += tuple((g, r.tables[g][position], boundary) for g in groups
-                                 if r.tables[g][position] != NULL_BLOCK)
+            entries = tuple(
+                (g, r.tables[g][position], boundary)
+                for boundary, position in handoff_positions(
+                    r.num_computed, num_sched.get(rid, 0), rid in resumed,
+                    self.config.block_size, self.config.retention_interval,
+                    r.request.num_prompt_tokens, r.request.shared_prefix_boundary)
+                for g in groups if r.tables[g][position] != NULL_BLOCK)
             if entries:
                 out[rid] = entries
                 self.stats["states_handed_off"] += len(entries)

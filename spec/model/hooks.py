@@ -17,7 +17,7 @@ from spec.groups import (
     NULL_BLOCK,
     WINDOW_KINDS,
     cdiv,
-    handoff_position,
+    handoff_positions,
     storable_chunks,
     window_positions,
 )
@@ -414,25 +414,20 @@ def handoffs(w: World, sched: dict[str, int], resumed: frozenset[str] = frozense
     ended on, which the core offers as it caches the loaded blocks (`_update_waiting_for_
     remote_kv`, CS:3467-3500, then `MambaManager.cache_blocks`, vLLM `vllm/v1/core/
     single_type_kv_cache_manager.py`:1978-2025), before the step's own. Both obey the
-    retention (`handoff_position`). The CPU cache holds a loaded state already, so its
+    retention (`spec.groups.handoff_positions`). The CPU cache holds a loaded state already, so its
     hand-off makes no store unless a reset (or an eviction) emptied the chunk since the load
     (CONFORMANCE.md, D4)."""
     b = w.bounds
-    tpb = b.tokens_per_block
     out: dict[str, tuple[tuple[int, int, int], ...]] = {}
     for r in sorted({*sched, *resumed}):
         core = w.core[r]
-        prompt = w.template(r).tokens
-        ends: tuple[int, ...] = (core.computed,) if r in resumed else ()
-        if r in sched:
-            ends += (core.computed + sched[r],)
-        entries: tuple[tuple[int, int, int], ...] = ()
-        for boundary in ends:
-            position = handoff_position(boundary, tpb, b.retention_interval, prompt)
-            if position is None:
-                continue  # the block is not complete, or its state is not kept: no hand-off
-            states = ((g, w.group_blocks(core.blocks, g)[position]) for g in b.handoff_groups())
-            entries += tuple((g, block, boundary) for g, block in states if block != NULL_BLOCK)
+        entries = tuple(
+            (g, block, boundary)
+            for boundary, position in handoff_positions(
+                core.computed, sched.get(r, 0), r in resumed, b.tokens_per_block,
+                b.retention_interval, w.template(r).tokens)
+            for g in b.handoff_groups()
+            if (block := w.group_blocks(core.blocks, g)[position]) != NULL_BLOCK)
         if entries:
             out[r] = entries
     return out
