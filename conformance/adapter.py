@@ -709,12 +709,14 @@ class VLLMMachine(OffloadingStateMachine):
         super()._record_failure(exc)
 
     def allows(self, rule: str, ev: M.Event) -> bool:
-        """vLLM's restrictions: no reset where vLLM is known to crash (RESET-TWICE), no
-        finish or abort down a documented divergence."""
+        """vLLM's restrictions: no reset where vLLM is known to crash (RESET-TWICE) or
+        stores a block it no longer holds (RESET-WINDOW), no finish or abort before 0.27.0
+        (EARLY-FINISH-SIGNAL), and the admissions and preemptions older releases take
+        differently."""
         if rule == "reset":
             return not self.reset_would_trip() and not self.reset_keeps_stale_window()
         if rule in ("finish", "abort"):
-            return FINISHES_AS_THE_SPEC and not self.finish_diverges(ev.req)
+            return FINISHES_AS_THE_SPEC
         if rule == "step":
             return (not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
                     and not self.restarts_past_a_kept_cursor(ev))
@@ -818,17 +820,6 @@ class VLLMMachine(OffloadingStateMachine):
         return (self.model is not None and self.model.reset_since_step
                 and bool(self.model.to_flush) and not self.allow_known_crashes)
 
-    def finish_diverges(self, req_id: str | None) -> bool:
-        """Finishing `req_id` now would take vLLM down a documented divergence:
-        PREEMPT-THEN-FINISH (D2: preempted, then finished before the next step) or
-        LOADED-UNSCHEDULED (D3: its async load ended, it was never scheduled since)."""
-        if self.model is None or req_id is None or self.allow_known_divergences:
-            return False
-        if req_id in self.model.pending_preempted:
-            return True
-        core = dict(self.model.core).get(req_id)
-        return core is not None and core.status == "waiting" and bool(core.blocks)
-
     allow_known_divergences: ClassVar[bool] = False
     """Lift the restrictions that avoid vLLM's documented divergences (to show them)."""
 
@@ -849,42 +840,12 @@ class VLLMMachine(OffloadingStateMachine):
             return  # the first failure stands; vLLM stopped mid-hook
         try:
             if self.DRAIN_FINISHES:
-                self._drain()
+                super().teardown()  # the base machine's drain: nothing restricts it now
             else:
                 self._drain_without_finishing()
         except BaseException as exc:
             self._record_failure(exc)
             raise
-
-    def _drain(self) -> None:
-        """The base machine's drain (every report delivered, every request aborted, steps
-        until quiet), ordered so that it does not itself take a restricted path: a step
-        first when a preemption is pending, a loaded request scheduled before its abort."""
-        if self.model is None:
-            return
-        for _ in range(300):
-            m = self.model
-            reports = [e for e in self._possible() if e.kind == "report" and not e.failed
-                       and e.count == max(1, self._unreported(e.job))]
-            admit = [e for e in self._possible() if e.kind == "step" and e.req is not None
-                     and dict(m.core)[e.req].blocks and not self.whole_prompt_hit(e)
-                     and not self.readmits_preempted(e)
-                     and not self.restarts_past_a_kept_cursor(e)]
-            aborts = [e for e in self._possible() if e.kind == "abort"
-                      and not self.finish_diverges(e.req)]
-            step = [M.Event("step")]
-            order = (reports, step if m.pending_preempted else [], admit, aborts, step)
-            ev = next((evs[0] for evs in order if evs), None)
-            if ev is None:
-                break
-            before = self.model
-            self._step(ev)
-            if self.model == before and ev.kind == "step" and self._quiet():
-                break
-        state = normalize(self.impl.abstract_state(), self.model.bounds)
-        assert not state.requests, f"requests left after the drain: {state.requests}"
-        assert not state.jobs and not state.reset_fence and not state.quarantine, state
-        assert all(n == 0 for _, n in state.chunk_ref_cnt), state.chunk_ref_cnt
 
     def _drain_without_finishing(self) -> None:
         if self.model is None:

@@ -133,6 +133,7 @@ FEATURES: dict[str, str] = {
     "step_region": "0.33.0",
     "lru_request_ranks": "0.33.0",
     "failed_store_cleanup_event": "0.33.0",
+    "mamba_last_edge_stop": "0.32.0",
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
@@ -219,6 +220,13 @@ FEATURE_EVIDENCE: dict[str, str] = {
                                   "without an event (M@0.31.0:375-381) and "
                                   "`OffloadingEvent` has no `metadata_only` "
                                   "(B@0.31.0:165-173)",
+    "mamba_last_edge_stop": "CS:579-583 the core's align-mode prefill split stops at "
+                            "`get_mamba_prefill_checkpoint_position(num_tokens, ...)`, the "
+                            "last block edge before the last token (an 80-token prompt of "
+                            "16-token blocks: 64, then 16); 0.30.0-0.31.0 stop at "
+                            "`num_tokens - num_tokens % block_size` (CS@0.31.0:444: 80 in "
+                            "one chunk). Measured with `make conformance-all`: the chunk "
+                            "test fails on 0.30.0 and 0.31.0, passes on 0.32.0",
 }
 
 
@@ -280,6 +288,9 @@ FEATURE_TAKEN: dict[str, str] = {
     "failed_store_cleanup_event": "`test_manager_vs_vllm.py`: our metadata-only removals "
                                   "left out of the event comparison, vLLM's events read "
                                   "as not metadata-only",
+    "mamba_last_edge_stop": "`test_core_mamba.py::test_the_cores_prefill_chunks_end_where_"
+                            "the_spec_says` skips (the spec's `mamba_chunk_end` is 0.32's "
+                            "rule)",
 }
 """Feature -> where the conformance code takes a release without it."""
 

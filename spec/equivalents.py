@@ -84,12 +84,14 @@ BYPASS_CACHE = Survivor(
     "poisoned and rolled back; the tier misses chunks it could have had, no invalid KV is "
     "published (INV-20 holds)")
 
-TABLE_FROM_THE_LOAD = Survivor(
-    "equivalent",
-    "a request reaches WAITING_STORING only after an async load, whose creation recorded the "
-    "block table the core gave it (the model records it there; vLLM at the schedule, "
-    "CONFORMANCE.md D3); the core schedules it on those same blocks, so recording them again "
-    "changes nothing the model holds")
+TABLE_AT_THE_SCHEDULE = Survivor(
+    "cache-only",
+    "the connector learns a request's table when the core schedules it (CONFORMANCE.md D3), "
+    "and a request reaches WAITING_STORING only after an async load, with none: without the "
+    "record it runs on an empty table, so none of its full chunks is ever offered to the "
+    "tier (a lost cache entry: with a full-attention group beside the Mamba one, the "
+    "store of its prefix); the Mamba states the core hands off carry their own blocks, and "
+    "the scenarios that reach WAITING_STORING hold Mamba groups only")
 
 CURSOR_OF_A_LOADED_STATE = Survivor(
     "cache-only",
@@ -98,6 +100,14 @@ CURSOR_OF_A_LOADED_STATE = Survivor(
     "kills this mutant of every other reset row; the scenarios that reach WAITING_STORING hold "
     "Mamba groups only (beside a full-attention group the search takes minutes), where no "
     "positional group moves the cursor off 0")
+
+FLUSH_OF_A_FINISHED = Survivor(
+    "equivalent",
+    "the request finished before this preemption reached the connector, and its finish "
+    "registered the deferred fences of its stores' source blocks (register_deferred_fences), "
+    "so INV-15 holds without the flush; a flush only asks the workers to finish a shipped "
+    "copy sooner, and no check depends on when its reports arrive (CONFORMANCE.md D2: the "
+    "row is there because vLLM flushes, not for safety)")
 
 FENCE_SLOTS = Survivor(
     "cache-only",
@@ -117,15 +127,14 @@ EQUIVALENT: dict[str, Survivor] = {
         RESTART_AGAIN,
     ("request: lookup_deferred(IDLE,LOOKUP_DEFERRED)->LOOKUP_DEFERRED drop start_deferral_timer"):
         BOOKKEEPING,
-    ("request: lookup_resolved(IDLE,LOOKUP_DEFERRED)->IDLE drop restart_from_token_zero"):
-        RESTART_CACHE,
     "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero": RESTART_CACHE,
     "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop bypass_offload_lookup": BYPASS_CACHE,
     "request: lookup_blocked(PREEMPTED_FLUSHING)->= drop restart_from_token_zero": RESTART_AGAIN,
     ("request: store_alloc_failed(RUNNING,STORING,LOADING_SYNC,FINISHED_PENDING_FINAL,IDLE,"
      "WAITING_STORING)->= [!load_invalid] drop count_allocation_failure"):
         BOOKKEEPING,
-    "request: schedule(WAITING_STORING)->STORING drop record_block_ids": TABLE_FROM_THE_LOAD,
+    "request: schedule(WAITING_STORING)->STORING drop record_block_ids": TABLE_AT_THE_SCHEDULE,
+    "request: preempt(FINISHED_PENDING_FINAL)->= drop flush_request_jobs": FLUSH_OF_A_FINISHED,
     "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor": CURSOR_OF_A_LOADED_STATE,
     ("request: load_recving(ORPHANED_LOAD)->IDLE [!load_invalid] drop promote_after_recving"):
         BOOKKEEPING,

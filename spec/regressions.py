@@ -177,6 +177,42 @@ REGRESSIONS: tuple[Regression, ...] = (
         "store ends, and the request runs.",
         _MAMBA_LOAD,
         _LOADED_THEN_RESET + "promote(r1) ; ack(job 7, count 1) ; step(admit=r1)"),
+    Regression(
+        "loaded-request-aborted-before-its-schedule",
+        "divergence D3 (CONFORMANCE.md), a restriction of the conformance machine until it "
+        "was fixed",
+        "vLLM's connector learns a request's block table when the core schedules it; the "
+        "model recorded it when the request's load was created, so a loaded request aborted "
+        "before its first schedule, after a reset put its store cursor back to 0, had its "
+        "loaded chunks stored again (job 4) where vLLM stores nothing. The load's row no "
+        "longer records a table (model, reference, compiled checker); the blocks a loading "
+        "request holds are the core's allocation.",
+        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+               failures=0, preemptions=2),
+        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 2) ; "
+        "ack(job 1, count 2) ; ack(job 2, count 2) ; arrive(r1) ; step(admit=r1) ; "
+        "ack(job 3, count 2) ; reset() ; abort(r1) ; step()"),
+    Regression(
+        "aborted-while-waiting-with-a-store",
+        "the same fix: the abort the conformance machine avoided, of a request waiting with "
+        "the store of its loaded state in flight",
+        "r1 waits in WAITING_STORING with the store of the state its load ended on (the "
+        "reset emptied the CPU cache); aborted, it drains that store (FINISHED_DRAINING) "
+        "and, never scheduled, has no table for a final store.",
+        _MAMBA_LOAD,
+        _LOADED_THEN_RESET + "promote(r1) ; abort(r1) ; step() ; ack(job 7, count 1) ; step()"),
+    Regression(
+        "preempted-then-aborted-before-the-next-step",
+        "divergence D2 (CONFORMANCE.md), a restriction of the conformance machine until it "
+        "was fixed",
+        "a request the core preempted outside schedule() and that is aborted before the next "
+        "step is in both preempted_req_ids and finished_req_ids; vLLM's preemption flush "
+        "reads only its status entry and flushes its store, where the spec flushed only "
+        "scheduled requests. The request table now has a preempt row from "
+        "FINISHED_PENDING_FINAL (group preempt_flushed).",
+        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
+               failures=0, preemptions=2),
+        "arrive(r0) ; step(admit=r0) ; preempt(r0) ; abort(r0) ; step() ; ack(job 0, count 2)"),
 )
 
 

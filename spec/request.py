@@ -99,6 +99,11 @@ STORE_CANDIDATES = StateGroup(
     "store_candidates", "build_connector_meta offers its new full chunks to the manager: a "
     "scheduled request, or a finished one's final store",
     (LOADING_SYNC, RUNNING, STORING, FINISHED_PENDING_FINAL))
+PREEMPT_FLUSHED = StateGroup(
+    "preempt_flushed", "in preempted_req_ids at build_connector_meta, the request's jobs are "
+    "flushed: a scheduled request, or one finished since the core preempted it (vLLM's flush "
+    "reads only the status entry, S:2136-2151); the sources of the preempt rows",
+    (LOADING_SYNC, RUNNING, STORING, FINISHED_PENDING_FINAL))
 HOLDS_GPU_BLOCKS = StateGroup(
     "holds_gpu_blocks", "the core holds the request's GPU blocks (freed at preemption and at "
     "finish; a loading request keeps them until its load ends)",
@@ -131,7 +136,8 @@ WAITING_ON_CONNECTOR = StateGroup(
     "waiting_on_connector", "the request cannot run until something else ends (its flushed "
     "jobs, a backend retry, another request's load); P-2 demands it does not stay forever",
     (LOOKUP_DEFERRED, PREEMPTED_FLUSHING))
-GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, STORE_CANDIDATES, HOLDS_GPU_BLOCKS,
+GROUPS = (UNFINISHED_TRACKED, FINISHED, SCHEDULED, PREEMPT_FLUSHED, STORE_CANDIDATES,
+          HOLDS_GPU_BLOCKS,
           MUST_RECOMPUTE, PREEMPTED_IF_RUNNING, MAY_HOLD_JOBS, HOLDS_JOBS, AWAITING_ADMISSION,
           QUIESCENT, WAITING_ON_CONNECTOR)
 
@@ -164,7 +170,9 @@ EFFECTS = (
            "request's KV depends on until its next restart (beyond vLLM: its failure, even "
            "after a reset made it stale, invalidates the request)"),
     Effect("mark_chunks_being_loaded", "add the load's keys to _chunks_being_loaded"),
-    Effect("record_block_ids", "append the allocated GPU blocks to the request's block table"),
+    Effect("record_block_ids", "the request's block table as the core schedules it (the "
+           "connector learns it here, not at the load: a request never scheduled since its "
+           "lookup has none to store from)"),
     Effect("create_store_job", "prepare_store; new job id into transfer_jobs and _jobs; fence "
            "sliding-window sources; advance the store cursor"),
     Effect("count_allocation_failure", "ALLOCATION_FAILURE counter; store cursor kept"),
@@ -291,6 +299,11 @@ TRANSITIONS = (
                path=Path.PREEMPT, note="no job to flush"),
     Transition("preempt", (STORING, LOADING_SYNC), PREEMPTED_FLUSHING, "build_connector_meta",
                "S:2136-2151", effects=("flush_request_jobs",), path=Path.PREEMPT),
+    Transition("preempt", (FINISHED_PENDING_FINAL,), SAME, "build_connector_meta",
+               "S:2136-2151", effects=("flush_request_jobs",), path=Path.PREEMPT,
+               note="preempted outside schedule() (a reset of the running requests), then "
+               "finished before the next step: its jobs are flushed all the same (a flush "
+               "only makes the workers finish a copy sooner; CONFORMANCE.md D2)"),
     # --- finish (and abort, legal in every state) -------------------------------------
     Transition("finish", UNFINISHED_TRACKED.states, FINISHED_PENDING_FINAL, "request_finished",
                "S:2361-2376, CS:3017-3027", effects=("register_deferred_fences",),

@@ -31,6 +31,7 @@ class SchedulerEffects:
 
     def restart_from_token_zero(self, req: RequestState, **_: Any) -> None:
         req.set_tables(((),) * self.s.config.num_groups)
+        req.load_tables = ()
         req.scheduled_end = 0
         req.next_stored_chunk_idx = 0
         req.lookup_hit_tokens = None
@@ -63,7 +64,7 @@ class SchedulerEffects:
                         group_sizes: tuple[int, ...] = (), block_indices: tuple[int, ...] = (),
                         end_chunk: int = 0, sync: bool = False,
                         block_table: tuple[tuple[int, ...], ...] = (), **_: Any) -> None:
-        req.set_tables(block_table)  # the core allocated them for the load (and the rest)
+        req.load_tables = block_table  # the core holds them; the table waits for the schedule
         job = JobStatus(-1, req, "load", self.s.config.num_workers, sync=sync, keys=keys,
                         gpu_block_ids=block_ids, first_block_index=first_block_index,
                         group_sizes=group_sizes, block_indices=block_indices)

@@ -35,6 +35,11 @@ class RequestState:
     group_block_ids: list[list[int]] = field(default_factory=lambda: [[]])
     """The block table per KV cache group as the connector saw it (NULL_BLOCK where the
     core gave none, or where a sliding-window block was handed out again)."""
+    load_tables: tuple[tuple[int, ...], ...] = ()
+    """The tables the core gave update_state_after_alloc for a load: the blocks a loading
+    request holds until it is scheduled. The connector keeps only the load's destinations
+    from them; its own table stays empty until the schedule records it (S:1502-1552), so a
+    request never scheduled since its lookup stores nothing. Read by the projection only."""
     scheduled_end: int = 0
     """Tokens computed once the last scheduled step ran (num_computed + num_scheduled at the
     last build_connector_meta that scheduled it): the core frees a sliding-window group's

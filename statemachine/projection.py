@@ -7,6 +7,7 @@ same events. It reads, never writes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from spec import request as R
@@ -19,23 +20,27 @@ if TYPE_CHECKING:
 
 
 
-def _in_window(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
-    """The blocks of the request's tables the core still gives it: a sliding-window group
+def _in_window(s: OffloadingScheduler, req: RequestState,
+               tables: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The blocks of `tables` the core still gives the request: a sliding-window group
     holds only the blocks in the window of its computed tokens (the core freed the others);
     no null position."""
     cfg = s.config
-    return tuple(b for g, table in enumerate(req.group_block_ids)
+    return tuple(b for g, table in enumerate(tables)
                  for p, b in enumerate(table)
                  if b != NULL_BLOCK and p >= cfg.skipped_blocks(g, req.scheduled_end))
 
 
 def _gpu_blocks(s: OffloadingScheduler, req: RequestState) -> tuple[int, ...]:
+    # the connector's tables once the core scheduled the request; until then (loading, its
+    # tables empty since the lookup: vLLM records them at the schedule) the allocation
+    tables = req.group_block_ids if any(req.group_block_ids) else req.load_tables
     if req.state in R.HOLDS_GPU_BLOCKS:
-        return _in_window(s, req)
+        return _in_window(s, req, tables)
     if req.is_finished:
         # aborted while loading: the core keeps the async load's destinations until it
         # ends, but not those a sliding window had left behind while the request ran
-        still = set(_in_window(s, req))
+        still = set(_in_window(s, req, tables))
         held: list[int] = []
         for jid in sorted(req.transfer_jobs):
             job = s.jobs.get(jid)

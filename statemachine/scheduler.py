@@ -487,7 +487,7 @@ class OffloadingScheduler:
             self._update_req_states(out)
             for req_id in sorted(out.preempted_req_ids - self._preempted_early):
                 req = self._req_status.get(req_id)
-                if req is not None and req.state in R.SCHEDULED:
+                if req is not None and req.state in R.PREEMPT_FLUSHED:
                     self._fire(self._requests_life, req, "preempt")
             self._flush_reallocated_blocks()
             # Timeouts last: the core already scheduled (or preempted) this step's requests,
@@ -562,10 +562,6 @@ class OffloadingScheduler:
         if not self.config.window_groups or not self._batch_allocated_blocks:
             return
         bpc = self.config.blocks_per_chunk
-        for job_id in self._batch_load_jobs:  # a table given in this step: nothing stale
-            job = self.jobs.get(job_id)
-            if job is not None:
-                ends.setdefault(job.owner.req_id, 0)
         for req_id, req in self._req_status.items():
             for g in self.config.window_groups:
                 table = req.group_block_ids[g]

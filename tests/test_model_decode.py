@@ -133,12 +133,12 @@ def test_without_decoding_nothing_is_sampled() -> None:
 
 @pytest.mark.parametrize(("b", "states"), [
     (M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1,
-              failures=1, preemptions=1, decode_tokens=2), 6281),
+              failures=1, preemptions=1, decode_tokens=2), 6185),
     (M.Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
-              failures=1, preemptions=1, decode_tokens=1), 12194),
+              failures=1, preemptions=1, decode_tokens=1), 11512),
     (M.Bounds(requests=1, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=12, resets=1,
               failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=2,
-              blocks_per_chunk=2, decode_tokens=3), 7575),
+              blocks_per_chunk=2, decode_tokens=3), 7507),
 ], ids=["one-request-decode-2", "two-requests-decode-1", "window-decode-3"])
 def test_the_checker_finds_no_violation_and_liveness_holds_under_decoding(
         b: M.Bounds, states: int) -> None:

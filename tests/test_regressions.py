@@ -9,6 +9,7 @@ import pytest
 
 from spec import model as M
 from spec.invariants import check
+from spec.model.projection import abstract
 from spec.regressions import REGRESSIONS, by_name
 from spec.state import AbstractState
 from statemachine.errors import InvariantViolation
@@ -205,3 +206,55 @@ def test_a_promoted_request_waits_with_the_store_of_its_loaded_state() -> None:
                          ("step(admit=r1)", "STORING")]
     meta = next(c for c in calls if c.hook == "build_connector_meta")
     assert [boundary for _g, _b, boundary in dict(meta.args[6])["r1"]] == [2]
+
+
+def test_a_loaded_request_aborted_before_its_schedule_stores_nothing() -> None:
+    """D3 in the model: r1's async load ended and a reset put its store cursor back to 0;
+    aborted before the core ever scheduled it, r1 has no block table (the schedule records
+    it, as in vLLM), so its final step creates no job, while the blocks it held as it
+    loaded were the core's allocation."""
+    reg = by_name("loaded-request-aborted-before-its-schedule")
+    s = M.initial(reg.bounds)
+    held: tuple[int, ...] = ()
+    for ev in reg.events():
+        s, _calls, _ = M.apply(s, ev)
+        r1 = next((r for r in abstract(s).requests if r.id == "r1"), None)
+        if r1 is not None and r1.state == "LOADING_ASYNC":
+            held = r1.gpu_blocks
+            assert next(q for q in s.reqs if q.id == "r1").blocks == ()
+            assert held == dict(s.core)["r1"].blocks
+    assert held, "r1 never loaded"
+    assert s.counter == 4 and not s.jobs
+    assert [r.id for r in s.reqs] == ["r0"]  # r1 dropped; r0 still runs
+
+
+def test_an_abort_while_waiting_with_a_store_drains_it_and_stores_nothing_else() -> None:
+    reg = by_name("aborted-while-waiting-with-a-store")
+    s = M.initial(reg.bounds)
+    seen: list[str] = []
+    for ev in reg.events():
+        s, _calls, _ = M.apply(s, ev)
+        seen.append(next((r.state for r in s.reqs if r.id == "r1"), "-"))
+    assert seen[-5:] == ["WAITING_STORING", "FINISHED_PENDING_FINAL", "FINISHED_DRAINING",
+                         "-", "-"]
+    assert s.counter == 8  # the hand-off's store (job 7) only
+
+
+def test_a_request_preempted_then_aborted_has_its_store_flushed() -> None:
+    """D2 in the model and the reference: the step after preempt(r0) ; abort(r0) flushes
+    r0's store (vLLM's flush reads only the status entry); r0 drains it and is dropped."""
+    reg = by_name("preempted-then-aborted-before-the-next-step")
+    s = M.initial(reg.bounds)
+    events = reg.events()
+    for ev in events[:-1]:
+        s, _calls, _ = M.apply(s, ev)
+    assert [(j.id, j.state) for j in s.jobs] == [(0, "FLUSH_REQUESTED")]
+    assert [(r.id, r.state) for r in s.reqs] == [("r0", "FINISHED_DRAINING")]
+    m = OffloadingStateMachine()
+    m.model = M.initial(reg.bounds)
+    m.impl = m.adapter_factory(reg.bounds)
+    for ev in events[:-1]:
+        m._step(ev)
+        m.invariants_hold()
+    (job,) = m.impl.scheduler.jobs
+    assert job.state == "FLUSH_REQUESTED" and job.flush_requested

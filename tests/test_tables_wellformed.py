@@ -102,6 +102,16 @@ def test_abort_is_legal_in_every_tracked_state() -> None:
             assert "finish" in ends, s
 
 
+def test_the_preempt_flush_group_is_the_preempt_rows_sources() -> None:
+    """Every layer decides which requests of preempted_req_ids to preempt by the group
+    `preempt_flushed`; the table's preempt rows must start from exactly those states (a
+    row from elsewhere would never fire, a member without a row would be illegal)."""
+    sources = {s for t in spec.REQUEST_MACHINE.transitions if t.trigger == "preempt"
+               for s in t.sources}
+    assert sources == set(R.PREEMPT_FLUSHED.states)
+    assert R.FINISHED_PENDING_FINAL in sources  # vLLM's flush reads only the status (D2)
+
+
 # -- the checks themselves must be able to fail ---------------------------------------
 
 def _with(m: MachineSpec, *extra: Transition, drop: str | None = None) -> MachineSpec:

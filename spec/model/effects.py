@@ -46,8 +46,7 @@ def bypass_offload_lookup(w: World, k: str, **kw: Any) -> None:
 @effect
 def create_load_job(w: World, k: str, keys: tuple[int, ...] = (),
                     block_ids: tuple[int, ...] = (), end_chunk: int = 0,
-                    sync: bool = False, block_table: tuple[int, ...] = (), **kw: Any) -> None:
-    put_req(w, tracked(w, k)._replace(blocks=block_table))
+                    sync: bool = False, **kw: Any) -> None:
     w.pending_new = MJob(-1, "load", k, pending=w.bounds.workers, sync=sync, keys=keys,
                          blocks=block_ids, unreported=w.bounds.workers)
     fire(w, "job", -1, "create_load")

@@ -218,6 +218,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                     pool = iter(sorted(w.free_blocks)[:need])
                     blocks = tuple(x if x == NULL_BLOCK else next(pool) for x in shape)
                     w.free_blocks.difference_update(blocks)
+                    w.core[r] = c._replace(blocks=blocks)  # allocate_slots, then the hook
                     alloc(w, r, blocks, hit)
                     calls.append(Call("update_state_after_alloc", (r, blocks, hit)))
                     _inside(w, calls[-1])

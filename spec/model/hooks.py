@@ -225,7 +225,7 @@ def alloc(w: World, r: str, blocks: tuple[int, ...], hit: int, local: int = 0) -
                 reads.append((k, frozenset(p - c * bpc for p in range(
                     max(first, c * bpc), min(last, (c + 1) * bpc)))))
     fire(w, "request", r, trigger, keys=tuple(keys), block_ids=tuple(dst),
-         end_chunk=end_chunk, sync=req.sync_reserved, block_table=tuple(blocks))
+         end_chunk=end_chunk, sync=req.sync_reserved)
     truth.placed(w, placements)
     truth.read(w, reads)
 
@@ -252,7 +252,7 @@ def build_meta(w: World, new: dict[str, tuple[int, ...]], cached: dict[str, tupl
         r: len(w.group_blocks(blocks, 0)) for r, blocks in cached.items()})
     for r in sorted(preempted - w.preempted_early):
         opt = w.reqs.get(r)
-        if opt is not None and opt.state in R.SCHEDULED:
+        if opt is not None and opt.state in R.PREEMPT_FLUSHED:
             fire(w, "request", r, "preempt")
     for b in sorted(w.batch_alloc):
         if Fault.REALLOC_SKIPS_FENCE in w.faults:
@@ -300,10 +300,9 @@ def _forget_reallocated_window_blocks(w: World, full_tables: set[str],
     if not b.window_groups() or not w.batch_alloc:
         return
     bpc = b.blocks_per_chunk
-    loading = {w.jobs[j].owner for j in w.batch_loads if j in w.jobs}
     for r, req in list(w.reqs.items()):
-        if r in full_tables or r in loading or not req.blocks:
-            continue  # a table given in this step (vLLM's is empty until it is scheduled)
+        if r in full_tables or not req.blocks:
+            continue  # a table given whole in this step, or none yet (not scheduled)
         table = list(req.blocks)
         end = len(table) // len(b.groups) - grown.get(r, 0)
         for i in window_positions(b.groups, len(table), req.cursor * bpc, _every_group(end)):

@@ -26,13 +26,17 @@ def _held(s: ModelState, table: tuple[int, ...], window_end: int) -> tuple[int, 
 def abstract(s: ModelState, step_open: bool = False) -> AbstractState:
     """The model state seen as spec.AbstractState (what the invariants are written over)."""
     reqs = []
+    core = dict(s.core)
     for q in s.reqs:
+        # the connector's table once the core scheduled the request; until then (loading,
+        # its table empty since the lookup: vLLM records it at the schedule) the core's
+        table = q.blocks or core[q.id].blocks
         if q.state in R.HOLDS_GPU_BLOCKS:
-            blocks = _held(s, q.blocks, q.window_end)
+            blocks = _held(s, table, q.window_end)
         elif q.finished:
             # aborted while loading: the core keeps the async load's destinations until it
             # ends, but not those a sliding window had left behind while the request ran
-            still = set(_held(s, q.blocks, q.window_end))
+            still = set(_held(s, table, q.window_end))
             blocks = tuple(b for j in s.jobs if j.owner == q.id
                            and R.finished_keeps_destinations(j.kind, j.sync)
                            for b in j.blocks if b in still)

@@ -26,7 +26,11 @@ static uint16_t gpu_blocks(const State *s, int r, uint8_t *seq, int *n) {
     uint16_t m = 0;
     *n = 0;
     if (IN(RS_HOLDS_GPU_BLOCKS, q->state)) {
-        for (int i = 0; i < q->nblocks; i++) { seq[(*n)++] = q->blocks[i]; m |= (uint16_t)(1u << q->blocks[i]); }
+        /* the connector's table once the core scheduled the request; until then (loading,
+         * its table empty since the lookup) the core's */
+        const uint8_t *t = q->nblocks ? q->blocks : q->cblocks;
+        int nt = q->nblocks ? q->nblocks : q->ncblocks;
+        for (int i = 0; i < nt; i++) { seq[(*n)++] = t[i]; m |= (uint16_t)(1u << t[i]); }
     } else if (q->flags & RF_FINISHED) {
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];

@@ -277,11 +277,9 @@ static void new_job(World *w, int kind, int owner, const Kw *kw) {
 }
 
 static void eff_create_load_job(World *w, int r, const Kw *kw) {
-    Req *q = tracked(w, r);
-    set_blocks(q->blocks, &q->nblocks, kw->table, kw->ntable);
     new_job(w, KIND_LOAD, r, kw);
     fire(w, M_JOB, -1, JT_create_load, NULL);
-    q = tracked(w, r);
+    Req *q = tracked(w, r);
     q->flags &= (uint8_t)~(RF_HIT | RF_KVLOAD);
     q->hit = 0;
     q->cursor = (uint8_t)(kw->first_block_index + kw->nblocks);
@@ -689,8 +687,6 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     kw.nblocks = hit;
     kw.first_block_index = 0;
     kw.sync = sync;
-    copy_blocks(kw.table, blocks, n);
-    kw.ntable = n;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
 }
 
@@ -734,7 +730,7 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
     for (int r = 0; r < w->b->requests; r++) {
         if (!((preempted >> r) & 1) || ((w->preempted_early >> r) & 1)) continue;
         Req *q = &w->s.req[r];
-        if ((q->flags & RF_TRACKED) && IN(RS_SCHEDULED, q->state)) fire(w, M_REQUEST, r, RT_preempt, NULL);
+        if ((q->flags & RF_TRACKED) && IN(RS_PREEMPT_FLUSHED, q->state)) fire(w, M_REQUEST, r, RT_preempt, NULL);
     }
     for (int b = 0; b < MAXB; b++) {
         if (!((w->batch_alloc >> b) & 1)) continue;

@@ -86,8 +86,8 @@ typedef struct {
 typedef struct {
     int hit_tokens, sync, count, live_jobs, job_id, end_chunk, first_block_index;
     uint16_t keys;
-    int nblocks, ntable;
-    uint8_t blocks[MAXT], table[MAXT];
+    int nblocks;
+    uint8_t blocks[MAXT];
 } Kw;
 
 typedef struct {
