@@ -63,6 +63,16 @@ class Counterexample:
         return len(self.steps)
 
     @property
+    def verdict(self) -> str:
+        """What it shows: `invariant INV-n`, `liveness P-n`, `illegal` (an event with no
+        table row), `stuck`."""
+        if self.kind == "invariant" and self.violations:
+            return f"invariant {self.violations[0].invariant}"
+        if self.kind == "liveness":
+            return f"liveness {self.property_id}"
+        return self.kind
+
+    @property
     def prefix(self) -> list[Step]:
         return self.steps if self.cycle_start is None else self.steps[:self.cycle_start]
 
@@ -181,16 +191,8 @@ class CheckResult:
 
     @property
     def verdict(self) -> str:
-        """`pass`, or what the counterexample shows: `invariant INV-n`, `liveness P-n`,
-        `illegal` (an event with no table row), `stuck`."""
-        ce = self.counterexample
-        if ce is None:
-            return "pass"
-        if ce.kind == "invariant" and ce.violations:
-            return f"invariant {ce.violations[0].invariant}"
-        if ce.kind == "liveness":
-            return f"liveness {ce.property_id}"
-        return ce.kind
+        """`pass`, or what the counterexample shows (`Counterexample.verdict`)."""
+        return "pass" if self.counterexample is None else self.counterexample.verdict
 
     @property
     def states_per_second(self) -> float:
@@ -234,6 +236,50 @@ def replay(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.NO_FAUL
         steps.append(Step(real, nxt, tuple(w.moves)))
         s = nxt
     return steps
+
+
+def _inside_violation(world: M.World, without: frozenset[str]
+                      ) -> Callable[[list[Step]], Counterexample] | None:
+    """The first invariant broken after a hook that returned inside the event's step (where
+    the implementation checks them too), as a counterexample of the trace it is given."""
+    for call, inner in world.inside:
+        violations = check(inner, without)
+        if violations:
+            hook = f"{call.hook}{call.args}"
+            return lambda steps: Counterexample(
+                "invariant", f"inside the step, after {hook}: {violations[0]}", steps,
+                violations, inside=(hook, inner))
+    return None
+
+
+def check_program(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.NO_FAULTS,
+                  tables: M.Tables = M.SPEC_TABLES, without: frozenset[str] = frozenset()
+                  ) -> Counterexample | None:
+    """Check one directed program (`spec.regressions`; real job ids) as the search checks
+    every path: each safety invariant in every state and after every hook inside a step, and
+    that every event has its row. None: the path holds. A path that leaves the model (an
+    event the environment cannot send there) raises its NotEnabled."""
+    s = M.initial(bounds)
+    inv = check(M.abstract(s), without)
+    if inv:
+        return Counterexample("invariant", str(inv[0]), [], inv)
+    steps: list[Step] = []
+    for ev in events:
+        try:
+            nxt, _calls, world = M.apply(s, ev, faults, inside=True, tables=tables)
+        except M.ModelError as exc:
+            if isinstance(exc, M.NotEnabled):
+                raise
+            return Counterexample("illegal", f"{ev}: {exc}", [*steps, Step(ev, s, ())])
+        steps.append(Step(ev, nxt, tuple(world.moves)))
+        found = _inside_violation(world, without)
+        if found is not None:
+            return found(steps)
+        violations = check(M.abstract(nxt), without)
+        if violations:
+            return Counterexample("invariant", str(violations[0]), steps, violations)
+        s = nxt
+    return None
 
 
 # ============================================================================ liveness
@@ -363,15 +409,10 @@ def check_model(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS,
                 return _finish(result, t0, len(states), max(depth))
             assert world is not None
             result.covered.update(world.fired)
-            for call, inner in world.inside:  # where the implementation checks them too
-                violations = check(inner, without)
-                if violations:
-                    hook = f"{call.hook}{call.args}"
-                    result.counterexample = Counterexample(
-                        "invariant", f"inside the step, after {hook}: {violations[0]}",
-                        trace(i, Step(ev, nxt, tuple(world.moves))), violations,
-                        inside=(hook, inner))
-                    return _finish(result, t0, len(states), max(depth))
+            found = _inside_violation(world, without)
+            if found is not None:
+                result.counterexample = found(trace(i, Step(ev, nxt, tuple(world.moves))))
+                return _finish(result, t0, len(states), max(depth))
             key = M.canonical(nxt)
             j = index.get(key)
             if j is None:

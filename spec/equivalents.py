@@ -93,14 +93,6 @@ TABLE_AT_THE_SCHEDULE = Survivor(
     "store of its prefix); the Mamba states the core hands off carry their own blocks, and "
     "the scenarios that reach WAITING_STORING hold Mamba groups only")
 
-CURSOR_OF_A_LOADED_STATE = Survivor(
-    "cache-only",
-    "the reset emptied the CPU cache; a store cursor left past the loaded chunks only skips "
-    "storing them again (a lost cache entry). INV-21 demands the cursor at 0 after a reset and "
-    "kills this mutant of every other reset row; the scenarios that reach WAITING_STORING hold "
-    "Mamba groups only (beside a full-attention group the search takes minutes), where no "
-    "positional group moves the cursor off 0")
-
 FLUSH_OF_A_FINISHED = Survivor(
     "equivalent",
     "the request finished before this preemption reached the connector, and its finish "
@@ -135,7 +127,6 @@ EQUIVALENT: dict[str, Survivor] = {
         BOOKKEEPING,
     "request: schedule(WAITING_STORING)->STORING drop record_block_ids": TABLE_AT_THE_SCHEDULE,
     "request: preempt(FINISHED_PENDING_FINAL)->= drop flush_request_jobs": FLUSH_OF_A_FINISHED,
-    "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor": CURSOR_OF_A_LOADED_STATE,
     ("request: load_recving(ORPHANED_LOAD)->IDLE [!load_invalid] drop promote_after_recving"):
         BOOKKEEPING,
     "request: load_failed(LOADING_ASYNC)->RECOMPUTE drop mark_load_invalid": INVALID_UNTIL_LOOKUP,

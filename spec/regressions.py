@@ -9,7 +9,7 @@ refinement, every invariant after every hook (inside steps too), and the drain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spec.model import Bounds, Event, RequestSettings, parse_events
 
@@ -30,6 +30,8 @@ class Regression:
 
 _THREE = Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
                 failures=2, preemptions=2)
+_THREE_NO_FAILURES = replace(_THREE, failures=0)
+"""The same under the conformance machine's bounds (vLLM has no failure report)."""
 
 _MAMBA_LOAD = Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
                      failures=0, preemptions=0, groups=("full", "mamba"))
@@ -39,6 +41,8 @@ _LOADED_THEN_RESET = (
     "step(admit=r1) ; ack(job 6, count 1) ; reset() ; ")
 """r0 stores its prompt and Mamba states; r1 (the same prefix) loads one token of them
 asynchronously, its load is reported, and a reset empties the CPU cache."""
+_MAMBA_EVICTION = replace(_MAMBA_LOAD, requests=3, families=2, gpu_blocks=12)
+"""Beside it, r1 of another prefix, whose stores evict r0's chunks from the CPU cache."""
 
 REGRESSIONS: tuple[Regression, ...] = (
     Regression(
@@ -90,8 +94,7 @@ REGRESSIONS: tuple[Regression, ...] = (
         "admission that ends an async load, which makes no lookup; the drain could then "
         "neither run the loaded r1 nor finish it (D3) and left it. Fixed in "
         "conformance/adapter.py (`VLLMMachine.admits_with_a_lookup`).",
-        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
-               failures=0, preemptions=2),
+        _THREE_NO_FAILURES,
         "step() ; arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; ack(job 0, count 2) ; "
         "step() ; ack(job 1, count 2) ; step(admit=r1) ; ack(job 2, count 2) ; "
         "ack(job 3, count 2) ; abort(r0) ; abort(r2)"),
@@ -108,8 +111,7 @@ REGRESSIONS: tuple[Regression, ...] = (
                    RequestSettings(max_offload_tokens=4),), decode_tokens=2),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step() ; ack(job 0, count 1) ; "
         "ack(job 1, count 1) ; step() ; preempt(r1) ; ack(job 2, count 1) ; step(admit=r0) ; "
-        "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; preempt(r1) ; "
-        "step(admit=r1)"),
+        "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; step(admit=r1)"),
     Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
@@ -187,8 +189,7 @@ REGRESSIONS: tuple[Regression, ...] = (
         "loaded chunks stored again (job 4) where vLLM stores nothing. The load's row no "
         "longer records a table (model, reference, compiled checker); the blocks a loading "
         "request holds are the core's allocation.",
-        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
-               failures=0, preemptions=2),
+        _THREE_NO_FAILURES,
         "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 2) ; "
         "ack(job 1, count 2) ; ack(job 2, count 2) ; arrive(r1) ; step(admit=r1) ; "
         "ack(job 3, count 2) ; reset() ; abort(r1) ; step()"),
@@ -210,9 +211,27 @@ REGRESSIONS: tuple[Regression, ...] = (
         "reads only its status entry and flushes its store, where the spec flushed only "
         "scheduled requests. The request table now has a preempt row from "
         "FINISHED_PENDING_FINAL (group preempt_flushed).",
-        Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
-               failures=0, preemptions=2),
+        _THREE_NO_FAILURES,
         "arrive(r0) ; step(admit=r0) ; preempt(r0) ; abort(r0) ; step() ; ack(job 0, count 2)"),
+    Regression(
+        "evicted-loaded-state-stored-while-waiting-then-reset",
+        "make mutate: `reset(WAITING_STORING)->IDLE drop reset_store_cursor` survived every "
+        "scenario (listed cache-only), whose only way to WAITING_STORING is a reset, which "
+        "had already put the store cursor at 0",
+        "vLLM's other way to a second store of a loaded state: an eviction, not a reset, "
+        "between the load's report and the core reaching the request. r2 loads r0's first "
+        "token (its cursor moves past the loaded chunk), r1's stores evict the loaded Mamba "
+        "state, the core reaches r2 without scheduling it and hands the state off again "
+        "(WAITING_STORING, cursor 1), and a reset must put the cursor back to 0 (INV-21): "
+        "without reset_store_cursor on that row r2 would never store its first chunk "
+        "again. The kill matrix now runs every survivor of its search through these "
+        "programs, and this one kills that mutant.",
+        _MAMBA_EVICTION,
+        "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r2) ; "
+        "step(admit=r2) ; ack(job 3, count 1) ; ack(job 4, count 1) ; ack(job 5, count 1) ; "
+        "ack(job 6, count 1) ; arrive(r1) ; step(admit=r1) ; ack(job 7, count 1) ; "
+        "ack(job 8, count 1) ; promote(r2) ; reset() ; step(admit=r2)"),
 )
 
 

@@ -8,10 +8,12 @@ from typing import Any, ClassVar
 import pytest
 
 from spec import model as M
+from spec.checker import check_program
 from spec.invariants import check
 from spec.model.projection import abstract
 from spec.regressions import REGRESSIONS, by_name
 from spec.state import AbstractState
+from statemachine.checker.mutation import spec_mutants
 from statemachine.errors import InvariantViolation
 from statemachine.testing import BLOCK, OffloadingStateMachine, ReferenceAdapter, replay
 
@@ -47,6 +49,28 @@ def _store_block_with_another(s: AbstractState) -> list[tuple[int, int, str]]:
 @pytest.mark.parametrize("reg", REGRESSIONS, ids=[r.name for r in REGRESSIONS])
 def test_regression_replays_clean_on_the_reference(reg: Any) -> None:
     replay(reg.events(), reg.bounds)
+
+
+@pytest.mark.parametrize("reg", REGRESSIONS, ids=[r.name for r in REGRESSIONS])
+def test_regression_is_a_clean_path_of_the_spec(reg: Any) -> None:
+    """Every event of the program is one the model can send where it stands (the replays
+    skip an event that is not: a stale program would shrink unseen), and every invariant
+    holds after each, inside its step too: the path the kill matrix runs mutants along."""
+    assert check_program(reg.bounds, reg.events()) is None
+
+
+def test_a_program_kills_a_mutant_past_the_scenarios_bounds() -> None:
+    """The reset of a request waiting with a store must put its store cursor back to 0:
+    without it, the program leaves r2's cursor past its loaded chunk after the reset
+    (INV-21). The scenarios reach WAITING_STORING only through a reset, which had put the
+    cursor at 0 already; the kill matrix runs this program on the mutants they leave."""
+    reg = by_name("evicted-loaded-state-stored-while-waiting-then-reset")
+    mutant = next(m for m in spec_mutants() if m.name ==
+                  "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
+    broken = check_program(reg.bounds, reg.events(), tables=mutant.tables())
+    assert broken is not None and broken.verdict == "invariant INV-21"
+    assert str(broken.steps[-1].event) == "reset()"
+    assert broken.violations[0].request == "r2"
 
 
 @pytest.mark.parametrize("name", ["store-block-reused-inside-the-step",

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from spec import model as M
+from spec.checker import CheckResult
 from spec.equivalents import EQUIVALENT, Survivor
+from spec.regressions import by_name
 from statemachine.checker import mutation
 from statemachine.checker.mutation import SpecMutant, matrix_scenarios, run_mutant, spec_mutants
 from statemachine.cli import main
@@ -46,6 +48,29 @@ def test_a_listed_survivor_survives_with_its_reason() -> None:
     kill = run_mutant(_named(name), matrix_scenarios())
     assert not kill.killed and kill.equivalent == EQUIVALENT[name]
     assert isinstance(kill.equivalent, Survivor) and kill.equivalent.reason
+
+
+def test_a_survivor_of_the_search_is_killed_by_a_directed_program(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mutant the scenarios leave (here: a search that finds nothing and fires the row)
+    runs through the directed programs; one that breaks is the kill, named, with its
+    length and verdict; one no program breaks survives."""
+    import statemachine.checker as checker
+
+    def search_finds_nothing(mutant: SpecMutant) -> None:
+        searched = CheckResult(M.Bounds(), M.NO_FAULTS)
+        searched.covered.add((mutant.machine, mutant.row))
+        monkeypatch.setattr(checker, "check", lambda *a, **k: searched)
+
+    cursor = _named("request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
+    search_finds_nothing(cursor)
+    kill = run_mutant(cursor, [])
+    program = "evicted-loaded-state-stored-while-waiting-then-reset"
+    assert (kill.by, kill.scenario) == ("invariant INV-21", f"program {program}")
+    assert kill.steps == len(by_name(program).events()) - 1  # broken at the reset
+    bookkeeping = _named("request: add(ABSENT)->IDLE drop create_request_status")
+    search_finds_nothing(bookkeeping)
+    assert run_mutant(bookkeeping, []).by == "survived"
 
 
 def test_every_listed_survivor_names_a_mutant_of_the_tables() -> None:

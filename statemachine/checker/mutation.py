@@ -6,7 +6,12 @@ gap in the checks or a mutant equivalent to the spec; `spec.equivalents` lists t
 kind with the reason, and the tests demand that the survivors are exactly those.
 
 The compiled checker takes the mutated rows at run time (no rebuild); each finding is
-replayed and certified on the Python model running the same mutated tables.
+replayed and certified on the Python model running the same mutated tables. A mutant the
+compiled scenarios leave runs along the directed programs (`spec.regressions`) on the Python
+model: each is one path, often past the scenarios' bounds (three requests beside a Mamba
+group, say), checked as the search checks every path; a break there is a kill (`in`:
+`program <name>`), with the program as its counterexample. A program takes milliseconds, so
+they come before the Python model's hand-off scenarios, which take tens of seconds.
 
 A survivor is checked over every scenario to the end, which makes the listed survivors
 four fifths of the matrix's time. The search is deterministic, so a survivor proven once
@@ -29,7 +34,9 @@ from pathlib import Path
 from typing import Literal
 
 from spec import model as M
+from spec.checker import check_program
 from spec.equivalents import EQUIVALENT, Survivor
+from spec.regressions import REGRESSIONS
 from spec.scenarios import SCENARIOS, Scenario
 from spec.schema import SAME, MachineSpec, Transition
 
@@ -101,6 +108,7 @@ class Kill:
     by: str
     """`invariant INV-n`, `liveness P-n`, `illegal`, `coverage`, `survived`."""
     scenario: str | None
+    """The scenario whose search killed it, or `program <name>` (a directed program)."""
     steps: int
     states: int
     """States explored until the kill (or in all, for a survivor)."""
@@ -184,7 +192,24 @@ def write_proof(kills: Iterable[Kill], scenarios: Iterable[Scenario]) -> None:
     PROOF.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+def _program_kill(m: SpecMutant, tables: M.Tables, states: int) -> Kill | None:
+    """The first directed program that breaks under the mutant's tables, as its kill."""
+    for reg in REGRESSIONS:
+        try:
+            broken = check_program(reg.bounds, reg.events(), tables=tables)
+        except M.NotEnabled:
+            continue  # the program's path leaves this mutant's model: it shows nothing here
+        if broken is not None:
+            return Kill(m.name, broken.verdict, f"program {reg.name}", len(broken), states,
+                        detail=broken.summary)
+    return None
+
+
 def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
+    """Cheapest first: the (compiled) `scenarios`, then the directed programs (one path
+    each, milliseconds), then, for a row only hand-offs reach, the Python model's hand-off
+    scenarios (tens of seconds each); a mutant none of them kills must still fire every row
+    the spec fires there, or it is killed by coverage."""
     from statemachine.checker import CheckerDisagreement, check
 
     tables = m.tables()
@@ -192,18 +217,26 @@ def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
     states = 0
     scenarios = list(scenarios)
     baseline = _fired(tuple(sc.name for sc in scenarios))
-    if (m.machine, m.row) not in baseline:  # a hand-off row: the Python scenarios reach it
-        scenarios += [sc for sc in SCENARIOS if sc.name in HANDOFF_SCENARIOS]
-    for sc in scenarios:
-        try:
-            r = check(sc.bounds, tables=tables)
-        except CheckerDisagreement as exc:  # a bug of the compiled twin: surface it
-            return Kill(m.name, "disagreement", sc.name, 0, states, detail=str(exc))
-        states += r.states
-        covered |= r.covered
-        if r.counterexample is not None:
-            ce = r.counterexample
-            return Kill(m.name, r.verdict, sc.name, len(ce), states, detail=ce.summary)
+    slow = [] if (m.machine, m.row) in baseline else [
+        sc for sc in SCENARIOS if sc.name in HANDOFF_SCENARIOS]
+
+    def search(chosen: list[Scenario]) -> Kill | None:
+        nonlocal states
+        for sc in chosen:
+            try:
+                r = check(sc.bounds, tables=tables)
+            except CheckerDisagreement as exc:  # a bug of the compiled twin: surface it
+                return Kill(m.name, "disagreement", sc.name, 0, states, detail=str(exc))
+            states += r.states
+            covered.update(r.covered)
+            if r.counterexample is not None:
+                ce = r.counterexample
+                return Kill(m.name, r.verdict, sc.name, len(ce), states, detail=ce.summary)
+        return None
+
+    kill = search(scenarios) or _program_kill(m, tables, states) or search(slow)
+    if kill is not None:
+        return kill
     missing = (baseline | {(m.machine, m.row)}) - covered
     if missing:
         machine, index = min(missing)
