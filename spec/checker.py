@@ -136,6 +136,8 @@ def diff(a: AbstractState, b: AbstractState) -> list[str]:
         if bx != by:
             out.append(f"request {rid} holds GPU blocks {list(by)}" if by
                        else f"request {rid} holds no GPU block")
+        if x is not None and y is not None and x.store_cursor != y.store_cursor:
+            out.append(f"request {rid}: store cursor {x.store_cursor} -> {y.store_cursor}")
     ja, jb = {j.id: j for j in a.jobs}, {j.id: j for j in b.jobs}
     for jid in sorted(ja.keys() | jb.keys()):
         x2, y2 = ja.get(jid), jb.get(jid)

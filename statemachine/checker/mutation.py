@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Literal
 
 from spec import model as M
-from spec.checker import check_program
+from spec.checker import Counterexample, check_program
 from spec.equivalents import EQUIVALENT, Survivor
 from spec.regressions import REGRESSIONS
+from spec.regressions import by_name as regression
 from spec.scenarios import SCENARIOS, Scenario
 from spec.schema import SAME, MachineSpec, Transition
 
@@ -100,6 +101,10 @@ def spec_mutants() -> list[SpecMutant]:
             out += [SpecMutant(machine, i, "drop", e) for e in t.effects]
             out += [SpecMutant(machine, i, "negate", g) for g in (*t.requires, *t.unless)]
     return out
+
+
+PROGRAM = "program "
+"""How a kill names the directed program it came from (`Kill.scenario`)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +205,7 @@ def _program_kill(m: SpecMutant, tables: M.Tables, states: int) -> Kill | None:
         except M.NotEnabled:
             continue  # the program's path leaves this mutant's model: it shows nothing here
         if broken is not None:
-            return Kill(m.name, broken.verdict, f"program {reg.name}", len(broken), states,
+            return Kill(m.name, broken.verdict, f"{PROGRAM}{reg.name}", len(broken), states,
                         detail=broken.summary)
     return None
 
@@ -243,6 +248,22 @@ def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
         row = row_name(tables.machines[machine].transitions[index])
         return Kill(m.name, "coverage", None, 0, states, detail=f"{machine}: {row} never fires")
     return Kill(m.name, "survived", None, 0, states, equivalent=EQUIVALENT.get(m.name))
+
+
+def counterexample_of(kill: Kill, m: SpecMutant) -> Counterexample | None:
+    """The whole counterexample behind `kill` (a Kill keeps only its summary, to cross
+    processes): the killing program or scenario checked again on the mutant's tables, the
+    search being deterministic. None for a mutant killed by coverage, or not killed."""
+    from statemachine.checker import check
+
+    name = kill.scenario
+    if not kill.killed or name is None:
+        return None
+    if name.startswith(PROGRAM):
+        reg = regression(name.removeprefix(PROGRAM))
+        return check_program(reg.bounds, reg.events(), tables=m.tables())
+    sc = next(sc for sc in SCENARIOS if sc.name == name)
+    return check(sc.bounds, tables=m.tables()).counterexample
 
 
 def _run(args: tuple[SpecMutant, bool]) -> Kill:

@@ -59,14 +59,14 @@ def _row(sc: Scenario, r: CheckResult) -> dict[str, Any]:
     }
 
 
-def write_counterexample_svg(result: CheckResult, path: Path) -> Path | None:
+def write_counterexample_svg(ce: Counterexample | None, path: Path) -> Path | None:
     """The counterexample drawn over the machines, as SVG where `dot` is installed, else as
     its DOT source beside the asked path (and a note saying so)."""
     from statemachine.diagrams import INSTALL_HINT, counterexample_graph, have_dot
 
-    if result.counterexample is None:
+    if ce is None:
         return None
-    graph = counterexample_graph(result.counterexample)
+    graph = counterexample_graph(ce)
     if have_dot():
         path.write_bytes(graph.pipe(format="svg"))
         return path
@@ -122,6 +122,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         from statemachine.cli.tiering import cmd_check_tiering
 
         return cmd_check_tiering(args)
+    if args.only and not args.mutate:
+        return usage_error("check", "--only picks mutants of the tables: it goes with --mutate")
     if args.mutate:
         from statemachine.cli.mutate import cmd_mutate
 
@@ -166,7 +168,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     coverage_gap = full_suite and failed is None and bool(uncovered)
     svg = None
     if failed is not None and args.svg:
-        svg = write_counterexample_svg(failed, Path(args.svg))
+        svg = write_counterexample_svg(failed.counterexample, Path(args.svg))
     if args.json:
         print(json.dumps({
             "scenarios": rows, "faults": sorted(faults), "without": sorted(without),
@@ -243,6 +245,9 @@ def register(sub: Any) -> None:
                    help="also run the older reachability check (a quiescent state reachable "
                    "from every state; implied by liveness P-3)")
     c.add_argument("--max-states", type=int, default=None)
+    c.add_argument("--only", metavar="TEXT",
+                   help="with --mutate: only the mutants whose name contains TEXT; when one "
+                   "is killed, its counterexample in full (--svg draws it)")
     c.add_argument("--reprove", action="store_true",
                    help="with --mutate: search the listed survivors again, even where "
                    "spec/equivalents.proof.json proved them at this fingerprint")

@@ -6,22 +6,30 @@ import argparse
 import json
 from collections import Counter
 from dataclasses import asdict
+from pathlib import Path
 
 from spec.equivalents import EQUIVALENT
 from statemachine.checker import mutation
 from statemachine.checker.mutation import (
     PROOF,
+    counterexample_of,
     kill_matrix,
     matrix_scenarios,
     proven_survivors,
     spec_mutants,
     write_proof,
 )
-from statemachine.cli.common import EXIT_FAIL, EXIT_OK, Progress, print_table
+from statemachine.cli.check import counterexample_json, write_counterexample_svg
+from statemachine.cli.common import EXIT_FAIL, EXIT_OK, Progress, print_table, usage_error
 
 
 def cmd_mutate(args: argparse.Namespace) -> int:
     mutants = spec_mutants()
+    if args.only:
+        mutants = [m for m in mutants if args.only in m.name]
+        if not mutants:
+            return usage_error("check", f"no mutant of the tables has {args.only!r} in its "
+                               "name (kvspec check --mutate lists them)")
     scenarios = matrix_scenarios()
     proven = {} if args.reprove else proven_survivors(scenarios)
     show = Progress("mutants")
@@ -33,13 +41,17 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     gaps = [k for k in kills if not k.killed and k.equivalent is None]
     wrong = [k for k in kills if k.by == "disagreement"]
     # a listed survivor that is killed now, or that no longer exists: its reason is stale
-    stale = sorted(set(EQUIVALENT) - {k.mutant for k in kills if not k.killed})
+    listed = set(EQUIVALENT) if not args.only else set(EQUIVALENT) & {m.name for m in mutants}
+    stale = sorted(listed - {k.mutant for k in kills if not k.killed})
     tally = Counter(k.by.split()[0] if k.killed else
                     (k.equivalent.kind if k.equivalent else "survived") for k in kills)
     complete = not reused and {k.mutant for k in kills} == \
         {m.name for m in mutation.spec_mutants()}
     if complete and not (gaps or wrong or stale):
         write_proof(kills, scenarios)  # every mutant searched: the survivors are proven
+    # one mutant asked for: the whole counterexample of its kill, for a reader
+    ce = counterexample_of(kills[0], mutants[0]) if args.only and len(kills) == 1 else None
+    svg = write_counterexample_svg(ce, Path(args.svg)) if ce is not None and args.svg else None
     if args.json:
         print(json.dumps({
             "proven_before": reused,
@@ -48,6 +60,7 @@ def cmd_mutate(args: argparse.Namespace) -> int:
             "non_equivalent_survivors": [k.mutant for k in gaps],
             "stale_equivalents": stale,
             "matrix": [asdict(k) for k in kills],
+            "counterexample": None if ce is None else counterexample_json(ce, svg),
         }, indent=2, ensure_ascii=False))
     else:
         rows = [{"mutant": k.mutant,
@@ -67,4 +80,9 @@ def cmd_mutate(args: argparse.Namespace) -> int:
             print(f"  the compiled checker and the model disagree on {k.mutant}: {k.detail}")
         for name in stale:
             print(f"  listed in spec/equivalents.py but killed or gone: {name}")
+        if ce is not None:
+            print()
+            print(ce.render())
+            if svg:
+                print(f"\ncounterexample drawn over the machines: {svg}")
     return EXIT_FAIL if gaps or wrong or stale else EXIT_OK
