@@ -230,8 +230,10 @@ REGRESSIONS: tuple[Regression, ...] = (
         "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 1) ; "
         "ack(job 1, count 1) ; ack(job 2, count 1) ; finish(r0) ; step() ; arrive(r2) ; "
         "step(admit=r2) ; ack(job 3, count 1) ; ack(job 4, count 1) ; ack(job 5, count 1) ; "
-        "ack(job 6, count 1) ; arrive(r1) ; step(admit=r1) ; ack(job 7, count 1) ; "
-        "ack(job 8, count 1) ; promote(r2) ; reset() ; step(admit=r2)"),
+        "ack(job 6, count 1) ; arrive(r1) ; step(admit=r1) ; step() ; step() ; "
+        "ack(job 7, count 1) ; ack(job 8, count 1) ; ack(job 9, count 1) ; "
+        "ack(job 10, count 1) ; ack(job 11, count 1) ; ack(job 12, count 1) ; promote(r2) ; "
+        "reset() ; step(admit=r2)"),
 )
 
 
