@@ -1,5 +1,6 @@
 """The directed programs of `spec.regressions` against vLLM's own scheduler side: refinement,
-every invariant after every hook (inside steps too) and the drain, as for the reference."""
+every invariant after every hook (inside steps too) and the drain, as for the reference; and,
+on a release with every feature the spec describes, the program's own path."""
 
 from __future__ import annotations
 
@@ -13,18 +14,51 @@ from spec.regressions import REGRESSIONS, Regression, by_name
 pytestmark = pytest.mark.conformance
 
 
+def _requests(s: M.ModelState) -> list[tuple[str, str, tuple[int, ...], int | None]]:
+    """What a program's path is made of: each request's state, jobs and store cursor."""
+    return [(r.id, r.state, tuple(sorted(r.transfer_jobs)), r.store_cursor)
+            for r in M.abstract(s).requests]
+
+
+def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
+    """Replay `reg` on vLLM's connector with every check of the random runs (as
+    `statemachine.testing.replay`), then the drain; the model's state after each event. The
+    model follows vLLM's choices (its evictions), so these are the path vLLM took."""
+    from conformance.adapter import VLLMMachine
+
+    m = VLLMMachine()
+    m.model = M.initial(reg.bounds)
+    m.impl = m.adapter_factory(reg.bounds)
+    path = []
+    for ev in reg.events():
+        m._step(ev)
+        m.invariants_hold()
+        path.append(m.model)
+    assert len(m.trace) == len(reg.events()), "an event of the program was not taken"
+    m.teardown()
+    return path
+
+
 @pytest.mark.parametrize("reg", REGRESSIONS, ids=[r.name for r in REGRESSIONS])
 def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> None:
+    """Clean on vLLM; on a release with every feature the spec describes, also along the
+    program's own path (a program that passes on a path of vLLM's choosing, another
+    eviction say, would not test on vLLM what it says)."""
     if vllm_ready.vllm_version() < (0, 26, 0):
         pytest.skip("the programs use preemption and finish, which the 0.22-0.25 machine "
                     "leaves out")
     if any(ev.kind == "report" and ev.failed for ev in reg.events()):
         pytest.skip("a failed report: vLLM's connector has none (the machine takes no "
                     "worker failures, CONFORMANCE.md)")
-    from conformance.adapter import VLLMMachine
-    from statemachine.testing import replay
+    from conformance.releases import FEATURES, features
+    from spec.checker import replay
 
-    replay(reg.events(), reg.bounds, VLLMMachine)
+    path = _replay_on_vllm(reg)
+    if features(vllm_ready.vllm_version()) != set(FEATURES):
+        return  # an older release: its own choices (an LRU order, say) may take another path
+    spec_path = [step.state for step in replay(reg.bounds, reg.events(), canonical_ids=False)]
+    for ev, ours, theirs in zip(reg.events(), spec_path, path, strict=True):
+        assert _requests(theirs) == _requests(ours), f"vLLM left the program's path at {ev}"
 
 
 def test_an_evicted_loaded_state_is_stored_while_waiting_and_the_reset_rewinds_the_cursor(
@@ -34,19 +68,8 @@ def test_an_evicted_loaded_state_is_stored_while_waiting_and_the_reset_rewinds_t
     stores evict the Mamba state r2 loaded, the core reaches r2 without scheduling it and
     vLLM stores the state again, so r2 waits with the store in flight and its store cursor
     past the loaded chunk; the reset puts that cursor back to 0, as the row says."""
-    from conformance.adapter import VLLMMachine
-
     reg = by_name("evicted-loaded-state-stored-while-waiting-then-reset")
-    m = VLLMMachine()
-    m.model = M.initial(reg.bounds)
-    m.impl = m.adapter_factory(reg.bounds)
-    seen: dict[str, dict[str, tuple[str, int | None]]] = {}
-    for ev in reg.events():
-        m._step(ev)
-        m.invariants_hold()
-        seen[str(ev)] = {r.id: (r.state, r.store_cursor)
-                         for r in m.impl.abstract_state().requests}
-    assert len(m.trace) == len(reg.events()), "an event of the program was not taken"
-    m.teardown()
+    seen = {str(ev): {r[0]: (r[1], r[3]) for r in _requests(s)}
+            for ev, s in zip(reg.events(), _replay_on_vllm(reg), strict=True)}
     assert seen["promote(r2)"]["r2"] == ("WAITING_STORING", 1)
     assert seen["reset()"]["r2"] == ("IDLE", 0)
