@@ -664,16 +664,25 @@ class OffloadingStateMachine(RuleBasedStateMachine):
 
 
 def replay(events: list[M.Event], bounds: M.Bounds,
-           machine: type[OffloadingStateMachine] = OffloadingStateMachine) -> None:
+           machine: type[OffloadingStateMachine] = OffloadingStateMachine
+           ) -> list[M.ModelState]:
     """Drive the machine through a fixed event sequence (a model checker's counterexample,
-    say) with every check of the random runs; raises what they raise."""
+    say) with every check of the random runs, then its drain; raises what they raise. The
+    model's state after each event it took (one the model cannot send where it stands is
+    skipped, as in the random runs); the model follows the implementation's choices (its
+    evictions), so this is the path the implementation took."""
     m = machine()
     m.model = M.initial(bounds)
     m.impl = m.adapter_factory(bounds)
+    path: list[M.ModelState] = []
     for ev in events:
+        taken = len(m.trace)
         m._step(ev)
         m.invariants_hold()
+        if len(m.trace) > taken:
+            path.append(m.model)
     m.teardown()
+    return path
 
 
 class DataPlaneStateMachine(RuleBasedStateMachine):

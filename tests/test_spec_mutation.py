@@ -53,26 +53,28 @@ def test_a_listed_survivor_survives_with_its_reason() -> None:
     assert isinstance(kill.equivalent, Survivor) and kill.equivalent.reason
 
 
+def _search_finds_nothing(monkeypatch: pytest.MonkeyPatch, mutant: SpecMutant) -> None:
+    """Stub the scenarios' search: it finds nothing and fires the mutant's row."""
+    import statemachine.checker as checker
+
+    searched = CheckResult(M.Bounds(), M.NO_FAULTS)
+    searched.covered.add((mutant.machine, mutant.row))
+    monkeypatch.setattr(checker, "check", lambda *a, **k: searched)
+
+
 def test_a_survivor_of_the_search_is_killed_by_a_directed_program(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A mutant the scenarios leave (here: a search that finds nothing and fires the row)
     runs through the directed programs; one that breaks is the kill, named, with its
     length and verdict; one no program breaks survives."""
-    import statemachine.checker as checker
-
-    def search_finds_nothing(mutant: SpecMutant) -> None:
-        searched = CheckResult(M.Bounds(), M.NO_FAULTS)
-        searched.covered.add((mutant.machine, mutant.row))
-        monkeypatch.setattr(checker, "check", lambda *a, **k: searched)
-
     cursor = _named("request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
-    search_finds_nothing(cursor)
+    _search_finds_nothing(monkeypatch, cursor)
     kill = run_mutant(cursor, [])
     program = "evicted-loaded-state-stored-while-waiting-then-reset"
     assert (kill.by, kill.scenario) == ("invariant INV-21", f"program {program}")
     assert kill.steps == len(by_name(program).events()) - 1  # broken at the reset
     bookkeeping = _named("request: add(ABSENT)->IDLE drop create_request_status")
-    search_finds_nothing(bookkeeping)
+    _search_finds_nothing(monkeypatch, bookkeeping)
     assert run_mutant(bookkeeping, []).by == "survived"
 
 
@@ -80,13 +82,8 @@ def test_cli_only_prints_one_mutants_whole_counterexample(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`--only` picks mutants by a part of their name; for one, the kill's counterexample
     is printed whole (here a program's: the search stubbed to find nothing)."""
-    import statemachine.checker as checker
-
     name = "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor"
-    mutant = _named(name)
-    searched = CheckResult(M.Bounds(), M.NO_FAULTS)
-    searched.covered.add((mutant.machine, mutant.row))
-    monkeypatch.setattr(checker, "check", lambda *a, **k: searched)
+    _search_finds_nothing(monkeypatch, _named(name))
     assert main(["check", "--mutate", "--only", "reset(WAITING_STORING)->IDLE drop reset_store",
                  "--jobs", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

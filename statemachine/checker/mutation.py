@@ -39,6 +39,7 @@ from spec.equivalents import EQUIVALENT, Survivor
 from spec.regressions import REGRESSIONS
 from spec.regressions import by_name as regression
 from spec.scenarios import SCENARIOS, Scenario
+from spec.scenarios import by_name as scenario
 from spec.schema import SAME, MachineSpec, Transition
 
 Operator = Literal["drop", "negate"]
@@ -262,8 +263,7 @@ def counterexample_of(kill: Kill, m: SpecMutant) -> Counterexample | None:
     if name.startswith(PROGRAM):
         reg = regression(name.removeprefix(PROGRAM))
         return check_program(reg.bounds, reg.events(), tables=m.tables())
-    sc = next(sc for sc in SCENARIOS if sc.name == name)
-    return check(sc.bounds, tables=m.tables()).counterexample
+    return check(scenario(name).bounds, tables=m.tables()).counterexample
 
 
 def _run(args: tuple[SpecMutant, bool]) -> Kill:

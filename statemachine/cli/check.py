@@ -76,6 +76,14 @@ def write_counterexample_svg(ce: Counterexample | None, path: Path) -> Path | No
     return dot
 
 
+def print_counterexample(ce: Counterexample, svg: Path | None) -> None:
+    """The counterexample, step by step, after a blank line, and where it is drawn."""
+    print()
+    print(ce.render())
+    if svg:
+        print(f"\ncounterexample drawn over the machines: {svg}")
+
+
 def counterexample_json(ce: Counterexample, svg: Path | None) -> dict[str, Any]:
     return {
         "kind": ce.kind, "summary": ce.summary,
@@ -193,10 +201,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"  never fired: {m} #{i + 1} {t.trigger} {list(t.sources)} -> {t.dest} "
                   f"[{t.guard_text}]")
         if failed is not None and failed.counterexample is not None:
-            print()
-            print(failed.counterexample.render())
-            if svg:
-                print(f"\ncounterexample drawn over the machines: {svg}")
+            print_counterexample(failed.counterexample, svg)
     if failed is not None or coverage_gap or unexpected:
         return EXIT_FAIL
     return EXIT_OK

@@ -19,7 +19,11 @@ from statemachine.checker.mutation import (
     spec_mutants,
     write_proof,
 )
-from statemachine.cli.check import counterexample_json, write_counterexample_svg
+from statemachine.cli.check import (
+    counterexample_json,
+    print_counterexample,
+    write_counterexample_svg,
+)
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, Progress, print_table, usage_error
 
 
@@ -81,8 +85,5 @@ def cmd_mutate(args: argparse.Namespace) -> int:
         for name in stale:
             print(f"  listed in spec/equivalents.py but killed or gone: {name}")
         if ce is not None:
-            print()
-            print(ce.render())
-            if svg:
-                print(f"\ncounterexample drawn over the machines: {svg}")
+            print_counterexample(ce, svg)
     return EXIT_FAIL if gaps or wrong or stale else EXIT_OK

@@ -21,21 +21,13 @@ def _requests(s: M.ModelState) -> list[tuple[str, str, tuple[int, ...], int | No
 
 
 def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
-    """Replay `reg` on vLLM's connector with every check of the random runs (as
-    `statemachine.testing.replay`), then the drain; the model's state after each event. The
-    model follows vLLM's choices (its evictions), so these are the path vLLM took."""
+    """`statemachine.testing.replay` on vLLM's connector: the path vLLM took, every event of
+    the program taken."""
     from conformance.adapter import VLLMMachine
+    from statemachine.testing import replay
 
-    m = VLLMMachine()
-    m.model = M.initial(reg.bounds)
-    m.impl = m.adapter_factory(reg.bounds)
-    path = []
-    for ev in reg.events():
-        m._step(ev)
-        m.invariants_hold()
-        path.append(m.model)
-    assert len(m.trace) == len(reg.events()), "an event of the program was not taken"
-    m.teardown()
+    path = replay(reg.events(), reg.bounds, VLLMMachine)
+    assert len(path) == len(reg.events()), "an event of the program was not taken"
     return path
 
 
