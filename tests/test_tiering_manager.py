@@ -518,6 +518,24 @@ def test_threaded_tier_io_gives_the_same_result(make: Callable[..., Checked]) ->
     assert s.load("r", ["a", "b"]) == [data("a"), data("b")]
 
 
+@pytest.mark.parametrize("marks_present", [False, True], ids=["0.33", "marks-present"])
+def test_a_stored_copy_turns_a_cached_miss_into_a_hit_only_with_marks_present(
+        make: Callable[..., Checked], marks_present: bool) -> None:
+    """A probe's miss verdict is cached while the request that asked is alive. As vLLM
+    0.33.0 does (finding T2), a copy another request's cascade stores later stays a MISS
+    for it; with `marks_present` (vLLM 0.34.0's `mark_present`) the cascade's success
+    turns the verdict into a hit, and the copy is promoted."""
+    s = make(2, ("fs",), async_lookup=True, marks_present=marks_present)
+    s.new_request("r")
+    assert s.lookup("r", "a") == "RETRY"
+    s.end_step()
+    s.run_tier_io()
+    s.end_step()
+    assert s.lookup("r", "a") == "MISS"            # nowhere yet: a cached miss
+    _evict_into_tier(s, ["a"], ["x", "y"])          # stored, cascaded, evicted from the CPU
+    assert s.lookup("r", "a") == ("HIT_PENDING" if marks_present else "MISS")
+
+
 def test_async_lookups_answer_retry_until_the_probe_resolved(
         make: Callable[..., Checked]) -> None:
     s = make(2, ("fs",), async_lookup=True)

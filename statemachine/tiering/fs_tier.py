@@ -54,9 +54,9 @@ class FilesystemTier(SecondaryTier):
 
     def __init__(self, root: str | os.PathLike[str], buffer: PrimaryBuffer, *,
                  capacity: int | None = None, threads: int = 0, async_lookup: bool = False,
-                 fsync: bool = True, name: str = "") -> None:
+                 marks_present: bool = False, fsync: bool = True, name: str = "") -> None:
         super().__init__(buffer, capacity=capacity, threads=threads,
-                         async_lookup=async_lookup, name=name)
+                         async_lookup=async_lookup, marks_present=marks_present, name=name)
         self.root = Path(root)
         self.fsync = fsync
         self.root.mkdir(parents=True, exist_ok=True)

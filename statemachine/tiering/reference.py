@@ -58,7 +58,7 @@ class ReferenceTieringSystem:
     def __init__(self, num_slots: int = 4, tiers: Sequence[TierKind] = ("memory",), *,
                  slot_bytes: int = 16, tier_capacity: int | None = None,
                  tier_job_timeout_steps: int | None = None, async_lookup: bool = False,
-                 protect_scanned_keys: bool = True,
+                 marks_present: bool = False, protect_scanned_keys: bool = True,
                  threads: int = 0, root: str | Path | None = None,
                  eviction_policy: PolicyName = "lru") -> None:
         bad = [k for k in tiers if k not in ("memory", "fs")]
@@ -78,10 +78,12 @@ class ReferenceTieringSystem:
                 assert base is not None
                 built.append(FilesystemTier(base / f"tier{i}", self.buffer,
                                             capacity=tier_capacity, threads=threads,
-                                            async_lookup=async_lookup, name=f"fs{i}"))
+                                            async_lookup=async_lookup,
+                                            marks_present=marks_present, name=f"fs{i}"))
             else:
                 built.append(MemoryTier(self.buffer, capacity=tier_capacity, threads=threads,
-                                        async_lookup=async_lookup, name=f"memory{i}"))
+                                        async_lookup=async_lookup,
+                                        marks_present=marks_present, name=f"memory{i}"))
         self.tiers = built
         self.manager = TieringManager(num_slots, built, eviction_policy=eviction_policy,
                                       tier_job_timeout_steps=tier_job_timeout_steps,

@@ -191,21 +191,26 @@ class PositionedReference(ReferenceTieringSystem):
 
 
 def reference_system(setup: TierSetup, tier_kind: str = "fs", *, async_lookup: bool = True,
-                     protect_scanned_keys: bool = True) -> PositionedReference:
+                     protect_scanned_keys: bool = True,
+                     marks_present: bool = False) -> PositionedReference:
     """The reference over `setup`: tiers of `tier_kind` ("fs" or "memory"), with vLLM's
     asynchronous existence probes unless `async_lookup` is False. `protect_scanned_keys`
     False is vLLM's promotion (only the promoted key is kept from eviction, finding T1), for
-    the conformance tests; True is the spec's rule."""
+    the conformance tests; True is the spec's rule. `marks_present`: a store's success
+    makes its keys' cached verdicts HIT (vLLM 0.34.0; finding T2 before)."""
     kind: Any = tier_kind
     return PositionedReference(setup.num_slots, (kind,) * setup.num_tiers,
                                async_lookup=async_lookup,
-                               protect_scanned_keys=protect_scanned_keys)
+                               protect_scanned_keys=protect_scanned_keys,
+                               marks_present=marks_present)
 
 
-def vllm_like_reference(setup: TierSetup) -> PositionedReference:
-    """The reference as vLLM 0.33.0 behaves, for the conformance tests: filesystem tiers,
-    asynchronous probes, a promotion protects the promoted key alone (TM:713)."""
-    return reference_system(setup, "fs", protect_scanned_keys=False)
+def vllm_like_reference(setup: TierSetup, marks_present: bool = False) -> PositionedReference:
+    """The reference as vLLM behaves, for the conformance tests: filesystem tiers,
+    asynchronous probes, a promotion protects the promoted key alone (TM:713); a store's
+    success updates the probe cache from 0.34.0 (`marks_present`)."""
+    return reference_system(setup, "fs", protect_scanned_keys=False,
+                            marks_present=marks_present)
 
 
 # ----------------------------------------------------------------------------- table moves

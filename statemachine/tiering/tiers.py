@@ -92,7 +92,8 @@ class SecondaryTier(ABC):
     """vLLM's per-request offload policy (TB:315-326); only "chunk" is supported."""
 
     def __init__(self, buffer: PrimaryBuffer, *, capacity: int | None = None,
-                 threads: int = 0, async_lookup: bool = False, name: str = "") -> None:
+                 threads: int = 0, async_lookup: bool = False, marks_present: bool = False,
+                 name: str = "") -> None:
         if capacity is not None and (isinstance(capacity, bool)
                                      or not isinstance(capacity, int) or capacity < 0):
             raise ConfigError(f"capacity must be None or an integer >= 0, got {capacity!r}")
@@ -102,6 +103,11 @@ class SecondaryTier(ABC):
         self.capacity = capacity
         self.name = name or self.kind
         self.async_lookup = async_lookup
+        self.marks_present = marks_present
+        """A store's success makes its keys' cached verdicts HIT (vLLM 0.34.0's
+        `mark_present`, TAL@0.34.0:234-260); off, a verdict outlives the copy it missed
+        (0.33.0, finding T2)."""
+        self._store_keys: dict[int, tuple[OffloadKey, ...]] = {}
         self._executor: Executor = make_executor(threads, f"tier_{self.name}")
         self._mu = threading.Lock()          # state shared with the executor's threads
         self._writing: Counter[OffloadKey] = Counter()  # key -> store tasks to write it
@@ -156,6 +162,8 @@ class SecondaryTier(ABC):
                     plan.append("refuse")
                     self.stats["refused"] += 1
         self.stats["store_jobs"] += 1
+        if self.marks_present:
+            self._store_keys[job.job_id] = job.keys
         self._executor.submit(lambda: self._store_task(job, plan))
 
     def _full(self) -> bool:
@@ -235,6 +243,9 @@ class SecondaryTier(ABC):
             if keys is not None and not r.success:
                 ok = set(r.successful_keys or ())
                 self._mark_miss([k for k in keys if k not in ok])
+            stored = self._store_keys.pop(r.job_id, None)
+            if stored is not None and r.success:
+                self._mark_present(stored)
         return out
 
     def finished_job_ids(self) -> tuple[int, ...]:
@@ -336,6 +347,22 @@ class SecondaryTier(ABC):
             probe.found = found
             probe.phase = "RESOLVED"
 
+    def _mark_present(self, keys: Iterable[OffloadKey]) -> None:
+        """(TAL@0.34.0:234-260, TF@0.34.0:286-288) A successful store is newer than any
+        probe: a key's verdict becomes HIT under a new generation (a probe result or batch
+        entry of the old one is dropped); a verdict no request holds any more is dropped."""
+        for key in keys:
+            probe = self._probes.get(key)
+            if probe is None or probe.found is True:
+                continue
+            if not probe.req_ids:
+                del self._probes[key]
+                continue
+            probe.generation = self._next_generation
+            self._next_generation += 1
+            probe.found = True
+            probe.phase = "RESOLVED"
+
     def _mark_miss(self, keys: Iterable[OffloadKey]) -> None:
         """(TAL:220-230)"""
         for key in keys:
@@ -401,8 +428,10 @@ class MemoryTier(SecondaryTier):
     kind = "memory"
 
     def __init__(self, buffer: PrimaryBuffer, *, capacity: int | None = None,
-                 threads: int = 0, async_lookup: bool = False, name: str = "") -> None:
+                 threads: int = 0, async_lookup: bool = False, marks_present: bool = False,
+                 name: str = "") -> None:
         super().__init__(buffer, capacity=capacity, threads=threads,
+                         marks_present=marks_present,
                          async_lookup=async_lookup, name=name)
         self._copies: dict[OffloadKey, bytes] = {}
 
