@@ -113,6 +113,19 @@ REGRESSIONS: tuple[Regression, ...] = (
         "ack(job 1, count 1) ; step() ; preempt(r1) ; ack(job 2, count 1) ; step(admit=r0) ; "
         "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; step(admit=r1)"),
     Regression(
+        "failed-store-and-async-load",
+        "vLLM 0.34.0, the first release whose workers report a failed transfer",
+        "none: the failure paths vLLM 0.34 shares with the spec. A worker fails r0's store "
+        "of chunk 1 (the job is FAILING until the other worker reports, then rolled back); "
+        "a worker fails r1's async load of chunk 0 (RECOMPUTE: the next lookup answers 0 "
+        "without asking the manager and the core recomputes r1 from token 0), and r1 runs "
+        "and stores again.",
+        _THREE,
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; ack(job 0, count 2) ; "
+        "fail(job 1, count 1) ; ack(job 1, count 1) ; step() ; finish(r0) ; step() ; "
+        "step(admit=r1) ; ack(job 2, count 2) ; fail(job 3, count 1) ; ack(job 3, count 1) "
+        "; step(admit=r1) ; step()"),
+    Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
         "a request finished while its sync load's reports were still due; the core freed "
