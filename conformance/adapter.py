@@ -136,8 +136,16 @@ class VLLMAdapter:
         build_connector_meta (what 0.33's `_step_region` holds; read where vLLM has none)."""
         self.hit_tokens: dict[str, int] = {}
         """vLLM's last lookup answer per request, in tokens."""
+        self.failed_loads: set[int] = set()
+        """Load jobs a worker reported failed (0.34.0+): their requests' `failed_recving`."""
         self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
             self.scheduler)
+        self.cap_keeps_the_last_token = (
+            E.has("hybrid_hit_at_the_cap") and bool(self.scheduler._sliding_window_groups)
+            and not getattr(self.scheduler.config, "supports_partial_tail", False))
+        """0.34.0 with a window or Mamba group: the lookup's -1 comes before the caps. Not
+        with partial tails: their search reads the cap itself (S@0.34.0:1202-1203), up to
+        the boundary the spec's hit reaches, where a lower cap would stop it short."""
         self._evicted: list[int] = []
         self.deferred: set[str] = set()
         """Requests whose last lookup answered None while they held no job (the
@@ -282,10 +290,14 @@ class VLLMAdapter:
             # token, through vLLM's own bound for it (what OffloadingConnector passes for
             # hybrid models: the longest hit of num_tokens - 1 tokens in hash blocks).
             unit = self.bounds.tokens_per_hash * self.tok
+            cap = max(0, (req.num_tokens - 1) // unit * unit - local * self.tok)
+            if self.cap_keeps_the_last_token:
+                # CAP-BEFORE-THE-LAST-TOKEN (CONFORMANCE.md): 0.34.0 takes the token a
+                # window or Mamba group recomputes off before this cap, not after: the cap
+                # one token lower gives the hit 0.33 and the spec give
+                cap = max(0, cap - 1)
             hits, is_async = self.scheduler.get_num_new_matched_tokens(
-                req, local * self.tok,
-                max_num_new_tokens=max(0, (req.num_tokens - 1) // unit * unit
-                                       - local * self.tok))
+                req, local * self.tok, max_num_new_tokens=cap)
         else:
             hits, is_async = self.connector.get_num_new_matched_tokens(req,
                                                                        local * self.tok)
@@ -299,6 +311,7 @@ class VLLMAdapter:
                 self.deferred.discard(req_id)
             return None, bool(is_async)
         self.deferred.discard(req_id)
+        self.obs.recompute.discard(req_id)
         self.hit_tokens[req_id] = int(hits)
         try:
             return model_hit(int(hits), "sliding" in self.bounds.groups, self.tok), \
@@ -387,20 +400,33 @@ class VLLMAdapter:
         return meta
 
     def _report(self, job: int, done: int, failed: int, recving: frozenset[str]) -> Any:
-        if failed:
-            raise NotImplementedError("vLLM has no failure report (the machine is restricted)")
+        """Worker reports for `job`: `done` acks and `failed` failures (from 0.34.0, feature
+        failure_reports: a failing worker's report counts like an ack and names the job in
+        `failed_jobs`; the requests of a load that failed come in `failed_recving` with
+        their `finished_recving`, and the core recomputes them from token 0)."""
         fence = self.obs.emulated_fence
         if fence is not None and job in fence:
             fence[job] -= done
             if fence[job] <= 0:
                 del fence[job]
+        memo = self.obs.jobs.get(job)
+        if failed and memo is not None and memo.kind == "load":
+            self.failed_loads.add(job)
+        failed_recving = set(recving) if job in self.failed_loads else set()
+        count = done + failed
         out = self.connector.update_connector_output(
-            E.connector_output(self.setup, {job: done} if done else {},
-                               finished_recving=set(recving)))
+            E.connector_output(self.setup, {job: count} if count else {},
+                               finished_recving=set(recving),
+                               failed_jobs={job} if failed else frozenset(),
+                               failed_recving=failed_recving))
         for r in recving:  # the core's side of finished_recving
             if self.obs.core_status.get(r) == "remote":
                 self.obs.core_status[r] = "waiting"
                 self.requests[r].status = self.status.WAITING
+                if r in failed_recving:  # CS@0.34.0:3625-3646: its blocks freed, recomputed
+                    self.obs.core_blocks[r] = ()
+                    self.requests[r].num_computed_tokens = 0
+                    self.obs.recompute.add(r)
             elif self.obs.core_status.get(r) == "finished":
                 self.obs.core_blocks[r] = ()
         return out
@@ -599,17 +625,45 @@ def features_needed(b: M.Bounds) -> frozenset[str]:
     return frozenset(need)
 
 
+RELEASE_FAILURES = 2 if E.has("failure_reports") else 0
+"""Worker failures a run may draw: from 0.34.0 (feature failure_reports) a worker reports a
+failed copy; before, a failure asserts in the worker (W:299-301) and none is drawn."""
+
+
+def rules_differ(b: M.Bounds) -> list[str]:
+    """The divergences (CONFORMANCE.md) that keep bounds `b` off the vLLM under test: where
+    a release changed a rule the spec states as 0.33 has it. Such bounds are left out
+    until the spec takes a release's rule.
+    - D5 (feature hybrid_hit_at_the_cap, 0.34.0): beside a sliding-window or Mamba group the
+      lookup takes the token it recomputes off the request's length before the caps, so a
+      hit capped by a request's `max_load_tokens` ends on the cap; the spec's ends one
+      token short. (The adapter's own cap, LAST-TOKEN-BOUND, it lowers by one token
+      itself: `VLLMAdapter.cap_keeps_the_last_token`.)
+    - D6 (feature store_admission_once_per_request, 0.34.0): under a store threshold a key
+      counts once per request, so a request's re-offer after a preemption does not admit
+      it; the spec counts every offer."""
+    out = []
+    if (E.has("hybrid_hit_at_the_cap") and any(g != "full" for g in b.groups)
+            and any(s.max_load_tokens is not None for s in b.request_settings)):
+        out.append("D5 (hybrid_hit_at_the_cap)")
+    if E.has("store_admission_once_per_request") and b.store_threshold >= 2:
+        out.append("D6 (store_admission_once_per_request)")
+    return out
+
+
 def for_release(bounds: tuple[M.Bounds, ...]) -> tuple[M.Bounds, ...]:
     """The bounds the vLLM under test has every feature for (decided without importing it:
-    `vllm_env.release_version`)."""
-    return tuple(b for b in bounds if not E.missing(*sorted(features_needed(b))))
+    `vllm_env.release_version`), with the worker failures it reports (RELEASE_FAILURES)."""
+    return tuple(replace(b, failures=RELEASE_FAILURES) for b in bounds
+                 if not E.missing(*sorted(features_needed(b))) and not rules_differ(b))
 
 
 def dropped_for_release(bounds: tuple[M.Bounds, ...]) -> list[tuple[M.Bounds, list[str]]]:
-    """The bounds `for_release` leaves out, each with the features the release lacks."""
+    """The bounds `for_release` leaves out, each with the features the release lacks and the
+    divergences that keep it off (`rules_differ`)."""
     out = []
     for b in bounds:
-        lacks = E.missing(*sorted(features_needed(b)))
+        lacks = [*E.missing(*sorted(features_needed(b))), *rules_differ(b)]
         if lacks:
             out.append((b, lacks))
     return out
@@ -642,8 +696,28 @@ full-attention group of 2-block chunks, and blocks of 2 model tokens (vLLM block
 model token is 16 vLLM tokens, or 8 where a block holds 2 model tokens)."""
 
 
-VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late")
-"""The machine's swarm without "failure" (vLLM asserts on a failed transfer)."""
+def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:
+    """The restriction that keeps the failure report `ev` off vLLM 0.34, or None (it takes
+    it as the spec does). CONFORMANCE.md:
+    - SYNC-LOAD-FAILURE: a sync load's failure raises in the worker (W@0.34.0:309-312: its
+      request already ran on the KV), where the spec recomputes the request and poisons
+      its stores;
+    - STALE-LOAD-FAILURE: the failure of a load that a reset made stale is only counted
+      against the fence (S@0.34.0:2440-2456), so vLLM's next lookup of the request asks the
+      manager, where the spec answers 0 once (the core recomputes it in both:
+      CS@0.34.0:3839-3852)."""
+    if ev.kind != "report" or not ev.failed or ev.job is None:
+        return None
+    live = next((j for j in model.jobs if j.id == ev.job), None)
+    if live is not None:
+        return "SYNC-LOAD-FAILURE" if live.kind == "load" and live.sync else None
+    held = next((h for h in model.held if h.id == ev.job), None)
+    return "STALE-LOAD-FAILURE" if held is not None and held.kind == "load" else None
+
+
+VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late",
+              *(("failure",) if RELEASE_FAILURES else ()))
+"""The machine's swarm; "failure" only where vLLM reports a failed transfer (0.34.0+)."""
 
 
 VLLM025_SWARM = ("preempt", "reset", "partial", "complete", "late")
@@ -721,8 +795,24 @@ class VLLMMachine(OffloadingStateMachine):
             return (not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
                     and not self.restarts_past_a_kept_cursor(ev))
         if rule == "preempt":
-            return not self.preempts_a_load(ev)
+            return not self.preempts_a_load(ev) and not self.preempts_a_failed_loader(ev)
+        if rule == "worker_failure":
+            return not self.fails_what_vllm_cannot(ev)
         return True
+
+    def fails_what_vllm_cannot(self, ev: M.Event) -> bool:
+        """A failure `unfailable_in_vllm` names."""
+        return self.model is not None and unfailable_in_vllm(self.model, ev) is not None
+
+    def preempts_a_failed_loader(self, ev: M.Event) -> bool:
+        """FAILED-LOAD-STICKY (CONFORMANCE.md): vLLM 0.34 answers every lookup of a request
+        whose load failed with 0 (`load_failed`, S@0.34.0:1411), the spec only the first
+        one after the failure (RECOMPUTE). Preemption is the only way back to a lookup, so
+        the machine does not preempt such a request."""
+        if ev.req is None:
+            return False
+        st = self.impl.scheduler._req_status.get(ev.req) if self.impl is not None else None
+        return bool(getattr(st, "load_failed", False))
 
     def readmits_preempted(self, ev: M.Event) -> bool:
         """PREEMPTED-LOAD (CONFORMANCE.md, releases before 0.33.0, feature
@@ -816,9 +906,11 @@ class VLLMMachine(OffloadingStateMachine):
 
     def reset_would_trip(self) -> bool:
         """A second reset before any step, while the first one's flush is still pending:
-        vLLM asserts `not _current_batch_jobs_to_flush` (finding F1 in CONFORMANCE.md)."""
+        vLLM asserts `not _current_batch_jobs_to_flush` (finding F1 in CONFORMANCE.md;
+        fixed in 0.34.0, feature second_reset_merges)."""
         return (self.model is not None and self.model.reset_since_step
-                and bool(self.model.to_flush) and not self.allow_known_crashes)
+                and bool(self.model.to_flush) and not self.allow_known_crashes
+                and not E.has("second_reset_merges"))
 
     allow_known_divergences: ClassVar[bool] = False
     """Lift the restrictions that avoid vLLM's documented divergences (to show them)."""
@@ -1015,6 +1107,7 @@ def machine_for(version: tuple[int, int, int]) -> type[VLLMMachine]:
 __all__ = [
     "BLOCK_SIZE",
     "FINISHES_AS_THE_SPEC",
+    "RELEASE_FAILURES",
     "RELEASE_SWARM",
     "VLLM025_SWARM",
     "VLLM_SWARM",
@@ -1029,4 +1122,6 @@ __all__ = [
     "features_needed",
     "for_release",
     "machine_for",
+    "rules_differ",
+    "unfailable_in_vllm",
 ]

@@ -51,6 +51,7 @@ hash seed. `scenario` keeps the CPU cache large enough that nothing is evicted f
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import random
 import types
@@ -407,12 +408,15 @@ class CoreDriver:
         v = _v()
         self._v = v
         self._mro_cls = _module("vllm.v1.outputs").ModelRunnerOutput
+        self._mro_has_index = "req_id_to_index" in {
+            f.name for f in dataclasses.fields(self._mro_cls)}
         self._meta_cls = _module("vllm.distributed.kv_transfer.kv_connector.v1.offloading."
                                  "common").OffloadingConnectorMetadata
         agg = _module("vllm.distributed.kv_transfer.kv_connector.utils").KVOutputAggregator
         self._aggregator = agg.from_connector(run.connector, run.num_workers)
         self.step_count = 0
         self.records: list[StepRecord] = []
+        self._ever_scheduled: set[str] = set()
         self.resets: list[ResetRecord] = []
         self.requests: dict[str, Any] = {}
         self.finished: list[str] = []
@@ -555,8 +559,11 @@ class CoreDriver:
                 completed_jobs={j: 1 for j in jobs}) if jobs else None)
             kv_out = self._v.KVConnectorOutput(finished_recving=recving or None,
                                                kv_connector_worker_meta=worker_meta)
+            # 0.34.0 dropped `req_id_to_index` (the index is the position in req_ids)
+            index = ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+                     if self._mro_has_index else {})
             outputs.append(self._mro_cls(
-                req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                req_ids=list(req_ids), **index,
                 sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
                 kv_connector_output=kv_out))
         model_output = self._call("aggregate", self._aggregator.aggregate, outputs)
@@ -574,10 +581,16 @@ class CoreDriver:
         for req_id in out.num_scheduled_tokens:
             self._last_progress[req_id] = k
 
+        # 0.34.0 sends a resumed request in full among the new ones (no resumed_req_ids)
+        cached = out.scheduled_cached_reqs
+        resumed = sorted(cached.resumed_req_ids or () if hasattr(cached, "resumed_req_ids")
+                         else (r.req_id for r in out.scheduled_new_reqs
+                               if r.req_id in self._ever_scheduled))
+        self._ever_scheduled.update(out.num_scheduled_tokens)
         record = StepRecord(
             step=k, scheduled={r: int(n) for r, n in out.num_scheduled_tokens.items()},
             new=[r.req_id for r in out.scheduled_new_reqs],
-            resumed=sorted(out.scheduled_cached_reqs.resumed_req_ids or ()),
+            resumed=resumed,
             preempted=sorted(out.preempted_req_ids or ()),
             finished_reported=sorted(out.finished_req_ids or ()),
             load_jobs=load_jobs, load_spans=load_spans, store_jobs=store_jobs,

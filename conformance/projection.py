@@ -91,6 +91,10 @@ class Observations:
     """The window of a sliding-window group, in model tokens."""
     tokens_per_block: int = 1
     """Model tokens per GPU block."""
+    recompute: set[str] = field(default_factory=set)
+    """Requests whose async load a worker failed (0.34.0+), not looked up since: vLLM keeps
+    `load_failed` for the request's life; the spec's RECOMPUTE lasts until the lookup that
+    answers 0 (FAILED-LOAD-STICKY, CONFORMANCE.md)."""
     window_end: dict[str, int] = field(default_factory=dict)
     """Model tokens computed once each request's last scheduled step ran: the core frees a
     window group's blocks before that window (the adapter plays the core)."""
@@ -182,8 +186,11 @@ def _blocks(ids: Any) -> frozenset[int]:
     return frozenset(model_block(b) for b in (ids or ()) if int(b) != 0)
 
 
-def job_state(obs: Observations, job_id: int, pending: int) -> str:
-    """A shipped job's state: flush requested, partially acknowledged, or shipped."""
+def job_state(obs: Observations, job_id: int, pending: int, failed: bool = False) -> str:
+    """A shipped job's state: failing (a worker failed it, 0.34.0+), flush requested,
+    partially acknowledged, or shipped."""
+    if failed:
+        return J.FAILING
     if job_id in obs.flush_requested:
         return J.FLUSH_REQUESTED
     if pending < obs.num_workers:
@@ -224,6 +231,8 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
         return R.WAITING_STORING
     if getattr(st, "deferred_lookup_start_time", None) is not None:
         return R.LOOKUP_DEFERRED
+    if req_id in obs.recompute and getattr(st, "load_failed", False):
+        return R.RECOMPUTE
     return R.IDLE
 
 
@@ -242,10 +251,11 @@ def project_job(sched: Any, obs: Observations, jid: int, js: Any) -> JobRecord:
     memo = obs.jobs.get(jid)
     deferred = _first(js, "deferred_fence_block_ids", "non_sliding_window_block_ids")
     fenced = _first(js, "fenced_block_ids", "sliding_window_block_ids")
+    failed = bool(getattr(js, "failed", False))
     return fast_job_record(
         jid, "store" if js.is_store else "load", js.req_id,
-        job_state(obs, jid, js.pending_count), js.pending_count,
-        bool(getattr(js, "is_sync_load", False)), False,
+        job_state(obs, jid, js.pending_count, failed), js.pending_count,
+        bool(getattr(js, "is_sync_load", False)), failed,
         memo.keys if memo else _keys(obs, js.keys),  # a job's keys are fixed
         memo.blocks if memo else frozenset(), _blocks(fenced), _blocks(deferred),
         1, jid in obs.flush_requested)
@@ -271,7 +281,8 @@ def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> Requ
         gpu = ()
     return fast_request_record(
         req_id, state, frozenset(st.transfer_jobs), finished,
-        bool(getattr(st, "finished_signaled", False)), False, False, gpu, _store_cursor(st))
+        bool(getattr(st, "finished_signaled", False)), state == R.RECOMPUTE, False, gpu,
+        _store_cursor(st))
 
 
 def fence_of(sched: Any, obs: Observations) -> dict[int, int]:

@@ -1,7 +1,7 @@
 """The vLLM releases `make conformance` supports, and what each one has.
 
 Every release on the package index from the first whose offloading connector has
-`reset_cache` (0.22.0, see FIRST_RESET_CACHE) up to 0.33.0. Per release: whether it has the
+`reset_cache` (0.22.0, see FIRST_RESET_CACHE) up to 0.34.0. Per release: whether it has the
 PR #48102 bug (its `reset_cache` clears `_jobs` but not the requests' `transfer_jobs`),
 whether it has the reset fence (`_reset_fence`), and the pip packages its scheduler-side
 imports need beyond scripts/vllm-venv.sh's common list (found by building each release).
@@ -99,6 +99,7 @@ RELEASES: tuple[Release, ...] = (
     Release("0.31.0", bug_48102=False, reset_fence=False),
     Release("0.32.0", bug_48102=False, reset_fence=False),
     Release("0.33.0", bug_48102=False, reset_fence=True),
+    Release("0.34.0", bug_48102=False, reset_fence=True),
 )
 
 # ----------------------------------------------------------------------------- features
@@ -134,6 +135,14 @@ FEATURES: dict[str, str] = {
     "lru_request_ranks": "0.33.0",
     "failed_store_cleanup_event": "0.33.0",
     "mamba_last_edge_stop": "0.32.0",
+    "resumed_as_new": "0.34.0",
+    "null_pages_in_chunk": "0.34.0",
+    "failure_reports": "0.34.0",
+    "hybrid_hit_at_the_cap": "0.34.0",
+    "second_reset_merges": "0.34.0",
+    "manager_touch_removed": "0.34.0",
+    "store_admission_once_per_request": "0.34.0",
+    "tier_store_marks_present": "0.34.0",
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
@@ -227,6 +236,43 @@ FEATURE_EVIDENCE: dict[str, str] = {
                             "`num_tokens - num_tokens % block_size` (CS@0.31.0:444: 80 in "
                             "one chunk). Measured with `make conformance-all`: the chunk "
                             "test fails on 0.30.0 and 0.31.0, passes on 0.32.0",
+    "resumed_as_new": "CS@0.34.0:1619-1626 a request scheduled again after a preemption "
+                      "goes into `scheduled_new_reqs` with its whole table; "
+                      "SO@0.34.0:139-147 `CachedRequestData` has no `resumed_req_ids` "
+                      "(SO:143) and SO@0.34.0:58-63 `NewRequestData.from_request` needs "
+                      "`prefill_token_ids`",
+    "null_pages_in_chunk": "S@0.34.0:2203-2215 a store keeps a chunk's null blocks (block "
+                           "0) among its sources, so each block keeps its sub-block of "
+                           "the CPU chunk and a null one copies the null block's zeros; "
+                           "S:2032-2036 skips them: a null block's sub-block is not "
+                           "written",
+    "failure_reports": "W@0.34.0:304-316 a worker reports a failed transfer "
+                       "(`mark_completed(job_id, success=False)`, C@0.34.0:91-95) and an "
+                       "async load's request in `failed_recving`; S@0.34.0:2458-2459 the job "
+                       "is marked failed, and at its last report a store ends with "
+                       "`complete_store(success=False)` (S@0.34.0:2466-2478) and a load sets "
+                       "the request's `load_failed` (S@0.34.0:2479-2487), which answers every "
+                       "later lookup 0 (S@0.34.0:1411); before, W:299-301 asserts success",
+    "hybrid_hit_at_the_cap": "S@0.34.0:921-931 with a sliding-window (or Mamba) group the "
+                             "lookup takes one token off the request's length before "
+                             "`max_num_new_tokens` and `max_load_tokens` cap it, so a cap "
+                             "on a hash block is kept; S:872-876 takes it off after the "
+                             "caps, so the hit ends one token short of the cap",
+    "second_reset_merges": "S@0.34.0:2609-2616 `reset_cache` no longer asserts that "
+                           "`_current_batch_jobs_to_flush` is empty and merges a second "
+                           "reset's jobs into it (S@0.34.0:2626); S:2406 asserts it (F1)",
+    "manager_touch_removed": "the manager and its policies have no `touch` (M:244-245 and "
+                             "LRU:128-130 have one, which no scheduler code calls; "
+                             "PB@0.34.0:75-83 `on_store_miss` no longer falls back to it)",
+    "store_admission_once_per_request": "M@0.34.0:46-49 `counted_keys`: a key counts toward "
+                                        "`store_threshold` once per request "
+                                        "(M@0.34.0:133-147, 290-298), so a re-offer after "
+                                        "a preemption does not admit it; M:129-136 counts "
+                                        "every offer",
+    "tier_store_marks_present": "TF@0.34.0:286-288 a successful cascade calls "
+                                "`mark_present` (TAL@0.34.0:234-260): the keys' cached "
+                                "verdicts become hits under a new generation; TAL:220-230 "
+                                "only marks misses (finding T2)",
 }
 
 
@@ -291,6 +337,25 @@ FEATURE_TAKEN: dict[str, str] = {
     "mamba_last_edge_stop": "`test_core_mamba.py::test_the_cores_prefill_chunks_end_where_"
                             "the_spec_says` skips (the spec's `mamba_chunk_end` is 0.32's "
                             "rule)",
+    "resumed_as_new": "`vllm_env.scheduler_output` sends a resumed request as a cached "
+                      "one marked resumed; `CoreDriver` reads `resumed_req_ids`",
+    "null_pages_in_chunk": "`test_f4_...` expects the window chunk's source without the "
+                           "null block, at sub-block 3",
+    "failure_reports": "`VLLMMachine` draws no worker failure (`failures=0`, no "
+                       "`failure` in the swarm); `vllm_env.connector_output` refuses one",
+    "hybrid_hit_at_the_cap": "the spec's hit rule is this one (0.33's); with the feature "
+                             "the adapter lowers its LAST-TOKEN-BOUND cap by one token "
+                             "(`cap_keeps_the_last_token`) and `adapter.rules_differ` "
+                             "leaves out hybrid bounds with `max_load_tokens` (D5)",
+    "second_reset_merges": "`VLLMMachine.reset_would_trip` (RESET-TWICE, finding F1); "
+                           "`test_finding_f1_...` expects the crash",
+    "manager_touch_removed": "`test_manager_vs_vllm.py` draws `touch` (TOUCH)",
+    "store_admission_once_per_request": "the spec counts every offer (0.33's rule); with "
+                                        "the feature the store-threshold bound is left out "
+                                        "(D6, `adapter.rules_differ`)",
+    "tier_store_marks_present": "the tiering machine's reference without `marks_present` "
+                                "(`vllm_like_reference`); the T2 reproducer expects the "
+                                "stale verdict",
 }
 """Feature -> where the conformance code takes a release without it."""
 

@@ -531,7 +531,8 @@ def scheduler_output(setup: VLLMSetup, *,
 
     - `new`: first scheduling of a request, `{req_id: (request, whole block table)}`;
     - `resumed`: a request scheduled again after a preemption (or a reset), with its whole
-      new block table (vLLM sends it as a cached request marked resumed);
+      new block table (vLLM sends it as a cached request marked resumed; from 0.34.0, feature
+      `resumed_as_new`, among the new requests);
     - `cached`: a request that keeps running, `{req_id: (request, blocks added this step)}`;
     - `num_scheduled_tokens`: tokens computed this step per scheduled request;
     - `finished_req_ids`: requests finished since the previous step;
@@ -542,8 +543,18 @@ def scheduler_output(setup: VLLMSetup, *,
     """
     v = _v()
     out = v.SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [v.NewRequestData.from_request(req, _groups(blocks))
-                              for req, blocks in (new or {}).values()]
+    as_new = has("resumed_as_new")
+
+    def new_data(req: Any, blocks: Sequence[int]) -> Any:
+        if as_new:  # 0.34.0: the tokens to prefill are a required argument
+            return v.NewRequestData.from_request(req, _groups(blocks), req.prefill_token_ids)
+        return v.NewRequestData.from_request(req, _groups(blocks))
+
+    out.scheduled_new_reqs = [new_data(req, blocks) for req, blocks in (new or {}).values()]
+    if as_new:  # a resumed request is sent in full, like a new one
+        out.scheduled_new_reqs += [new_data(req, blocks)
+                                   for req, blocks in (resumed or {}).values()]
+        resumed = None
     ids: list[str] = []
     new_blocks: list[Any] = []
     computed: list[int] = []
@@ -559,10 +570,10 @@ def scheduler_output(setup: VLLMSetup, *,
             if kind == "resumed":
                 resumed_ids.add(req_id)
                 all_tokens[req_id] = list(req.all_token_ids)
+    marked = {} if as_new else {"resumed_req_ids": resumed_ids, "all_token_ids": all_tokens}
     out.scheduled_cached_reqs = v.CachedRequestData(
-        req_ids=ids, resumed_req_ids=resumed_ids, new_token_ids=[[] for _ in ids],
-        all_token_ids=all_tokens, new_block_ids=new_blocks, num_computed_tokens=computed,
-        num_output_tokens=outputs)
+        req_ids=ids, new_token_ids=[[] for _ in ids], new_block_ids=new_blocks,
+        num_computed_tokens=computed, num_output_tokens=outputs, **marked)
     sched = {k: int(n) for k, n in (num_scheduled_tokens or {}).items()}
     out.num_scheduled_tokens = sched
     out.total_num_scheduled_tokens = sum(sched.values())
@@ -588,16 +599,30 @@ def scheduler_output(setup: VLLMSetup, *,
 
 def connector_output(setup: VLLMSetup, completed_jobs: Mapping[int, int], *,
                      finished_recving: set[str] | frozenset[str] | None = None,
-                     finished_sending: set[str] | frozenset[str] | None = None) -> Any:
+                     finished_sending: set[str] | frozenset[str] | None = None,
+                     failed_jobs: set[int] | frozenset[int] = frozenset(),
+                     failed_recving: set[str] | frozenset[str] = frozenset()) -> Any:
     """A real `KVConnectorOutput` carrying `OffloadingWorkerMetadata(completed_jobs)` (the
-    counts summed over the workers, as vLLM's output aggregator does)."""
+    counts summed over the workers, as vLLM's output aggregator does; a failing worker's
+    report counts too). From 0.34.0 (feature `failure_reports`) `failed_jobs` are the jobs
+    a worker of this output failed, and `failed_recving` the requests whose async load one
+    failed (the aggregator passes them with their `finished_recving`)."""
     v = _v()
+    failures: dict[str, Any] = {}
+    if failed_jobs or failed_recving:
+        if not has("failure_reports"):
+            raise NotImplementedError(
+                f"vLLM {releases.text(release_version())} has no failure report")
+        failures = {"failed_jobs": {int(j) for j in failed_jobs}}
     meta = v.OffloadingWorkerMetadata(
-        completed_jobs={int(j): int(n) for j, n in completed_jobs.items()})
-    return v.KVConnectorOutput(
+        completed_jobs={int(j): int(n) for j, n in completed_jobs.items()}, **failures)
+    out = v.KVConnectorOutput(
         finished_sending=set(finished_sending) if finished_sending else None,
         finished_recving=set(finished_recving) if finished_recving else None,
         kv_connector_worker_meta=meta)
+    if failed_recving:
+        out.failed_recving = set(failed_recving)
+    return out
 
 
 __all__ = ["EOS_TOKEN_ID", "SortedIdSet", "VLLMSetup", "connector_output",

@@ -291,6 +291,9 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
+        # a request whose load failed (0.34.0+) leaves RECOMPUTE at its next lookup, which
+        # answers 0 at once (it is never deferred)
+        self._mon().projector.obs.recompute.discard(rid)
 
         def answer(out: Any) -> dict[str, Any]:
             result = None if out is None else [out[0] if out[0] is None else int(out[0]),
@@ -339,6 +342,9 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         recving = sorted(connector_output.finished_recving or ())
         touched = mon.projector.owners(acks) | set(sending) | set(recving)
         mon.projector.obs.loaded.update(recving)
+        # 0.34.0+: the requests whose async load a worker failed, with their finished_recving
+        mon.projector.obs.recompute.update(getattr(connector_output, "failed_recving", None)
+                                           or ())
         args = {"acks": {str(j): n for j, n in sorted(acks.items())},
                 "finished_sending": sending, "finished_recving": recving}
         self._checked("update_connector_output", lambda: super(

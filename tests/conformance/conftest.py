@@ -184,7 +184,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     else:
         lines += ["machine bounds: " + "; ".join(show(b) for b in machine.bounds_choices)]
     if dropped and machine is VLLMMachine:
-        lines.append("bounds left out (features lacking): " + "; ".join(
+        lines.append("bounds left out (features lacking, or a rule that differs): " + "; ".join(
             f"{show(b)} [{', '.join(f)}]" for b, f in dropped))
     return lines
 

@@ -27,6 +27,7 @@ if pytest.importorskip("conformance.vllm_env").vllm_version() < (0, 33, 0):
 from hypothesis import HealthCheck, settings
 
 from conformance.tiering_adapter import VllmTieringSystem
+from conformance.vllm_env import has
 from spec.tiering import cpu_chunk as CC
 from spec.tiering import tier_copy as TC
 from spec.tiering import tier_job as TJ
@@ -50,9 +51,15 @@ def vllm_system(setup: TierSetup) -> VllmTieringSystem:
     return VllmTieringSystem(num_slots=setup.num_slots, num_tiers=setup.num_tiers)
 
 
+def release_reference(setup: TierSetup) -> Any:
+    """The reference as this release behaves: from 0.34.0 (feature
+    tier_store_marks_present) a store's success updates the probe cache (T2 fixed)."""
+    return vllm_like_reference(setup, marks_present=has("tier_store_marks_present"))
+
+
 class VllmTieringMachine(TieringStateMachine):
     system_factory = staticmethod(vllm_system)
-    reference_factory = staticmethod(vllm_like_reference)
+    reference_factory = staticmethod(release_reference)
 
 
 TestVllmTieringMachine = VllmTieringMachine.TestCase
