@@ -50,6 +50,7 @@ from conformance.projection import (
     project,
     vllm_block,
 )
+from spec import job as J
 from spec import model as M
 from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
@@ -311,7 +312,7 @@ class VLLMAdapter:
                 self.deferred.discard(req_id)
             return None, bool(is_async)
         self.deferred.discard(req_id)
-        self.obs.recompute.discard(req_id)
+        self.obs.invalid_loads.discard(req_id)
         self.hit_tokens[req_id] = int(hits)
         try:
             return model_hit(int(hits), "sliding" in self.bounds.groups, self.tok), \
@@ -363,6 +364,7 @@ class VLLMAdapter:
                 self.requests[r].num_computed_tokens = n * self.tok
         ledger = self.ledger
         for r in sched:  # in the model's order: the order of vLLM's stores
+            obs.recompute.discard(r)  # scheduled: out of RECOMPUTE
             obs.window_end[r] = computed[r][0] + sched[r]
             if r in new:
                 req = self._request(r)
@@ -413,12 +415,15 @@ class VLLMAdapter:
         if failed and memo is not None and memo.kind == "load":
             self.failed_loads.add(job)
         failed_recving = set(recving) if job in self.failed_loads else set()
+        live = self.scheduler._jobs.get(job)
         count = done + failed
         out = self.connector.update_connector_output(
             E.connector_output(self.setup, {job: count} if count else {},
                                finished_recving=set(recving),
                                failed_jobs={job} if failed else frozenset(),
                                failed_recving=failed_recving))
+        if live is not None and job in self.failed_loads and job not in self.scheduler._jobs:
+            self.obs.invalid_loads.add(live.req_id)  # its request's `load_failed` is set
         for r in recving:  # the core's side of finished_recving
             if self.obs.core_status.get(r) == "remote":
                 self.obs.core_status[r] = "waiting"
@@ -641,13 +646,19 @@ def rules_differ(b: M.Bounds) -> list[str]:
       itself: `VLLMAdapter.cap_keeps_the_last_token`.)
     - D6 (feature store_admission_once_per_request, 0.34.0): under a store threshold a key
       counts once per request, so a request's re-offer after a preemption does not admit
-      it; the spec counts every offer."""
+      it; the spec counts every offer.
+    - D7 (feature partial_tail_anchor, 0.34.0): beside a Mamba group a partial tail is
+      searched past the full-attention prefix, not past the complete-chunk hit, so a tail
+      whose Mamba state is cached is found even where the state at the chunk edge before
+      it is not (a failed or evicted store); the spec's search is 0.33's."""
     out = []
     if (E.has("hybrid_hit_at_the_cap") and any(g != "full" for g in b.groups)
             and any(s.max_load_tokens is not None for s in b.request_settings)):
         out.append("D5 (hybrid_hit_at_the_cap)")
     if E.has("store_admission_once_per_request") and b.store_threshold >= 2:
         out.append("D6 (store_admission_once_per_request)")
+    if E.has("partial_tail_anchor") and b.partial_tails and "mamba" in b.groups:
+        out.append("D7 (partial_tail_anchor)")
     return out
 
 
@@ -788,7 +799,8 @@ class VLLMMachine(OffloadingStateMachine):
         (EARLY-FINISH-SIGNAL), and the admissions and preemptions older releases take
         differently."""
         if rule == "reset":
-            return not self.reset_would_trip() and not self.reset_keeps_stale_window()
+            return (not self.reset_would_trip() and not self.reset_keeps_stale_window()
+                    and not self.reset_stales_a_failing_load())
         if rule in ("finish", "abort"):
             return FINISHES_AS_THE_SPEC
         if rule == "step":
@@ -799,6 +811,15 @@ class VLLMMachine(OffloadingStateMachine):
         if rule == "worker_failure":
             return not self.fails_what_vllm_cannot(ev)
         return True
+
+    def reset_stales_a_failing_load(self) -> bool:
+        """STALE-LOAD-FAILURE, the other way in: a reset while a worker has already failed a
+        load (FAILING). vLLM's connector forgets the failure with the job (its request gets
+        no `load_failed`; the core still recomputes it); the spec orphans the request with
+        its KV invalid and answers its next lookup 0."""
+        m = self.model
+        return m is not None and any(j.kind == "load" and j.state == J.FAILING
+                                     for j in m.jobs)
 
     def fails_what_vllm_cannot(self, ev: M.Event) -> bool:
         """A failure `unfailable_in_vllm` names."""

@@ -92,9 +92,12 @@ class Observations:
     tokens_per_block: int = 1
     """Model tokens per GPU block."""
     recompute: set[str] = field(default_factory=set)
-    """Requests whose async load a worker failed (0.34.0+), not looked up since: vLLM keeps
-    `load_failed` for the request's life; the spec's RECOMPUTE lasts until the lookup that
-    answers 0 (FAILED-LOAD-STICKY, CONFORMANCE.md)."""
+    """Requests whose async load a worker failed (0.34.0+), not scheduled since: the spec's
+    RECOMPUTE, which every lookup answers 0 until the core schedules the request. vLLM
+    keeps `load_failed` for the request's life (FAILED-LOAD-STICKY, CONFORMANCE.md)."""
+    invalid_loads: set[str] = field(default_factory=set)
+    """The same requests, not looked up since: the spec's `load_invalid` (which a lookup
+    clears and a finish keeps)."""
     window_end: dict[str, int] = field(default_factory=dict)
     """Model tokens computed once each request's last scheduled step ran: the core frees a
     window group's blocks before that window (the adapter plays the core)."""
@@ -236,6 +239,12 @@ def _request_state(sched: Any, obs: Observations, req_id: str, st: Any,
     return R.IDLE
 
 
+def _load_invalid(obs: Observations, req_id: str, st: Any) -> bool:
+    """A load of the request failed (0.34.0+: vLLM's `load_failed`) and no lookup has
+    answered 0 for it since (the spec's `load_invalid`, which a finish keeps)."""
+    return req_id in obs.invalid_loads and bool(getattr(st, "load_failed", False))
+
+
 def _store_cursor(st: Any) -> int | None:
     """The store cursor of vLLM's first KV group (`next_stored_chunk_idx`, S:334-345), or
     None where the release has no such field."""
@@ -281,8 +290,8 @@ def project_request(sched: Any, obs: Observations, req_id: str, st: Any) -> Requ
         gpu = ()
     return fast_request_record(
         req_id, state, frozenset(st.transfer_jobs), finished,
-        bool(getattr(st, "finished_signaled", False)), state == R.RECOMPUTE, False, gpu,
-        _store_cursor(st))
+        bool(getattr(st, "finished_signaled", False)), _load_invalid(obs, req_id, st), False,
+        gpu, _store_cursor(st))
 
 
 def fence_of(sched: Any, obs: Observations) -> dict[int, int]:

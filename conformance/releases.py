@@ -143,6 +143,7 @@ FEATURES: dict[str, str] = {
     "manager_touch_removed": "0.34.0",
     "store_admission_once_per_request": "0.34.0",
     "tier_store_marks_present": "0.34.0",
+    "partial_tail_anchor": "0.34.0",
 }
 
 FEATURE_EVIDENCE: dict[str, str] = {
@@ -273,6 +274,9 @@ FEATURE_EVIDENCE: dict[str, str] = {
                                 "`mark_present` (TAL@0.34.0:234-260): the keys' cached "
                                 "verdicts become hits under a new generation; TAL:220-230 "
                                 "only marks misses (finding T2)",
+    "partial_tail_anchor": "S@0.34.0:1174-1177 the partial-tail search starts from the "
+                           "full-attention hit boundary when it is past the complete-chunk "
+                           "hit (`anchor_boundary`); S:1084 from the complete-chunk hit",
 }
 
 
@@ -356,6 +360,9 @@ FEATURE_TAKEN: dict[str, str] = {
     "tier_store_marks_present": "the tiering machine's reference without `marks_present` "
                                 "(`vllm_like_reference`); the T2 reproducer expects the "
                                 "stale verdict",
+    "partial_tail_anchor": "the spec's search is 0.33's; with the feature "
+                           "`adapter.rules_differ` leaves out Mamba bounds with partial "
+                           "tails (D7)",
 }
 """Feature -> where the conformance code takes a release without it."""
 

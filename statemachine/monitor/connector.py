@@ -291,9 +291,9 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    *args: Any, **kwargs: Any) -> Any:
         rid = request.request_id
-        # a request whose load failed (0.34.0+) leaves RECOMPUTE at its next lookup, which
-        # answers 0 at once (it is never deferred)
-        self._mon().projector.obs.recompute.discard(rid)
+        # a request whose load failed (0.34.0+): its next lookup (0, never deferred)
+        # clears `load_invalid`; it stays RECOMPUTE until the core schedules it
+        self._mon().projector.obs.invalid_loads.discard(rid)
 
         def answer(out: Any) -> dict[str, Any]:
             result = None if out is None else [out[0] if out[0] is None else int(out[0]),
@@ -343,8 +343,9 @@ class MonitoredOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         touched = mon.projector.owners(acks) | set(sending) | set(recving)
         mon.projector.obs.loaded.update(recving)
         # 0.34.0+: the requests whose async load a worker failed, with their finished_recving
-        mon.projector.obs.recompute.update(getattr(connector_output, "failed_recving", None)
-                                           or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        mon.projector.obs.recompute |= failed
+        mon.projector.obs.invalid_loads |= failed
         args = {"acks": {str(j): n for j, n in sorted(acks.items())},
                 "finished_sending": sending, "finished_recving": recving}
         self._checked("update_connector_output", lambda: super(

@@ -327,6 +327,7 @@ class LiveProjector:
             getattr(cached, "resumed_req_ids", None) or (), out.finished_req_ids or (),
             getattr(out, "preempted_req_ids", None) or ())
         self.obs.scheduled = set(scheduled)
+        self.obs.recompute -= self.obs.scheduled  # a failed load's request, scheduled again
         self.obs.preempted = set(args["preempted"])
         self.obs.allocated.clear()
         return args, {*args["admitted"], *args["finished"], *args["preempted"]}

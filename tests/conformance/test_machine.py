@@ -194,6 +194,30 @@ def test_finding_f1_second_reset_before_a_step_crashes(vllm_ready: Any) -> None:
     _replay(VLLMMachine, B0, "arrive(r0) ; step(admit=r0) ; reset() ; step() ; reset()")
 
 
+D7_BOUNDS = M.Bounds(requests=3, tokens=4, cpu_chunks=6, gpu_blocks=14, failures=2,
+                     preemptions=2, families=2, groups=("full", "mamba"), tokens_per_block=2,
+                     partial_tails=True, decode_tokens=3)
+D7_TAIL_PAST_A_MISSING_STATE = (
+    "arrive(r0) ; arrive(r2) ; step(admit=r0) ; step() ; ack(job 0, count 1) ; "
+    "ack(job 1, count 1) ; step() ; ack(job 1, count 1) ; fail(job 0, count 1) ; step() ; "
+    "ack(job 3, count 1) ; ack(job 3, count 1) ; step(admit=r2)")
+
+
+def test_divergence_d7_a_tail_past_a_missing_mamba_state(vllm_ready: Any) -> None:
+    """D7 (CONFORMANCE.md): r0's Mamba state at its first chunk edge fails to store, its
+    chunk 0 and its tail at 3 tokens are stored. 0.34.0 (feature partial_tail_anchor)
+    searches the tail from the full-attention prefix and hits 3 model tokens; the spec, as
+    0.33, searches past the complete-chunk hit (0) and answers 0. Fails once either
+    changes."""
+    if not vllm_ready.has("failure_reports"):
+        pytest.skip("the program fails a store: this vLLM has no failure report")
+    from conformance.adapter import VLLMHybridMachine
+
+    assert vllm_ready.has("partial_tail_anchor")
+    with pytest.raises(AssertionError, match=r"answered \(3, True\), the model \(0, False\)"):
+        _replay(VLLMHybridMachine, D7_BOUNDS, D7_TAIL_PAST_A_MISSING_STATE)
+
+
 def test_divergence_d1_whole_prompt_hit(vllm_ready: Any) -> None:
     """D1: without the bound, vLLM offers a block-aligned prompt whole (the core recomputes
     its last token, CS:3515-3516); the spec leaves the last block to compute."""
