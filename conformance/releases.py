@@ -267,8 +267,8 @@ FEATURE_EVIDENCE: dict[str, str] = {
                              "PB@0.34.0:75-83 `on_store_miss` no longer falls back to it)",
     "store_admission_once_per_request": "M@0.34.0:46-49 `counted_keys`: a key counts toward "
                                         "`store_threshold` once per request "
-                                        "(M@0.34.0:133-147, 290-298), so a re-offer after "
-                                        "a preemption does not admit it; M:129-136 counts "
+                                        "(M@0.34.0:133-147, M@0.34.0:290-298), so a re-offer "
+                                        "after a preemption does not admit it; M:129-136 counts "
                                         "every offer",
     "tier_store_marks_present": "TF@0.34.0:286-288 a successful cascade calls "
                                 "`mark_present` (TAL@0.34.0:234-260): the keys' cached "
