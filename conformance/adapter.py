@@ -137,8 +137,6 @@ class VLLMAdapter:
         build_connector_meta (what 0.33's `_step_region` holds; read where vLLM has none)."""
         self.hit_tokens: dict[str, int] = {}
         """vLLM's last lookup answer per request, in tokens."""
-        self.failed_loads: set[int] = set()
-        """Load jobs a worker reported failed (0.34.0+): their requests' `failed_recving`."""
         self.bound_last_token = self.last_token_bound and _accepts_max_num_new_tokens(
             self.scheduler)
         self.cap_keeps_the_last_token = (
@@ -411,18 +409,19 @@ class VLLMAdapter:
             fence[job] -= done
             if fence[job] <= 0:
                 del fence[job]
-        memo = self.obs.jobs.get(job)
-        if failed and memo is not None and memo.kind == "load":
-            self.failed_loads.add(job)
-        failed_recving = set(recving) if job in self.failed_loads else set()
+        # a load a worker failed, in this report or an earlier one (vLLM's `failed`, read
+        # before the job's last report takes it out of the table)
         live = self.scheduler._jobs.get(job)
+        failed_load = (live is not None and not live.is_store
+                       and bool(failed or getattr(live, "failed", False)))
+        failed_recving = set(recving) if failed_load else set()
         count = done + failed
         out = self.connector.update_connector_output(
             E.connector_output(self.setup, {job: count} if count else {},
                                finished_recving=set(recving),
                                failed_jobs={job} if failed else frozenset(),
                                failed_recving=failed_recving))
-        if live is not None and job in self.failed_loads and job not in self.scheduler._jobs:
+        if failed_load and job not in self.scheduler._jobs:
             self.obs.invalid_loads.add(live.req_id)  # its request's `load_failed` is set
         for r in recving:  # the core's side of finished_recving
             if self.obs.core_status.get(r) == "remote":

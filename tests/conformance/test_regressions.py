@@ -31,13 +31,12 @@ def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
     return path
 
 
-def _unfailable(reg: Regression) -> str | None:
-    """The restriction that keeps one of the program's failure reports off vLLM, if any."""
+def _unfailable(reg: Regression, spec_path: list[M.ModelState]) -> str | None:
+    """The restriction that keeps one of the program's failure reports off vLLM, if any
+    (`spec_path`: the spec's state after each event)."""
     from conformance.adapter import unfailable_in_vllm
-    from spec.checker import replay
 
-    steps = replay(reg.bounds, reg.events(), canonical_ids=False)
-    before = [M.initial(reg.bounds), *(step.state for step in steps)]
+    before = [M.initial(reg.bounds), *spec_path]
     return next((why for ev, s in zip(reg.events(), before, strict=False)
                  if (why := unfailable_in_vllm(s, ev))), None)
 
@@ -58,18 +57,18 @@ def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> N
     if differ:
         pytest.skip(f"this vLLM's rule is not the spec's ({', '.join(differ)}, "
                     "CONFORMANCE.md)")
+    spec_path = [step.state for step in replay(reg.bounds, reg.events(), canonical_ids=False)]
     if any(ev.kind == "report" and ev.failed for ev in reg.events()):
         if not vllm_ready.has("failure_reports"):
             pytest.skip("a failed report: this vLLM's connector has none (the machine "
                         "takes no worker failures, CONFORMANCE.md)")
-        restriction = _unfailable(reg)
+        restriction = _unfailable(reg, spec_path)
         if restriction:
             pytest.skip(f"a failure vLLM 0.34 takes otherwise ({restriction}, "
                         "CONFORMANCE.md)")
     path = _replay_on_vllm(reg)
     if features(vllm_ready.vllm_version()) != set(FEATURES):
         return  # an older release: its own choices (an LRU order, say) may take another path
-    spec_path = [step.state for step in replay(reg.bounds, reg.events(), canonical_ids=False)]
     for ev, ours, theirs in zip(reg.events(), spec_path, path, strict=True):
         assert _requests(theirs) == _requests(ours), f"vLLM left the program's path at {ev}"
 
@@ -94,15 +93,14 @@ def test_a_request_whose_load_failed_never_loads_again(vllm_ready: Any) -> None:
     spec's lookup asks the manager and hits two chunks; vLLM 0.34 answers 0, since
     `load_failed` holds for the request's life. A difference of policy, both safe: the
     machine does not preempt such a request. This test fails once vLLM retries a load."""
-    from statemachine.testing import RefinementError
+    from conformance.adapter import VLLMMachine
+    from statemachine.testing import RefinementError, replay
 
     if not vllm_ready.has("failure_reports"):
         pytest.skip("this vLLM has no failure report")
     reg = by_name("failed-store-and-async-load")
     events = reg.events() + M.parse_events(
         "preempt(r1) ; step() ; ack(job 4, count 2) ; step(admit=r1)")
-    from conformance.adapter import VLLMMachine
-    from statemachine.testing import replay
 
     with pytest.raises(RefinementError, match=r"answered \(0, False\), the model \(2, True\)"):
         replay(events, reg.bounds, VLLMMachine)
