@@ -31,7 +31,7 @@ class Regression:
 _THREE = Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
                 failures=2, preemptions=2)
 _THREE_NO_FAILURES = replace(_THREE, failures=0)
-"""The same under the conformance machine's bounds (vLLM has no failure report)."""
+"""The same without worker failures (vLLM before 0.34.0 has no failure report)."""
 
 _MAMBA_LOAD = Bounds(requests=2, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=6, resets=1,
                      failures=0, preemptions=0, groups=("full", "mamba"))
