@@ -54,6 +54,7 @@ from spec import job as J
 from spec import model as M
 from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
+from spec.rules import Rules
 from spec.state import AbstractState, RequestRecord
 from statemachine.core import StepLedger
 from statemachine.testing import (
@@ -634,38 +635,40 @@ RELEASE_FAILURES = 2 if E.has("failure_reports") else 0
 failed copy; before, a failure asserts in the worker (W:299-301) and none is drawn."""
 
 
+RELEASE_RULES = Rules.of(dict(rule for feature, rule in releases.RULE_FEATURES.items()
+                              if E.has(feature)))
+"""The spec's rules for the vLLM under test (`spec.rules`): 0.33.0's, or, where a release
+changed a rule the spec states both ways (D5, D6), that release's."""
+
+
 def rules_differ(b: M.Bounds) -> list[str]:
     """The divergences (CONFORMANCE.md) that keep bounds `b` off the vLLM under test: where
-    a release changed a rule the spec states as 0.33 has it. Such bounds are left out
-    until the spec takes a release's rule.
-    - D5 (feature hybrid_hit_at_the_cap, 0.34.0): beside a sliding-window or Mamba group the
-      lookup takes the token it recomputes off the request's length before the caps, so a
-      hit capped by a request's `max_load_tokens` ends on the cap; the spec's ends one
-      token short. (The adapter's own cap, LAST-TOKEN-BOUND, it lowers by one token
-      itself: `VLLMAdapter.cap_keeps_the_last_token`.)
-    - D6 (feature store_admission_once_per_request, 0.34.0): under a store threshold a key
-      counts once per request, so a request's re-offer after a preemption does not admit
-      it; the spec counts every offer.
+    a release changed a rule the spec does not yet state its way (`spec.rules` states D5
+    and D6 both ways, and `for_release` gives the bounds the release's rules). Such bounds
+    are left out.
     - D7 (feature partial_tail_anchor, 0.34.0): beside a Mamba group a partial tail is
       searched past the full-attention prefix, not past the complete-chunk hit, so a tail
       whose Mamba state is cached is found even where the state at the chunk edge before
       it is not (a failed or evicted store); the spec's search is 0.33's."""
     out = []
-    if (E.has("hybrid_hit_at_the_cap") and any(g != "full" for g in b.groups)
-            and any(s.max_load_tokens is not None for s in b.request_settings)):
-        out.append("D5 (hybrid_hit_at_the_cap)")
-    if E.has("store_admission_once_per_request") and b.store_threshold >= 2:
-        out.append("D6 (store_admission_once_per_request)")
     if E.has("partial_tail_anchor") and b.partial_tails and "mamba" in b.groups:
         out.append("D7 (partial_tail_anchor)")
     return out
 
 
+def release_bounds(b: M.Bounds) -> M.Bounds:
+    """`b` under the rules of the vLLM under test (RELEASE_RULES), with the worker failures
+    it reports (RELEASE_FAILURES)."""
+    return replace(b, failures=RELEASE_FAILURES, rules=RELEASE_RULES)
+
+
 def for_release(bounds: tuple[M.Bounds, ...]) -> tuple[M.Bounds, ...]:
     """The bounds the vLLM under test has every feature for (decided without importing it:
-    `vllm_env.release_version`), with the worker failures it reports (RELEASE_FAILURES)."""
-    return tuple(replace(b, failures=RELEASE_FAILURES) for b in bounds
-                 if not E.missing(*sorted(features_needed(b))) and not rules_differ(b))
+    `vllm_env.release_version`), under its rules and with its failures (`release_bounds`),
+    each once."""
+    return tuple(dict.fromkeys(
+        release_bounds(b) for b in bounds
+        if not E.missing(*sorted(features_needed(b))) and not rules_differ(b)))
 
 
 def dropped_for_release(bounds: tuple[M.Bounds, ...]) -> list[tuple[M.Bounds, list[str]]]:
@@ -1128,6 +1131,7 @@ __all__ = [
     "BLOCK_SIZE",
     "FINISHES_AS_THE_SPEC",
     "RELEASE_FAILURES",
+    "RELEASE_RULES",
     "RELEASE_SWARM",
     "VLLM025_SWARM",
     "VLLM_SWARM",
@@ -1142,6 +1146,7 @@ __all__ = [
     "features_needed",
     "for_release",
     "machine_for",
+    "release_bounds",
     "rules_differ",
     "unfailable_in_vllm",
 ]

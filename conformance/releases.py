@@ -347,16 +347,16 @@ FEATURE_TAKEN: dict[str, str] = {
                            "null block, at sub-block 3",
     "failure_reports": "`VLLMMachine` draws no worker failure (`failures=0`, no "
                        "`failure` in the swarm); `vllm_env.connector_output` refuses one",
-    "hybrid_hit_at_the_cap": "the spec's hit rule is this one (0.33's); with the feature "
+    "hybrid_hit_at_the_cap": "the spec's rule `LastTokenCut.AFTER_CAPS` (0.33's; with the "
+                             "feature the bounds take `BEFORE_CAPS`: `RULE_FEATURES`, D5); "
                              "the adapter lowers its LAST-TOKEN-BOUND cap by one token "
-                             "(`cap_keeps_the_last_token`) and `adapter.rules_differ` "
-                             "leaves out hybrid bounds with `max_load_tokens` (D5)",
+                             "(`cap_keeps_the_last_token`)",
     "second_reset_merges": "`VLLMMachine.reset_would_trip` (RESET-TWICE, finding F1); "
                            "`test_finding_f1_...` expects the crash",
     "manager_touch_removed": "`test_manager_vs_vllm.py` draws `touch` (TOUCH)",
-    "store_admission_once_per_request": "the spec counts every offer (0.33's rule); with "
-                                        "the feature the store-threshold bound is left out "
-                                        "(D6, `adapter.rules_differ`)",
+    "store_admission_once_per_request": "the spec's rule `StoreAdmission.PER_OFFER` "
+                                        "(0.33's; with the feature the bounds take "
+                                        "`PER_REQUEST`: `RULE_FEATURES`, D6)",
     "tier_store_marks_present": "the tiering machine's reference without `marks_present` "
                                 "(`vllm_like_reference`); the T2 reproducer expects the "
                                 "stale verdict",
@@ -365,6 +365,14 @@ FEATURE_TAKEN: dict[str, str] = {
                            "tails (D7)",
 }
 """Feature -> where the conformance code takes a release without it."""
+
+
+RULE_FEATURES: dict[str, tuple[str, str]] = {
+    "store_admission_once_per_request": ("store_admission", "per-request"),
+    "hybrid_hit_at_the_cap": ("last_token_cut", "before-caps"),
+}
+"""Feature -> the rule of `spec.rules.Rules` a release with it has (field, value); a release
+without it has 0.33.0's (`adapter.RELEASE_RULES`)."""
 
 
 def feature_table() -> str:

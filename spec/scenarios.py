@@ -15,6 +15,7 @@ from typing import Any
 
 from spec.groups import GROUP_KINDS
 from spec.model import Bounds, Fault, RequestSettings
+from spec.rules import VLLM_0_34, by_release
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,26 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=0, preemptions=1, store_threshold=2),
              Expect("pass", 24_698, 15)),
+    Scenario("store-admission-per-request",
+             "the same under vLLM 0.34.0's rule (`spec.rules.StoreAdmission.PER_REQUEST`): "
+             "a key counts once per request and cache generation, so a request's re-offer "
+             "after its preemption does not admit its chunk, another request's offer does, "
+             "and after a reset the request's next offer counts again",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=0, preemptions=1, store_threshold=2, rules=VLLM_0_34),
+             Expect("pass", 28_117, 16)),
+    Scenario("hybrid-load-cap-0.34",
+             "a full-attention and a sliding-window group (window 3), blocks of 2 tokens, "
+             "a request whose loads are capped at one block, under vLLM 0.34.0's rule "
+             "(`spec.rules.LastTokenCut.BEFORE_CAPS`): the recomputed last token comes off "
+             "the prompt before the cap, so a hit the cap bounds ends on the cap, not a "
+             "token short of it; a preemption",
+             Bounds(requests=2, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=8, resets=0,
+                    failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=3,
+                    tokens_per_block=2, request_settings=(
+                        RequestSettings(), RequestSettings(max_load_tokens=2)),
+                    rules=VLLM_0_34),
+             Expect("pass", 10_582, 25)),
 )
 
 
@@ -304,6 +325,11 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
                 raise ValueError(f"bad bound {part!r}: groups are {', '.join(GROUP_KINDS)}, "
                                  "joined by '+' (groups=full+sliding)")
             changes[name] = kinds
+        elif name == "rules":
+            try:
+                changes[name] = by_release(value)
+            except ValueError as e:
+                raise ValueError(f"bad bound {part!r}: {e}") from None
         elif value.lower() in ("none", "off"):
             changes[name] = None
         elif value.lower() in ("true", "false"):

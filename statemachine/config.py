@@ -16,6 +16,7 @@ from spec.groups import (
     reachable_store_blocks,
     retention_interval_ok,
 )
+from spec.rules import VLLM_0_33, Rules
 from statemachine.errors import ConfigError
 from statemachine.policies import POLICY_NAMES
 
@@ -150,6 +151,9 @@ class OffloadingConfig:
     boundary (vLLM's default); a multiple of the chunk, one tail per interval besides
     (`spec.groups.reachable_store_blocks`). The core reads it too: it hands off only the
     Mamba states it keeps (`spec.groups.state_retained`)."""
+    rules: Rules = VLLM_0_33
+    """The rules on which vLLM releases differ (`spec.rules`): 0.33.0's, or a later
+    release's (`spec.rules.VLLM_0_34`)."""
     check_invariants: bool = True
     """Check every invariant of `spec` after every hook (on in tests; off for speed)."""
     tiering: TieringConfig | None = None
@@ -197,6 +201,8 @@ class OffloadingConfig:
         need(self.job_timeout_steps is None
              or (type(self.job_timeout_steps) is int and self.job_timeout_steps >= 1),
              f"job_timeout_steps must be None or an int >= 1, got {self.job_timeout_steps!r}")
+        need(isinstance(self.rules, Rules),
+             f"rules must be a spec.rules.Rules, got {self.rules!r}")
         need(self.tiering is None or isinstance(self.tiering, TieringConfig),
              f"tiering must be None or a TieringConfig, got {self.tiering!r}")
 

@@ -28,7 +28,11 @@ Store admission, as vLLM's (M:129-148, M:266-291): with ``store_threshold >= 2``
 `prepare_store` counts each offered key (absent, pending or ready) in a tracker of at most
 ``max_tracker_size`` keys (least recently offered dropped first, never one of the current
 offer); an absent key becomes a store candidate only once offered ``store_threshold`` times.
-A key held back is neither a store miss nor an access. A reset keeps the counts.
+A key held back is neither a store miss nor an access. A reset keeps the counts. What counts
+is ``store_admission`` (`spec.rules.StoreAdmission`): every offer, as 0.33.0, or, as
+0.34.0 (M@0.34.0:133-159, M@0.34.0:290-298), a key once per request in its access record
+(a request's re-offer after a preemption or a failed allocation only refreshes the key's
+recency; `stores_skipped` counts a key held back at the request's first offer of it).
 
 Eviction choices, slot choices and recency are vLLM's, call for call
 (tests/conformance/test_manager_vs_vllm.py checks it against vLLM 0.33.0).
@@ -52,10 +56,11 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from spec.rules import StoreAdmission
 from statemachine.errors import ConfigError, KVSpecError
 from statemachine.policies import EvictionPolicy, OffloadKey, PolicyName, make_policy
 
@@ -145,6 +150,7 @@ class _Access:
     inserted: set[OffloadKey] = field(default_factory=set)
     reused: set[OffloadKey] = field(default_factory=set)
     store_missed: set[OffloadKey] = field(default_factory=set)
+    counted: set[OffloadKey] = field(default_factory=set)   # store admission per request
 
 
 _STAT_NAMES = ("lookups", "hits", "hits_pending", "misses", "store_calls", "stores",
@@ -157,13 +163,20 @@ class CPUOffloadingManager:
     """Reference model of vLLM's ``CPUOffloadingManager`` (single-threaded, no lock)."""
 
     def __init__(self, num_chunks: int, eviction_policy: PolicyName = "lru",
-                 store_threshold: int = 1, max_tracker_size: int = 64_000) -> None:
+                 store_threshold: int = 1, max_tracker_size: int = 64_000,
+                 store_admission: StoreAdmission = StoreAdmission.PER_OFFER) -> None:
         for name, value in (("num_chunks", num_chunks), ("store_threshold", store_threshold),
                             ("max_tracker_size", max_tracker_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         self.num_chunks = num_chunks
+        if not isinstance(store_admission, StoreAdmission):
+            raise ConfigError(f"store_admission must be a spec.rules.StoreAdmission, got "
+                              f"{store_admission!r}")
         self.store_threshold = store_threshold
+        self.store_admission = store_admission
+        """What the threshold counts (`spec.rules.StoreAdmission`): every offer (0.33.0),
+        or a key once per request and cache generation (0.34.0)."""
         self.max_tracker_size = max_tracker_size
         self.offers: OrderedDict[OffloadKey, int] | None = (
             OrderedDict() if store_threshold >= 2 else None)
@@ -379,8 +392,12 @@ class CPUOffloadingManager:
                                states={k: self.describe(k) for k in keys})
         self.stats["store_calls"] += 1
         offered = list(dict.fromkeys(keys))
+        counted: set[OffloadKey] = set()
         if self.offers is not None:
-            self._count_offers(offered)
+            if self.store_admission is StoreAdmission.PER_REQUEST:
+                counted = set(rec.counted)
+                rec.counted.update(offered)
+            self._count_offers(offered, counted)
         candidates: list[OffloadKey] = []
         reuses: list[OffloadKey] = []
         for key in offered:
@@ -391,7 +408,8 @@ class CPUOffloadingManager:
                 reuses.append(key)
         if self.offers is not None:
             admitted = [k for k in candidates if self.offers.get(k, 0) >= self.store_threshold]
-            self.stats["stores_skipped"] += len(candidates) - len(admitted)
+            self.stats["stores_skipped"] += sum(1 for k in candidates
+                                                if k not in admitted and k not in counted)
             candidates = admitted
         if misses := [k for k in candidates if k not in rec.store_missed]:
             rec.store_missed.update(misses)
@@ -433,16 +451,20 @@ class CPUOffloadingManager:
         self.stats["stores"] += len(candidates)
         return PrepareStoreOutput(tuple(candidates), tuple(chunk_ids), tuple(evicted))
 
-    def _count_offers(self, offered: Sequence[OffloadKey]) -> None:
-        """Count one offer of each key; a new key takes the place of the least recently
-        offered key not in this offer when the tracker is full (and waits when all are)."""
+    def _count_offers(self, offered: Sequence[OffloadKey],
+                      counted: Collection[OffloadKey]) -> None:
+        """Count one offer of each key, except those in `counted` (keys the request's
+        earlier offers counted: they only move to the tracker's recent end); a new key takes
+        the place of the least recently offered key not in this offer when the tracker is
+        full (and waits when all are)."""
         assert self.offers is not None
         counts = self.offers
         protected = 0
         for key in offered:
             if key in counts:
                 counts.move_to_end(key)
-                counts[key] += 1
+                if key not in counted:
+                    counts[key] += 1
                 protected += 1
         unprotected = len(counts) - protected
         for key in offered:

@@ -25,6 +25,7 @@ import spec
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK, cdiv, offload_key, storable_chunks
+from spec.rules import LastTokenCut
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -76,7 +77,8 @@ class OffloadingScheduler:
         else:
             self.manager = CPUOffloadingManager(
                 config.num_cpu_chunks, config.eviction_policy,  # type: ignore[arg-type]
-                store_threshold=config.store_threshold)
+                store_threshold=config.store_threshold,
+                store_admission=config.rules.store_admission)
         self.jobs = JobTable()
         self.fence = ResetFence()
         self._req_status: dict[str, RequestState] = {}
@@ -317,10 +319,14 @@ class OffloadingScheduler:
         tpc = cfg.tokens_per_chunk
         keys = [self._request_keys(req, request, g) for g in range(cfg.num_groups)]
         max_hit = (request.num_tokens - 1) // cfg.hash_unit * cfg.hash_unit
+        before_caps = cfg.rules.last_token_cut is LastTokenCut.BEFORE_CAPS
+        if cfg.window_groups and before_caps:  # the last prompt token is recomputed for its
+            max_hit -= 1  # logprobs: 0.34 takes it off before the caps (S@0.34.0:921-936)
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, n + req.max_load_tokens)
-        if cfg.window_groups:  # the last prompt token is recomputed for its logprobs
-            max_hit -= 1       # (S:872-876): a hit may end one token short of a block
+        if cfg.window_groups:
+            if not before_caps:  # 0.33 after them (S:872-876): a capped hit may end one
+                max_hit -= 1     # token short of a block
             if cfg.handoff_groups:  # a Mamba state exists only at chunk edges (S:877-881)
                 max_hit = max_hit // tpc * tpc
         order = tuple(g for g in range(cfg.num_groups) if g not in cfg.window_groups) \

@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 from spec import check as check_invariants
 from spec import model as M
 from spec.groups import split_groups, window_tokens
+from spec.rules import VLLM_0_34
 from spec.state import AbstractState
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.messages import (
@@ -110,7 +111,7 @@ class ReferenceAdapter:
             num_workers=bounds.workers,
             num_cpu_chunks=bounds.cpu_chunks, sync_load_budget_bytes=sync,
             kv_bytes_per_token=1 if sync else 0, job_timeout_steps=bounds.timeout_steps,
-            store_threshold=bounds.store_threshold,
+            store_threshold=bounds.store_threshold, rules=bounds.rules,
             offload_prompt_only=bounds.offload_prompt_only,
             tokens_per_hash=BLOCK if bounds.partial_tails else None,
             groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
@@ -335,10 +336,20 @@ SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (
                  M.RequestSettings(max_load_tokens=2, max_offload_tokens=4))),
     M.Bounds(requests=3, tokens=3, families=1, workers=1, cpu_chunks=3, gpu_blocks=8,
              resets=1, failures=1, preemptions=1, store_threshold=2),
+    M.Bounds(requests=3, tokens=3, families=1, workers=1, cpu_chunks=3, gpu_blocks=8,
+             resets=1, failures=1, preemptions=2, store_threshold=2, rules=VLLM_0_34),
+    M.Bounds(requests=3, tokens=5, workers=2, cpu_chunks=6, gpu_blocks=14, resets=1,
+             failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=2,
+             blocks_per_chunk=2, request_settings=(
+                 M.RequestSettings(max_load_tokens=2),
+                 M.RequestSettings(max_load_tokens=3, max_offload_tokens=4)),
+             rules=VLLM_0_34),
 )
 """Requests with their own settings: a request that skips reading the cache, caps on the
 tokens loaded and stored (a cap inside a chunk; with a hybrid model and 2-block chunks);
-and store admission: a chunk stored only at its second offer."""
+and store admission: a chunk stored only at its second offer. The last two under vLLM
+0.34.0's rules (`spec.rules.VLLM_0_34`): a key counts once per request, and beside a window
+group a load cap on a chunk edge lets the hit reach it."""
 
 
 DECODE_BOUNDS: tuple[M.Bounds, ...] = (

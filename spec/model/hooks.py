@@ -25,6 +25,7 @@ from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
 from spec.model.state import ModelError, World, put_job, put_req, tracked
+from spec.rules import LastTokenCut, StoreAdmission
 
 
 def _open(w: World) -> None:
@@ -104,13 +105,15 @@ def _hit(w: World, r: str, local: int) -> int | None:
     unit = b.tokens_per_hash
     max_hit = (w.num_tokens(r) - 1) // unit * unit
     cap = settings.max_load_tokens
-    if cap is not None:
-        max_hit = min(max_hit, local + cap)  # S:867-871
     # With a window group vLLM stops the hit one token before the bound (the last prompt
     # token is recomputed for its logprobs, S:872-876): below a block, so here the hit keeps
     # the block but is "short" until a group's answer cuts it to a chunk edge. A Mamba
     # group cuts it at once: its state exists only at chunk edges (S:877-881).
     short = bool(b.window_groups())
+    if cap is not None and local + cap < max_hit:  # S:867-871
+        max_hit = local + cap
+        if b.rules.last_token_cut is LastTokenCut.BEFORE_CAPS:
+            short = False  # the token came off the length, below the cap (S@0.34.0:921-936)
     if b.handoff_groups():
         max_hit, short = (max_hit - short) // tpc * tpc, False
     num_hit, defer = 0, False
@@ -361,7 +364,7 @@ def _store(w: World, r: str, scheduled: int) -> None:
     if candidates is None:
         return
     if not candidates:
-        put_req(w, req._replace(cursor=n))
+        put_req(w, tracked(w, r)._replace(cursor=n))
         return
     blocks = tuple(x for c in candidates for x in source[c][0])
     fenced = tuple(x for c in candidates if source[c][1] for x in source[c][0])
@@ -378,9 +381,16 @@ def _prepare_store(w: World, r: str, offered: list[int]) -> list[int] | None:
     b = w.bounds
     candidates = [c for c in offered if c not in w.chunks]
     if b.store_threshold > 1 and offered:  # store admission (M:129-148, M:282-291)
+        counted: frozenset[int] = frozenset()
+        if b.rules.store_admission is StoreAdmission.PER_REQUEST:
+            # once per request and generation (M@0.34.0:133-159, M@0.34.0:290-298)
+            req = tracked(w, r)
+            counted = req.counted
+            put_req(w, req._replace(counted=counted | frozenset(offered)))
         for k in offered:
-            w.offers[k] = min(w.offers.get(k, 0) + 1, b.store_threshold)
-        candidates = [c for c in candidates if w.offers[c] >= b.store_threshold]
+            if k not in counted:
+                w.offers[k] = min(w.offers.get(k, 0) + 1, b.store_threshold)
+        candidates = [c for c in candidates if w.offers.get(c, 0) >= b.store_threshold]
     if not candidates:
         return candidates
     if tracked(w, r).signaled:
@@ -592,6 +602,9 @@ def reset(w: World) -> None:
     for jid in sorted(j.id for j in w.held.values() if j.state == J.TIMED_OUT):
         fire(w, "job", jid, "reset")
     w.chunks.clear()
+    for r, req in w.reqs.items():  # a new cache generation (M@0.34.0:161-172, 459-466)
+        if req.counted:
+            w.reqs[r] = req._replace(counted=frozenset())
     if Fault.RESET_KEEPS_STALE_THRESHOLD not in w.faults:
         w.threshold = w.counter
     fire(w, "fence", None, "reset", live_jobs=live)

@@ -38,6 +38,7 @@ from spec.groups import (
     split_groups,
 )
 from spec.model.faults import NO_FAULTS, Faults
+from spec.rules import VLLM_0_33, Rules
 from spec.state import AbstractState
 
 if TYPE_CHECKING:
@@ -163,7 +164,8 @@ class Bounds:
     `skip_reading_prefix_cache`); requests past the tuple's end have none."""
     store_threshold: int = 1
     """Store admission (vLLM's `store_threshold`, M:129-148, M:266-291): a chunk is stored
-    only once offered this many times (1: every chunk)."""
+    only once offered this many times (1: every chunk); what counts as an offer is
+    `rules.store_admission`."""
     partial_tails: bool = False
     """Partial-tail stores and lookups (vLLM's `supports_partial_tail`, S:274-292): a hash
     per token, finer than a block, so the core commits a Mamba state at the prompt's last
@@ -195,7 +197,13 @@ class Bounds:
     It selects a sliding-window group's stored blocks (`spec.groups.reachable_store_blocks`)
     and the Mamba states the core hands off (`spec.groups.state_retained`)."""
 
+    rules: Rules = VLLM_0_33
+    """The rules on which vLLM releases differ (`spec.rules`): 0.33.0's, or a later
+    release's."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.rules, Rules):
+            raise ValueError(f"rules must be a spec.rules.Rules, got {self.rules!r}")
         if not self.groups or any(g not in GROUP_KINDS for g in self.groups):
             raise ValueError(f"groups must be of {GROUP_KINDS}, got {self.groups!r}")
         if min(self.blocks_per_chunk, self.tokens_per_block, self.sliding_window,
@@ -326,6 +334,10 @@ class MReq(NamedTuple):
     window_end: int = 0
     """With a sliding-window group: the tokens computed once its last scheduled step ran
     (the core frees the window group's blocks before that window); 0 otherwise."""
+    counted: frozenset[int] = frozenset()
+    """Store admission per request (`Rules.store_admission` PER_REQUEST, with a store
+    threshold): the keys this request's offers counted in the current cache generation
+    (a reset empties it)."""
 
 
 class MJob(NamedTuple):

@@ -81,6 +81,9 @@ def fits(b: M.Bounds) -> str | None:
         return "a store threshold (the compiled model stores every chunk offered)"
     if b.decode_tokens:
         return "decoding requests (the compiled model's requests only prefill their prompt)"
+    if b.rules.changed():
+        return (f"rules of a later release ({b.rules}; the compiled model states "
+                "vLLM 0.33.0's)")
     return None
 
 

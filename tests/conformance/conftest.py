@@ -142,6 +142,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     from conformance import releases, vllm_env
     from conformance.adapter import (
         HYBRID_VLLM_BOUNDS,
+        RELEASE_RULES,
         VLLMHybridMachine,
         VLLMMachine,
         _vllm_bounds,
@@ -156,6 +157,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                     if b.request_settings else "")
         if b.store_threshold > 1:
             settings += f", store threshold {b.store_threshold}"
+        if b.rules != RELEASE_RULES:
+            settings += f", rules {b.rules}"
         if b.partial_tails:
             settings += f", partial tails (boundary {b.tail_boundary(b.tokens)})"
         if b.retention_interval is not None:
@@ -176,7 +179,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"vllm: {release} from {vllm_env.vllm_file()}",
              seeds,
              f"release features lacking: {', '.join(lacks) or 'none'}; "
-             f"#48102 machine: {machine.__name__}"]
+             f"#48102 machine: {machine.__name__}; the spec's rules (spec.rules): "
+             f"{RELEASE_RULES}"]
     if machine is VLLMMachine:
         lines += ["machine bounds: " + "; ".join(show(b) for b in VLLMMachine.bounds_choices),
                   "hybrid bounds (block size 16): "

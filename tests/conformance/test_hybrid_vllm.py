@@ -324,11 +324,12 @@ def test_a_shared_prefix_junction_keeps_its_window_tail_in_vllm_and_the_referenc
 def test_d5_a_hybrid_hit_under_max_load_tokens_reaches_the_cap_from_0_34(
         vllm_ready: Any) -> None:
     """D5 (CONFORMANCE.md): beside a sliding-window group the lookup keeps the token it
-    recomputes out of the hit. 0.33 (and the spec) take it off after the request's
-    `max_load_tokens` caps the hit, so a hit capped at 2 blocks stops one token short,
-    which the full-attention group rounds down to 1 block; 0.34 takes it off the request's
-    length before the cap (feature hybrid_hit_at_the_cap), so the hit is the whole 2
-    blocks. This test fails once either changes."""
+    recomputes out of the hit. 0.33 takes it off after the request's `max_load_tokens`
+    caps the hit, so a hit capped at 2 blocks stops one token short, which the
+    full-attention group rounds down to 1 block; 0.34 takes it off the request's length
+    before the cap (feature hybrid_hit_at_the_cap), so the hit is the whole 2 blocks. The
+    spec states both (`spec.rules.LastTokenCut`, tests/test_rules.py) and the machine
+    checks the release's. This test fails once either release's rule changes."""
     E = vllm_ready
     if not E.has("max_load_tokens"):
         pytest.skip("this vLLM has no per-request max_load_tokens")

@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.cpu.manager import (
     CPUOffloadingManager as VllmManager,
 )
 
+from conformance.adapter import RELEASE_RULES
 from statemachine.manager import CPUOffloadingManager, LookupResult, ReqContext
 from statemachine.policies import ARCPolicy, LRUPolicy, ReleaseLRUPolicy
 
@@ -79,8 +80,7 @@ SKIPPED = {
         "rank: vLLM evicts them in key byte order, ours in tracking order. Our model has one "
         "group; the generator gives each key of a request its own position."),
     "ours-only-calls": (
-        "quarantine_store/release_slots (timed-out stores) and the store-admission threshold "
-        "(store_threshold >= 2) exist on one side only."),
+        "quarantine_store/release_slots (timed-out stores) exist on one side only."),
 }
 
 KEYS = list(range(10))
@@ -152,9 +152,17 @@ def vllm_name(name: str) -> str:
         name.replace("chunk", "block")
 
 
-def their_manager(num_chunks: int, policy: str) -> Any:
+def their_manager(num_chunks: int, policy: str, store_threshold: int = 1) -> Any:
+    extra = {"store_threshold": store_threshold} if store_threshold > 1 else {}
     return VllmManager(**{vllm_name("num_chunks"): num_chunks}, cache_policy=policy,
-                       enable_events=True)
+                       enable_events=True, **extra)
+
+
+def our_manager(num_chunks: int, policy: str, store_threshold: int = 1) -> CPUOffloadingManager:
+    """Ours, under the store-admission rule of the vLLM under test (`spec.rules`)."""
+    return CPUOffloadingManager(num_chunks, our_policy(policy),  # type: ignore[arg-type]
+                                store_threshold=store_threshold,
+                                store_admission=RELEASE_RULES.store_admission)
 
 
 TOUCH = not conformance.vllm_env.has("manager_touch_removed")
@@ -167,11 +175,12 @@ either (the policies of those releases ignore them)."""
 
 class ManagerVsVllm(RuleBasedStateMachine):
     policy = "lru"
+    store_threshold = 1
 
     def __init__(self) -> None:
         super().__init__()
-        self.ours = CPUOffloadingManager(1, our_policy(self.policy))  # type: ignore[arg-type]
-        self.theirs = their_manager(1, self.policy)
+        self.ours = our_manager(1, self.policy, self.store_threshold)
+        self.theirs = their_manager(1, self.policy, self.store_threshold)
         self.requests: dict[int, Request] = {}
         self.stores: list[Job] = []
         self.loads: list[Job] = []
@@ -184,9 +193,8 @@ class ManagerVsVllm(RuleBasedStateMachine):
                 first=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True),
                 second=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True))
     def setup(self, num_chunks: int, first: list[int], second: list[int]) -> None:
-        self.ours = CPUOffloadingManager(num_chunks,
-                                         our_policy(self.policy))  # type: ignore[arg-type]
-        self.theirs = their_manager(num_chunks, self.policy)
+        self.ours = our_manager(num_chunks, self.policy, self.store_threshold)
+        self.theirs = their_manager(num_chunks, self.policy, self.store_threshold)
         self._start(0, first, None)
         self._start(1, second, None)
 
@@ -386,6 +394,15 @@ class ManagerVsVllm(RuleBasedStateMachine):
             assert ours.p == theirs.target_t1_size
 
     @invariant()
+    def same_admission_counts(self) -> None:
+        """Store admission: the same keys counted the same number of times, in the same
+        tracker order (least recently offered first)."""
+        if self.store_threshold > 1:
+            assert self.ours.offers is not None
+            assert list(self.ours.offers.items()) == \
+                [(ikey(k), n) for k, n in self.theirs.counts.items()]
+
+    @invariant()
     def same_events(self) -> None:
         # Before 0.33.0 a failed store frees its keys without an event, and vLLM's events
         # have no `metadata_only` (releases.py: failed_store_cleanup_event).
@@ -405,11 +422,25 @@ class ARCVsVllm(ManagerVsVllm):
     policy = "arc"
 
 
+class ThresholdVsVllm(ManagerVsVllm):
+    """Store admission at a threshold of 2, under the vLLM's own rule for what counts
+    (`spec.rules.StoreAdmission`: every offer before 0.34.0, a key once per request and
+    cache generation from it)."""
+
+    policy = "lru"
+    store_threshold = 2
+
+
 _SETTINGS = settings(max_examples=200, stateful_step_count=80, deadline=None)
 LRUVsVllm.TestCase.settings = _SETTINGS
 ARCVsVllm.TestCase.settings = _SETTINGS
+ThresholdVsVllm.TestCase.settings = _SETTINGS
 TestLRUVsVllm = LRUVsVllm.TestCase
 TestARCVsVllm = ARCVsVllm.TestCase
+TestThresholdVsVllm = pytest.mark.skipif(
+    not conformance.vllm_env.has("store_admission_at_store"),
+    reason="this vLLM's manager admits stores elsewhere (feature store_admission_at_store)")(
+        ThresholdVsVllm.TestCase)
 
 
 

@@ -4,6 +4,7 @@ on a release with every feature the spec describes, the program's own path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,13 +21,20 @@ def _requests(s: M.ModelState) -> list[tuple[str, str, tuple[int, ...], int | No
             for r in M.abstract(s).requests]
 
 
+def _bounds(reg: Regression) -> M.Bounds:
+    """The program's bounds under the rules of the vLLM under test (`spec.rules`)."""
+    from conformance.adapter import RELEASE_RULES
+
+    return replace(reg.bounds, rules=RELEASE_RULES)
+
+
 def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
     """`statemachine.testing.replay` on vLLM's connector: the path vLLM took, every event of
     the program taken."""
     from conformance.adapter import VLLMMachine
     from statemachine.testing import replay
 
-    path = replay(reg.events(), reg.bounds, VLLMMachine)
+    path = replay(reg.events(), _bounds(reg), VLLMMachine)
     assert len(path) == len(reg.events()), "an event of the program was not taken"
     return path
 
@@ -36,7 +44,7 @@ def _unfailable(reg: Regression, spec_path: list[M.ModelState]) -> str | None:
     (`spec_path`: the spec's state after each event)."""
     from conformance.adapter import unfailable_in_vllm
 
-    before = [M.initial(reg.bounds), *spec_path]
+    before = [M.initial(_bounds(reg)), *spec_path]
     return next((why for ev, s in zip(reg.events(), before, strict=False)
                  if (why := unfailable_in_vllm(s, ev))), None)
 
@@ -57,7 +65,8 @@ def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> N
     if differ:
         pytest.skip(f"this vLLM's rule is not the spec's ({', '.join(differ)}, "
                     "CONFORMANCE.md)")
-    spec_path = [step.state for step in replay(reg.bounds, reg.events(), canonical_ids=False)]
+    spec_path = [step.state for step in replay(_bounds(reg), reg.events(),
+                                               canonical_ids=False)]
     if any(ev.kind == "report" and ev.failed for ev in reg.events()):
         if not vllm_ready.has("failure_reports"):
             pytest.skip("a failed report: this vLLM's connector has none (the machine "

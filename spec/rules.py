@@ -1,0 +1,115 @@
+"""The rules on which vLLM releases differ: one field per rule, each value a release's rule.
+
+The spec states vLLM 0.33.0's lifecycle, and `Rules()` is 0.33.0's rules. Where a later
+release changed a rule of the lookup or the manager and both the old and the new rule are
+safe (no invariant or progress property tells them apart), the spec states both, and the
+bounds (`spec.model.Bounds.rules`) and the reference implementation's configuration
+(`statemachine.config.OffloadingConfig.rules`) choose one. The conformance suite gives the
+spec the rules of the release under test (`conformance.releases.RULE_FEATURES`), so a
+release's new rule is checked, not left out.
+
+Each rule names the divergence of CONFORMANCE.md it came from. vLLM lines are cited as
+`S@0.34.0:...` (`vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py` at
+tag v0.34.0), `M@0.34.0:...` (`vllm/v1/kv_offload/cpu/manager.py`); unmarked ones are
+v0.33.0's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+__all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "LastTokenCut", "Rules", "StoreAdmission",
+           "by_release"]
+
+
+class StoreAdmission(enum.Enum):
+    """What a store threshold counts (D6)."""
+
+    PER_OFFER = "per-offer"
+    """Every offer of a key counts, a request's own re-offers too (M:129-148, M:266-291)."""
+    PER_REQUEST = "per-request"
+    """A key counts once per request and cache generation: a request's re-offer after a
+    preemption or a failed allocation is not another use of the content (M@0.34.0:46-49,
+    M@0.34.0:133-159, M@0.34.0:290-298). A reset starts a new generation, so a request's
+    next offer after it counts again (M@0.34.0:161-172)."""
+
+
+class LastTokenCut(enum.Enum):
+    """Where a lookup beside a sliding-window or Mamba group takes off the last token, which
+    the core recomputes for its logprobs (D5)."""
+
+    AFTER_CAPS = "after-caps"
+    """After the caps (the connector's `max_num_new_tokens`, a request's
+    `max_load_tokens`): a capped hit ends one token short of its cap (S:862-881)."""
+    BEFORE_CAPS = "before-caps"
+    """Off the request's length, before the caps: a hit capped below it ends on the cap
+    (S@0.34.0:921-941)."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A release's choice for each rule on which releases differ (default: vLLM 0.33.0)."""
+
+    store_admission: StoreAdmission = StoreAdmission.PER_OFFER
+    last_token_cut: LastTokenCut = LastTokenCut.AFTER_CAPS
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = type(getattr(Rules, f.name))
+            if not isinstance(value, kind):
+                raise ValueError(f"Rules.{f.name} must be a {kind.__name__}, got {value!r}")
+
+    @classmethod
+    def of(cls, values: Mapping[str, str]) -> Rules:
+        """0.33.0's rules with the named ones changed, each given by its value's text
+        (`{"store_admission": "per-request"}`); ValueError for a name or value unknown."""
+        changes: dict[str, enum.Enum] = {}
+        for name, text in values.items():
+            if name not in {f.name for f in fields(cls)}:
+                raise ValueError(f"no rule {name!r}; known: "
+                                 f"{', '.join(f.name for f in fields(cls))}")
+            kind = type(getattr(cls, name))
+            try:
+                changes[name] = kind(text)
+            except ValueError:
+                raise ValueError(f"rule {name}: {text!r} is not one of "
+                                 f"{', '.join(v.value for v in kind)}") from None
+        return cls(**changes)  # type: ignore[arg-type]
+
+    def changed(self) -> tuple[str, ...]:
+        """The rules that differ from 0.33.0's, as `name=value` (empty for `Rules()`)."""
+        base = Rules()
+        return tuple(f"{f.name}={getattr(self, f.name).value}" for f in fields(self)
+                     if getattr(self, f.name) != getattr(base, f.name))
+
+    def __str__(self) -> str:
+        return ",".join(self.changed()) or "0.33"
+
+    def __repr__(self) -> str:
+        named = {VLLM_0_33: "VLLM_0_33", VLLM_0_34: "VLLM_0_34"}
+        if self in named:
+            return named[self]
+        return "Rules(" + ", ".join(f"{f.name}={type(getattr(self, f.name)).__name__}."
+                                    f"{getattr(self, f.name).name}" for f in fields(self)) + ")"
+
+
+VLLM_0_33 = Rules()
+"""vLLM 0.33.0's rules (the spec's default), and every release's before it."""
+
+VLLM_0_34 = Rules(store_admission=StoreAdmission.PER_REQUEST,
+                  last_token_cut=LastTokenCut.BEFORE_CAPS)
+"""vLLM 0.34.0's rules."""
+
+BY_RELEASE: dict[str, Rules] = {"0.33": VLLM_0_33, "0.34": VLLM_0_34}
+"""The rules by release (major.minor), as `kvspec check --bounds rules=0.34` names them."""
+
+
+def by_release(name: str) -> Rules:
+    """The rules of release `name` (`0.34` or `0.34.0`); ValueError for one not listed."""
+    key = ".".join(name.strip().split(".")[:2])
+    if key not in BY_RELEASE:
+        raise ValueError(f"no rules for release {name!r}; known: {', '.join(BY_RELEASE)}")
+    return BY_RELEASE[key]

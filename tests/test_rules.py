@@ -1,0 +1,141 @@
+"""The rules on which vLLM releases differ (`spec.rules`): each rule's two values give the
+answers their release gives, in the model and in the reference implementation, and the
+rules are named, parsed and refused where they are not (CONFORMANCE.md D5, D6)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from spec import model as M
+from spec.rules import (
+    VLLM_0_33,
+    VLLM_0_34,
+    LastTokenCut,
+    Rules,
+    StoreAdmission,
+    by_release,
+)
+from spec.scenarios import parse_bounds
+from statemachine.checker import compiled
+from statemachine.errors import ConfigError
+from statemachine.manager import CPUOffloadingManager, ReqContext
+from tests.test_model_settings import _serve as serve
+
+S = M.RequestSettings
+
+
+def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
+    assert Rules() == VLLM_0_33 and str(VLLM_0_33) == "0.33"
+    assert VLLM_0_34.changed() == ("store_admission=per-request", "last_token_cut=before-caps")
+    assert by_release("0.34.0") is VLLM_0_34 and by_release("0.33") is VLLM_0_33
+    with pytest.raises(ValueError, match=r"no rules for release '0\.35'"):
+        by_release("0.35")
+    with pytest.raises(ValueError, match="store_admission must be a StoreAdmission"):
+        Rules(store_admission="per-request")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rules must be a spec\.rules\.Rules"):
+        M.Bounds(rules="0.34")  # type: ignore[arg-type]
+    assert parse_bounds("store_threshold=2,rules=0.34", M.Bounds()).rules is VLLM_0_34
+    assert Rules.of({"store_admission": "per-request", "last_token_cut": "before-caps"}) \
+        == VLLM_0_34
+    with pytest.raises(ValueError, match="no rule 'eviction'"):
+        Rules.of({"eviction": "lru"})
+    with pytest.raises(ValueError, match="rule store_admission: 'once' is not one of"):
+        Rules.of({"store_admission": "once"})
+    with pytest.raises(ValueError, match=r"bad bound 'rules=0\.2'"):
+        parse_bounds("rules=0.2", M.Bounds())
+    with pytest.raises(ConfigError, match="store_admission must be"):
+        CPUOffloadingManager(4, store_threshold=2, store_admission="per-request")  # type: ignore[arg-type]
+
+
+def test_the_compiled_twin_refuses_a_later_release_s_rules() -> None:
+    b = M.Bounds(requests=1, tokens=2, resets=0, failures=0, preemptions=0)
+    assert compiled.fits(b) is None
+    assert "rules of a later release" in (compiled.fits(replace(b, rules=VLLM_0_34)) or "")
+
+
+def _events(s: M.ModelState, *events: M.Event) -> M.ModelState:
+    for ev in events:
+        s = M.apply(s, ev)[0]
+    return s
+
+
+@pytest.mark.parametrize("admission", list(StoreAdmission))
+def test_a_request_s_own_re_offer_counts_only_per_offer(admission: StoreAdmission) -> None:
+    """D6: under a store threshold of 2, r0 offers its chunk, is preempted and offers it
+    again. Per offer (0.33) the second offer admits it and a store starts; per request
+    (0.34) it does not count. After a reset (a new cache generation) r0's offer counts
+    again, in both."""
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+                 failures=0, preemptions=2, store_threshold=2,
+                 rules=Rules(store_admission=admission))
+    s = _events(M.initial(b), M.Event("arrive", "r0"), M.Event("step", "r0"))
+    key = M.key(0, 0)
+    assert dict(s.offers) == {key: 1} and not s.jobs
+    s = _events(s, M.Event("preempt", "r0"), M.Event("step"), M.Event("step", "r0"))
+    stores = [j for j in s.jobs if j.kind == "store"]
+    if admission is StoreAdmission.PER_OFFER:
+        assert dict(s.offers) == {key: 2} and [j.keys for j in stores] == [(key,)]
+        return
+    assert dict(s.offers) == {key: 1} and stores == []
+    assert dict((r.id, r.counted) for r in s.reqs) == {"r0": frozenset({key})}
+    s = _events(s, M.Event("reset"))
+    assert all(not r.counted for r in s.reqs)
+    s = _events(s, M.Event("preempt", "r0"), M.Event("step"), M.Event("step", "r0"))
+    assert dict(s.offers) == {key: 2}
+    assert [j.keys for j in s.jobs if j.kind == "store"] == [(key,)]
+
+
+@pytest.mark.parametrize("admission", list(StoreAdmission))
+def test_the_reference_manager_counts_as_its_rule_says(admission: StoreAdmission) -> None:
+    """The same in the reference manager: r0 offers twice, then r1 once; per offer the
+    second offer admits, per request only r1's; a reset starts a new record for r0."""
+    m = CPUOffloadingManager(4, store_threshold=2, store_admission=admission)
+    r0, r1 = ReqContext("r0", 0), ReqContext("r1", 0)
+    first = m.prepare_store(["a"], r0)
+    assert first is not None and first.keys_to_store == ()
+    again = m.prepare_store(["a"], r0)
+    assert again is not None
+    if admission is StoreAdmission.PER_OFFER:
+        assert again.keys_to_store == ("a",) and m.stats["stores_skipped"] == 1
+        return
+    assert again.keys_to_store == () and m.offers == {"a": 1}
+    assert m.stats["stores_skipped"] == 1  # held back at r0's first offer only
+    other = m.prepare_store(["a"], r1)
+    assert other is not None and other.keys_to_store == ("a",)
+    m.reset_cache()
+    assert m.offers == {"a": 2}  # a reset keeps the counts
+    m2 = CPUOffloadingManager(4, store_threshold=3, store_admission=admission)
+    m2.prepare_store(["b"], r0)
+    m2.reset_cache()
+    m2.prepare_store(["b"], r0)  # a new generation: r0's offer counts again
+    assert m2.offers == {"b": 2}
+
+
+def _hybrid_hit(rules: Rules, cap: int) -> int:
+    """r1's first lookup answer, in model tokens, after r0 stored the shared 5-token prompt
+    (a full-attention and a sliding-window group, 2-block chunks; r1's loads capped)."""
+    b = M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=6, gpu_blocks=14, resets=0,
+                 failures=0, preemptions=0, groups=("full", "sliding"), sliding_window=2,
+                 blocks_per_chunk=2, request_settings=(S(), S(max_load_tokens=cap)),
+                 rules=rules)
+    s, _ = serve(M.initial(b), "r0")
+    assert len(s.chunks) == 4 and not s.jobs
+    _, calls = serve(s, "r1")
+    answers = [c.answer[0] for c in calls
+               if c.hook == "get_num_new_matched_tokens" and c.args[0] == "r1"]
+    assert isinstance(answers[0], int)
+    return answers[0]
+
+
+def test_a_window_group_s_hit_under_a_load_cap_follows_the_release_s_cut() -> None:
+    """D5: beside a sliding window, a load cap on a chunk edge (2 tokens, one 2-block
+    chunk). 0.33 takes the recomputed token off after the cap, so the hit ends a token
+    short of the chunk and rounds down to none; 0.34 takes it off the prompt first, and
+    the hit reaches the cap. A cap that does not bind (4: the hit's own bound, the hash
+    block before the last token, is the lower) gives both the same hit."""
+    after = Rules(last_token_cut=LastTokenCut.AFTER_CAPS)
+    before = Rules(last_token_cut=LastTokenCut.BEFORE_CAPS)
+    assert (_hybrid_hit(after, 2), _hybrid_hit(before, 2)) == (0, 2)
+    assert _hybrid_hit(after, 4) == _hybrid_hit(before, 4)
