@@ -809,7 +809,7 @@ class VLLMMachine(OffloadingStateMachine):
             return (not self.whole_prompt_hit(ev) and not self.readmits_preempted(ev)
                     and not self.restarts_past_a_kept_cursor(ev))
         if rule == "preempt":
-            return not self.preempts_a_load(ev) and not self.preempts_a_failed_loader(ev)
+            return not self.preempts_a_load(ev)
         if rule == "worker_failure":
             return not self.fails_what_vllm_cannot(ev)
         return True
@@ -826,16 +826,6 @@ class VLLMMachine(OffloadingStateMachine):
     def fails_what_vllm_cannot(self, ev: M.Event) -> bool:
         """A failure `unfailable_in_vllm` names."""
         return self.model is not None and unfailable_in_vllm(self.model, ev) is not None
-
-    def preempts_a_failed_loader(self, ev: M.Event) -> bool:
-        """FAILED-LOAD-STICKY (CONFORMANCE.md): vLLM 0.34 answers every lookup of a request
-        whose load failed with 0 (`load_failed`, S@0.34.0:1411), the spec only the first
-        one after the failure (RECOMPUTE). Preemption is the only way back to a lookup, so
-        the machine does not preempt such a request."""
-        if ev.req is None:
-            return False
-        st = self.impl.scheduler._req_status.get(ev.req) if self.impl is not None else None
-        return bool(getattr(st, "load_failed", False))
 
     def readmits_preempted(self, ev: M.Event) -> bool:
         """PREEMPTED-LOAD (CONFORMANCE.md, releases before 0.33.0, feature

@@ -94,7 +94,8 @@ class Observations:
     recompute: set[str] = field(default_factory=set)
     """Requests whose async load a worker failed (0.34.0+), not scheduled since: the spec's
     RECOMPUTE, which every lookup answers 0 until the core schedules the request. vLLM
-    keeps `load_failed` for the request's life (FAILED-LOAD-STICKY, CONFORMANCE.md)."""
+    keeps `load_failed` for the request's life, which the spec's rule for 0.34.0 states
+    (`spec.rules.FailedLoadLookup.FOR_LIFE`: the model's `MReq.load_failed`, not a state)."""
     invalid_loads: set[str] = field(default_factory=set)
     """The same requests, not looked up since: the spec's `load_invalid` (which a lookup
     clears and a finish keeps)."""

@@ -370,6 +370,7 @@ FEATURE_TAKEN: dict[str, str] = {
 RULE_FEATURES: dict[str, tuple[str, str]] = {
     "store_admission_once_per_request": ("store_admission", "per-request"),
     "hybrid_hit_at_the_cap": ("last_token_cut", "before-caps"),
+    "failure_reports": ("failed_load_lookup", "for-life"),
 }
 """Feature -> the rule of `spec.rules.Rules` a release with it has (field, value); a release
 without it has 0.33.0's (`adapter.RELEASE_RULES`)."""

@@ -1,12 +1,12 @@
 """The rules on which vLLM releases differ: one field per rule, each value a release's rule.
 
-The spec states vLLM 0.33.0's lifecycle, and `Rules()` is 0.33.0's rules. Where a later
-release changed a rule of the lookup or the manager and both the old and the new rule are
-safe (no invariant or progress property tells them apart), the spec states both, and the
-bounds (`spec.model.Bounds.rules`) and the reference implementation's configuration
-(`statemachine.config.OffloadingConfig.rules`) choose one. The conformance suite gives the
-spec the rules of the release under test (`conformance.releases.RULE_FEATURES`), so a
-release's new rule is checked, not left out.
+The spec states vLLM 0.33.0's lifecycle, and `Rules()` is 0.33.0's rules (and the spec's
+own, where 0.33.0 has no such path). Where a later release changed a rule of the lookup or
+the manager and both the old and the new rule are safe (no invariant or progress property
+tells them apart), the spec states both, and the bounds (`spec.model.Bounds.rules`) and the
+reference implementation's configuration (`statemachine.config.OffloadingConfig.rules`)
+choose one. The conformance suite gives the spec the rules of the release under test
+(`conformance.releases.RULE_FEATURES`), so a release's new rule is checked, not left out.
 
 Each rule names the divergence of CONFORMANCE.md it came from. vLLM lines are cited as
 `S@0.34.0:...` (`vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py` at
@@ -20,8 +20,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-__all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "LastTokenCut", "Rules", "StoreAdmission",
-           "by_release"]
+__all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "FailedLoadLookup", "LastTokenCut", "Rules",
+           "StoreAdmission", "by_release"]
 
 
 class StoreAdmission(enum.Enum):
@@ -48,12 +48,27 @@ class LastTokenCut(enum.Enum):
     (S@0.34.0:921-941)."""
 
 
+class FailedLoadLookup(enum.Enum):
+    """What a request's lookups answer after a load of it failed or timed out (the restriction
+    FAILED-LOAD-STICKY of CONFORMANCE.md before the spec stated 0.34.0's rule)."""
+
+    ONCE = "once"
+    """The next lookup answers 0 without the manager (RECOMPUTE: the core recomputes the
+    request); a later one, after a preemption, asks the manager again. The spec's own rule:
+    vLLM 0.33.0 has no failure report (a failed copy asserts in the worker, W:299-301)."""
+    FOR_LIFE = "for-life"
+    """Every later lookup of the request answers 0: a faulting load is not retried
+    (`load_failed`, S@0.34.0:375-378, set at S@0.34.0:2480-2487, read at
+    S@0.34.0:1411)."""
+
+
 @dataclass(frozen=True)
 class Rules:
     """A release's choice for each rule on which releases differ (default: vLLM 0.33.0)."""
 
     store_admission: StoreAdmission = StoreAdmission.PER_OFFER
     last_token_cut: LastTokenCut = LastTokenCut.AFTER_CAPS
+    failed_load_lookup: FailedLoadLookup = FailedLoadLookup.ONCE
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,7 +115,8 @@ VLLM_0_33 = Rules()
 """vLLM 0.33.0's rules (the spec's default), and every release's before it."""
 
 VLLM_0_34 = Rules(store_admission=StoreAdmission.PER_REQUEST,
-                  last_token_cut=LastTokenCut.BEFORE_CAPS)
+                  last_token_cut=LastTokenCut.BEFORE_CAPS,
+                  failed_load_lookup=FailedLoadLookup.FOR_LIFE)
 """vLLM 0.34.0's rules."""
 
 BY_RELEASE: dict[str, Rules] = {"0.33": VLLM_0_33, "0.34": VLLM_0_34}

@@ -244,6 +244,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=0, preemptions=1, store_threshold=2, rules=VLLM_0_34),
              Expect("pass", 28_117, 16)),
+    Scenario("failed-load-not-retried",
+             "an async load that a worker fails, under vLLM 0.34.0's rule "
+             "(`spec.rules.FailedLoadLookup.FOR_LIFE`): the request recomputes and stores "
+             "its chunks, and once preempted every later lookup of it answers 0 without the "
+             "manager, while the other request sharing the prefix still hits",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
+                    failures=1, preemptions=1, rules=VLLM_0_34),
+             Expect("pass", 12_799, 18)),
     Scenario("hybrid-load-cap-0.34",
              "a full-attention and a sliding-window group (window 3), blocks of 2 tokens, "
              "a request whose loads are capped at one block, under vLLM 0.34.0's rule "

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK
+from spec.rules import FailedLoadLookup
 from statemachine.messages import CPULoadStoreSpec, GPULoadStoreSpec, TransferJob
 from statemachine.models import JobStatus, RequestState, ResetFence
 
@@ -144,6 +145,8 @@ class SchedulerEffects:
 
     def mark_load_invalid(self, req: RequestState, **_: Any) -> None:
         req.loaded_tokens_invalid = True
+        if self.s.config.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE:
+            req.load_failed = True
 
     def poison_request_stores(self, req: RequestState, **_: Any) -> None:
         for job_id in sorted(req.transfer_jobs):

@@ -60,6 +60,9 @@ class RequestState:
     loaded_from_offload: bool = False
     max_load_tokens: int | None = None
     max_offload_tokens: int | None = None
+    load_failed: bool = False
+    """`Rules.failed_load_lookup` FOR_LIFE: a load of this request failed or timed out, so
+    every later lookup answers 0 without the manager (vLLM 0.34's `load_failed`)."""
     ctx: Any = None
     """The manager's per-request context (from manager.on_new_request)."""
 

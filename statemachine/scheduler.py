@@ -271,8 +271,8 @@ class OffloadingScheduler:
         """The tokens loadable after the local hit `n`; None means defer (S:1068-1152): the
         complete chunks' hit, then, with partial tails, its refinement up to a boundary."""
         req.partial_tail_boundary = None
-        if request.skip_reading_prefix_cache:
-            return 0
+        if request.skip_reading_prefix_cache or req.load_failed:
+            return 0  # S:1258-1259; a faulting load is not retried (S@0.34.0:1411)
         complete = self._lookup_complete_chunks(req, request, n)
         if complete is None or not self.config.supports_partial_tail:
             return complete

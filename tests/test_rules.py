@@ -9,9 +9,11 @@ from dataclasses import replace
 import pytest
 
 from spec import model as M
+from spec.regressions import by_name
 from spec.rules import (
     VLLM_0_33,
     VLLM_0_34,
+    FailedLoadLookup,
     LastTokenCut,
     Rules,
     StoreAdmission,
@@ -28,7 +30,8 @@ S = M.RequestSettings
 
 def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
     assert Rules() == VLLM_0_33 and str(VLLM_0_33) == "0.33"
-    assert VLLM_0_34.changed() == ("store_admission=per-request", "last_token_cut=before-caps")
+    assert VLLM_0_34.changed() == ("store_admission=per-request", "last_token_cut=before-caps",
+                                   "failed_load_lookup=for-life")
     assert by_release("0.34.0") is VLLM_0_34 and by_release("0.33") is VLLM_0_33
     with pytest.raises(ValueError, match=r"no rules for release '0\.35'"):
         by_release("0.35")
@@ -37,8 +40,8 @@ def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
     with pytest.raises(ValueError, match=r"rules must be a spec\.rules\.Rules"):
         M.Bounds(rules="0.34")  # type: ignore[arg-type]
     assert parse_bounds("store_threshold=2,rules=0.34", M.Bounds()).rules is VLLM_0_34
-    assert Rules.of({"store_admission": "per-request", "last_token_cut": "before-caps"}) \
-        == VLLM_0_34
+    assert Rules.of({"store_admission": "per-request", "last_token_cut": "before-caps",
+                     "failed_load_lookup": "for-life"}) == VLLM_0_34
     with pytest.raises(ValueError, match="no rule 'eviction'"):
         Rules.of({"eviction": "lru"})
     with pytest.raises(ValueError, match="rule store_admission: 'once' is not one of"):
@@ -139,3 +142,27 @@ def test_a_window_group_s_hit_under_a_load_cap_follows_the_release_s_cut() -> No
     before = Rules(last_token_cut=LastTokenCut.BEFORE_CAPS)
     assert (_hybrid_hit(after, 2), _hybrid_hit(before, 2)) == (0, 2)
     assert _hybrid_hit(after, 4) == _hybrid_hit(before, 4)
+
+
+@pytest.mark.parametrize("rule", list(FailedLoadLookup))
+def test_a_request_whose_load_failed_loads_again_only_once(rule: FailedLoadLookup) -> None:
+    """FailedLoadLookup: after the program `failed-store-and-async-load`, r1 (whose async
+    load failed, then recomputed and stored its chunks) is preempted and admitted again.
+    ONCE (the spec's rule before 0.34.0) asks the manager, which holds the two chunks; FOR_LIFE
+    (0.34.0) answers 0 without it. The reference implementation answers the same."""
+    from statemachine.testing import replay
+
+    reg = by_name("failed-store-and-async-load")
+    bounds = replace(reg.bounds, rules=Rules(failed_load_lookup=rule))
+    events = reg.events() + M.parse_events(
+        "preempt(r1) ; step() ; ack(job 4, count 2) ; step(admit=r1)")
+    s = M.initial(bounds)
+    for ev in events[:-1]:
+        s = M.apply(s, ev)[0]
+    assert dict((r.id, r.load_failed) for r in s.reqs)["r1"] is (rule is FailedLoadLookup.FOR_LIFE)
+    _, calls, _ = M.apply(s, events[-1])
+    answers = [c.answer for c in calls
+               if c.hook == "get_num_new_matched_tokens" and c.args[0] == "r1"]
+    assert answers == [(2, True) if rule is FailedLoadLookup.ONCE else (0, False)]
+    path = replay(events, bounds)  # the reference: refinement, every invariant, the drain
+    assert len(path) == len(events)

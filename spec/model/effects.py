@@ -18,6 +18,7 @@ from spec.model.core import unquarantine
 from spec.model.faults import Fault
 from spec.model.interpreter import effect, fire, stateless
 from spec.model.state import MJob, ModelError, World, job_of, put_job, put_req, tracked
+from spec.rules import FailedLoadLookup
 
 
 @effect
@@ -144,7 +145,9 @@ def drop_request_jobs(w: World, k: str, **kw: Any) -> None:
 
 @effect
 def mark_load_invalid(w: World, k: str, **kw: Any) -> None:
-    put_req(w, tracked(w, k)._replace(load_invalid=True))
+    sticky = w.bounds.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE
+    req = tracked(w, k)
+    put_req(w, req._replace(load_invalid=True, load_failed=req.load_failed or sticky))
 
 
 @effect

@@ -46,9 +46,12 @@ def lookup(w: World, r: str, local: int = 0) -> tuple[int | None, bool]:
     if req.state in R.MUST_RECOMPUTE:
         fire(w, "request", r, "lookup_resolved")
         return 0, False
-    hit = _hit(w, r, local)
-    if hit is not None and w.bounds.partial_tails:
-        hit = _tail_hit(w, r, local, hit)
+    if req.load_failed:
+        hit: int | None = 0  # a faulting load is not retried (S@0.34.0:1411)
+    else:
+        hit = _hit(w, r, local)
+        if hit is not None and w.bounds.partial_tails:
+            hit = _tail_hit(w, r, local, hit)
     if hit is None:
         fire(w, "request", r, "lookup_deferred")
         return None, False

@@ -334,6 +334,9 @@ class MReq(NamedTuple):
     window_end: int = 0
     """With a sliding-window group: the tokens computed once its last scheduled step ran
     (the core frees the window group's blocks before that window); 0 otherwise."""
+    load_failed: bool = False
+    """`Rules.failed_load_lookup` FOR_LIFE: a load of this request failed or timed out, so
+    no later lookup of it asks the manager (vLLM 0.34's `load_failed`)."""
     counted: frozenset[int] = frozenset()
     """Store admission per request (`Rules.store_admission` PER_REQUEST, with a store
     threshold): the keys this request's offers counted in the current cache generation

@@ -97,19 +97,25 @@ def test_an_evicted_loaded_state_is_stored_while_waiting_and_the_reset_rewinds_t
 
 
 def test_a_request_whose_load_failed_never_loads_again(vllm_ready: Any) -> None:
-    """FAILED-LOAD-STICKY (CONFORMANCE.md): after `failed-store-and-async-load`, r1 (whose
-    async load failed, then recomputed and stored) is preempted and admitted again. The
-    spec's lookup asks the manager and hits two chunks; vLLM 0.34 answers 0, since
-    `load_failed` holds for the request's life. A difference of policy, both safe: the
-    machine does not preempt such a request. This test fails once vLLM retries a load."""
-    from conformance.adapter import VLLMMachine
+    """`spec.rules.FailedLoadLookup` on vLLM (once the restriction FAILED-LOAD-STICKY): after
+    `failed-store-and-async-load`, r1 (whose async load failed, then recomputed and stored)
+    is preempted and admitted again. vLLM 0.34 answers 0, since `load_failed` holds for the
+    request's life: the spec under 0.34.0's rules (FOR_LIFE) conforms; under the rule before
+    it (ONCE) the spec asks the manager and hits two chunks. This test fails once vLLM
+    retries a load."""
+    from conformance.adapter import RELEASE_RULES, VLLMMachine
+    from spec.rules import FailedLoadLookup
     from statemachine.testing import RefinementError, replay
 
     if not vllm_ready.has("failure_reports"):
         pytest.skip("this vLLM has no failure report")
+    assert RELEASE_RULES.failed_load_lookup is FailedLoadLookup.FOR_LIFE
     reg = by_name("failed-store-and-async-load")
     events = reg.events() + M.parse_events(
         "preempt(r1) ; step() ; ack(job 4, count 2) ; step(admit=r1)")
-
+    path = replay(events, _bounds(reg), VLLMMachine)
+    assert len(path) == len(events)
+    once = replace(_bounds(reg), rules=replace(RELEASE_RULES,
+                                               failed_load_lookup=FailedLoadLookup.ONCE))
     with pytest.raises(RefinementError, match=r"answered \(0, False\), the model \(2, True\)"):
-        replay(events, reg.bounds, VLLMMachine)
+        replay(events, once, VLLMMachine)
