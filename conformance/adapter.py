@@ -54,7 +54,7 @@ from spec import job as J
 from spec import model as M
 from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
-from spec.rules import Rules
+from spec.rules import LastTokenCut, Rules
 from spec.state import AbstractState, RequestRecord
 from statemachine.core import StepLedger
 from statemachine.testing import (
@@ -142,10 +142,13 @@ class VLLMAdapter:
             self.scheduler)
         self.cap_keeps_the_last_token = (
             E.has("hybrid_hit_at_the_cap") and bool(self.scheduler._sliding_window_groups)
+            and bounds.rules.last_token_cut is LastTokenCut.AFTER_CAPS
             and not getattr(self.scheduler.config, "supports_partial_tail", False))
-        """0.34.0 with a window or Mamba group: the lookup's -1 comes before the caps. Not
-        with partial tails: their search reads the cap itself (S@0.34.0:1202-1203), up to
-        the boundary the spec's hit reaches, where a lower cap would stop it short."""
+        """CAP-BEFORE-THE-LAST-TOKEN: bounds under 0.33's cut (`LastTokenCut.AFTER_CAPS`,
+        the directed programs written under it) on 0.34.0 with a window or Mamba group,
+        whose lookup takes the recomputed token off before the caps. Not with partial tails:
+        their search reads the cap itself (S@0.34.0:1202-1203), up to the boundary the
+        spec's hit reaches, where a lower cap would stop it short (`program_rules`)."""
         self._evicted: list[int] = []
         self.deferred: set[str] = set()
         """Requests whose last lookup answered None while they held no job (the
@@ -292,9 +295,8 @@ class VLLMAdapter:
             unit = self.bounds.tokens_per_hash * self.tok
             cap = max(0, (req.num_tokens - 1) // unit * unit - local * self.tok)
             if self.cap_keeps_the_last_token:
-                # CAP-BEFORE-THE-LAST-TOKEN (CONFORMANCE.md): 0.34.0 takes the token a
-                # window or Mamba group recomputes off before this cap, not after: the cap
-                # one token lower gives the hit 0.33 and the spec give
+                # CAP-BEFORE-THE-LAST-TOKEN (CONFORMANCE.md): the cap one token lower gives
+                # 0.33's cut on 0.34.0, which takes that token off before the cap
                 cap = max(0, cap - 1)
             hits, is_async = self.scheduler.get_num_new_matched_tokens(
                 req, local * self.tok, max_num_new_tokens=cap)
@@ -638,22 +640,18 @@ failed copy; before, a failure asserts in the worker (W:299-301) and none is dra
 RELEASE_RULES = Rules.of(dict(rule for feature, rule in releases.RULE_FEATURES.items()
                               if E.has(feature)))
 """The spec's rules for the vLLM under test (`spec.rules`): 0.33.0's, or, where a release
-changed a rule the spec states both ways (D5, D6), that release's."""
+changed a rule the spec states both ways (D5, D6, D7, and a failed load not retried), that
+release's."""
 
 
-def rules_differ(b: M.Bounds) -> list[str]:
-    """The divergences (CONFORMANCE.md) that keep bounds `b` off the vLLM under test: where
-    a release changed a rule the spec does not yet state its way (`spec.rules` states D5
-    and D6 both ways, and `for_release` gives the bounds the release's rules). Such bounds
-    are left out.
-    - D7 (feature partial_tail_anchor, 0.34.0): beside a Mamba group a partial tail is
-      searched past the full-attention prefix, not past the complete-chunk hit, so a tail
-      whose Mamba state is cached is found even where the state at the chunk edge before
-      it is not (a failed or evicted store); the spec's search is 0.33's."""
-    out = []
-    if E.has("partial_tail_anchor") and b.partial_tails and "mamba" in b.groups:
-        out.append("D7 (partial_tail_anchor)")
-    return out
+def program_rules(b: M.Bounds) -> Rules:
+    """The rules a directed program written under bounds `b` (0.33.0's rules) replays under
+    on the vLLM under test: the release's (RELEASE_RULES), except the last-token cut, which
+    the adapter holds at the program's on 0.34.0 where it can (CAP-BEFORE-THE-LAST-TOKEN:
+    not with partial tails), so that a program keeps the path it was written for."""
+    if b.partial_tails:
+        return RELEASE_RULES
+    return replace(RELEASE_RULES, last_token_cut=b.rules.last_token_cut)
 
 
 def release_bounds(b: M.Bounds) -> M.Bounds:
@@ -667,18 +665,16 @@ def for_release(bounds: tuple[M.Bounds, ...]) -> tuple[M.Bounds, ...]:
     `vllm_env.release_version`), under its rules and with its failures (`release_bounds`),
     each once."""
     return tuple(dict.fromkeys(
-        release_bounds(b) for b in bounds
-        if not E.missing(*sorted(features_needed(b))) and not rules_differ(b)))
+        release_bounds(b) for b in bounds if not E.missing(*sorted(features_needed(b)))))
 
 
 def dropped_for_release(bounds: tuple[M.Bounds, ...]) -> list[tuple[M.Bounds, list[str]]]:
-    """The bounds `for_release` leaves out, each with the features the release lacks and the
-    divergences that keep it off (`rules_differ`)."""
+    """The bounds `for_release` leaves out, each with the features the release lacks."""
     out = []
     for b in bounds:
-        lacks = [*E.missing(*sorted(features_needed(b))), *rules_differ(b)]
+        lacks = E.missing(*sorted(features_needed(b)))
         if lacks:
-            out.append((b, lacks))
+            out.append((b, list(lacks)))
     return out
 
 
@@ -1136,7 +1132,7 @@ __all__ = [
     "features_needed",
     "for_release",
     "machine_for",
+    "program_rules",
     "release_bounds",
-    "rules_differ",
     "unfailable_in_vllm",
 ]

@@ -349,7 +349,8 @@ FEATURE_TAKEN: dict[str, str] = {
                        "`failure` in the swarm); `vllm_env.connector_output` refuses one",
     "hybrid_hit_at_the_cap": "the spec's rule `LastTokenCut.AFTER_CAPS` (0.33's; with the "
                              "feature the bounds take `BEFORE_CAPS`: `RULE_FEATURES`, D5); "
-                             "the adapter lowers its LAST-TOKEN-BOUND cap by one token "
+                             "for the directed programs, under 0.33's cut, the adapter "
+                             "lowers its LAST-TOKEN-BOUND cap by one token "
                              "(`cap_keeps_the_last_token`)",
     "second_reset_merges": "`VLLMMachine.reset_would_trip` (RESET-TWICE, finding F1); "
                            "`test_finding_f1_...` expects the crash",
@@ -360,9 +361,9 @@ FEATURE_TAKEN: dict[str, str] = {
     "tier_store_marks_present": "the tiering machine's reference without `marks_present` "
                                 "(`vllm_like_reference`); the T2 reproducer expects the "
                                 "stale verdict",
-    "partial_tail_anchor": "the spec's search is 0.33's; with the feature "
-                           "`adapter.rules_differ` leaves out Mamba bounds with partial "
-                           "tails (D7)",
+    "partial_tail_anchor": "the spec's rule `PartialTailSearch.FROM_COMPLETE_HIT` (0.33's; "
+                           "with the feature the bounds take `FROM_FULL_ATTENTION_PREFIX`: "
+                           "`RULE_FEATURES`, D7)",
 }
 """Feature -> where the conformance code takes a release without it."""
 
@@ -371,6 +372,7 @@ RULE_FEATURES: dict[str, tuple[str, str]] = {
     "store_admission_once_per_request": ("store_admission", "per-request"),
     "hybrid_hit_at_the_cap": ("last_token_cut", "before-caps"),
     "failure_reports": ("failed_load_lookup", "for-life"),
+    "partial_tail_anchor": ("partial_tail_search", "from-full-attention-prefix"),
 }
 """Feature -> the rule of `spec.rules.Rules` a release with it has (field, value); a release
 without it has 0.33.0's (`adapter.RELEASE_RULES`)."""

@@ -20,8 +20,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-__all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "FailedLoadLookup", "LastTokenCut", "Rules",
-           "StoreAdmission", "by_release"]
+__all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "FailedLoadLookup", "LastTokenCut",
+           "PartialTailSearch", "Rules", "StoreAdmission", "by_release"]
 
 
 class StoreAdmission(enum.Enum):
@@ -41,11 +41,13 @@ class LastTokenCut(enum.Enum):
     the core recomputes for its logprobs (D5)."""
 
     AFTER_CAPS = "after-caps"
-    """After the caps (the connector's `max_num_new_tokens`, a request's
-    `max_load_tokens`): a capped hit ends one token short of its cap (S:862-881)."""
+    """After the caps (the connector's `max_num_new_tokens`, which the spec's hit bound
+    LAST-TOKEN-BOUND is, and a request's `max_load_tokens`): a hit ends one token short of
+    its bound or cap, in the block it would end on (S:862-881)."""
     BEFORE_CAPS = "before-caps"
-    """Off the request's length, before the caps: a hit capped below it ends on the cap
-    (S@0.34.0:921-941)."""
+    """Off the request's length, before the caps (S@0.34.0:921-941). The hit's bound, the
+    hash blocks before the last token, already leaves that token out, so a hit is never
+    short: it ends on its bound or its cap."""
 
 
 class FailedLoadLookup(enum.Enum):
@@ -62,6 +64,20 @@ class FailedLoadLookup(enum.Enum):
     S@0.34.0:1411)."""
 
 
+class PartialTailSearch(enum.Enum):
+    """Where a lookup with partial tails searches for a boundary inside a block (D7)."""
+
+    FROM_COMPLETE_HIT = "from-complete-hit"
+    """In the block after the complete-chunk hit; a tail key another request's load still
+    brings does not defer the lookup (S:1068-1195)."""
+    FROM_FULL_ATTENTION_PREFIX = "from-full-attention-prefix"
+    """In the block after the full-attention groups' hit, when it lies past the complete
+    hit (a Mamba state missing at a chunk edge shortened it) and none of the full-attention
+    chunks between them is being loaded; a block-aligned boundary below it is a complete
+    chunk and not searched again; a tail key being loaded defers the lookup, as a complete
+    chunk being loaded does (S@0.34.0:1159-1263, S@0.34.0:1283-1322)."""
+
+
 @dataclass(frozen=True)
 class Rules:
     """A release's choice for each rule on which releases differ (default: vLLM 0.33.0)."""
@@ -69,6 +85,7 @@ class Rules:
     store_admission: StoreAdmission = StoreAdmission.PER_OFFER
     last_token_cut: LastTokenCut = LastTokenCut.AFTER_CAPS
     failed_load_lookup: FailedLoadLookup = FailedLoadLookup.ONCE
+    partial_tail_search: PartialTailSearch = PartialTailSearch.FROM_COMPLETE_HIT
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,7 +133,8 @@ VLLM_0_33 = Rules()
 
 VLLM_0_34 = Rules(store_admission=StoreAdmission.PER_REQUEST,
                   last_token_cut=LastTokenCut.BEFORE_CAPS,
-                  failed_load_lookup=FailedLoadLookup.FOR_LIFE)
+                  failed_load_lookup=FailedLoadLookup.FOR_LIFE,
+                  partial_tail_search=PartialTailSearch.FROM_FULL_ATTENTION_PREFIX)
 """vLLM 0.34.0's rules."""
 
 BY_RELEASE: dict[str, Rules] = {"0.33": VLLM_0_33, "0.34": VLLM_0_34}

@@ -252,6 +252,16 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
                     failures=1, preemptions=1, rules=VLLM_0_34),
              Expect("pass", 12_799, 18)),
+    Scenario("partial-tails-0.34",
+             "the partial-tails model with one worker failure, under vLLM 0.34.0's rules "
+             "(`spec.rules.PartialTailSearch.FROM_FULL_ATTENTION_PREFIX`): when a failed "
+             "store leaves no Mamba state at a chunk edge, the lookup searches a tail past "
+             "the full-attention prefix and loads the chunks before it with the tail; a tail "
+             "key another load still brings defers the lookup",
+             Bounds(requests=2, tokens=4, workers=1, cpu_chunks=6, gpu_blocks=8, resets=0,
+                    failures=1, preemptions=0, groups=("full", "mamba"), tokens_per_block=2,
+                    partial_tails=True, rules=VLLM_0_34),
+             Expect("pass", 60_911, 18)),
     Scenario("hybrid-load-cap-0.34",
              "a full-attention and a sliding-window group (window 3), blocks of 2 tokens, "
              "a request whose loads are capped at one block, under vLLM 0.34.0's rule "

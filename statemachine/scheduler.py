@@ -25,7 +25,7 @@ import spec
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK, cdiv, offload_key, storable_chunks
-from spec.rules import LastTokenCut
+from spec.rules import LastTokenCut, PartialTailSearch
 from spec.state import AbstractState
 from statemachine.config import OffloadingConfig
 from statemachine.effects import SchedulerEffects
@@ -273,30 +273,47 @@ class OffloadingScheduler:
         req.partial_tail_boundary = None
         if request.skip_reading_prefix_cache or req.load_failed:
             return 0  # S:1258-1259; a faulting load is not retried (S@0.34.0:1411)
-        complete = self._lookup_complete_chunks(req, request, n)
+        complete, full_attention_hit = self._lookup_complete_chunks(req, request, n)
         if complete is None or not self.config.supports_partial_tail:
             return complete
-        return self._lookup_partial_tail(req, request, n, complete)
+        return self._lookup_partial_tail(req, request, n, complete, full_attention_hit)
 
     def _lookup_partial_tail(self, req: RequestState, request: Request, n: int,
-                             complete: int) -> int | None:
+                             complete: int, full_attention_hit: int | None) -> int | None:
         """From the furthest hash boundary the hit may reach inside the next block (before
         the last prompt token, under `max_load_tokens`) down to the complete hit's end, the
         first boundary whose keys every group holds ready extends the hit to it (its
         boundary is recorded for the load). A key not ready, met before a miss, defers the
-        lookup if the complete hit is empty (S:1068-1195)."""
+        lookup if the complete hit is empty (S:1068-1195). The block is the one after the
+        complete hit, or, as 0.34 searches (`spec.rules.PartialTailSearch`), the one after
+        the full-attention groups' hit (S@0.34.0:1159-1263)."""
         cfg = self.config
         unit, edge = cfg.hash_unit, n + complete
-        furthest = min(request.num_prompt_tokens - 1, edge + cfg.block_size - 1)
+        anchor, pending = edge, False
+        prefix = cfg.rules.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX
+        if prefix and (full_attention_hit or 0) > edge:
+            fa = full_attention_hit or 0
+            between = (k for g in range(cfg.num_groups) if g not in cfg.window_groups
+                       for k in self._request_keys(req, request, g)[
+                           edge // cfg.block_size:fa // cfg.block_size])
+            pending = any(k in self.chunks_being_loaded for k in between)
+            if not pending:  # (being loaded: an empty hit defers, S@0.34.0:1176-1189)
+                anchor = fa
+        furthest = min(request.num_prompt_tokens - 1, anchor + cfg.block_size - 1)
         if req.max_load_tokens is not None:
             furthest = min(furthest, n + req.max_load_tokens)
         furthest = furthest // unit * unit
-        pending = False
+        if furthest <= edge:
+            return complete  # no boundary to search (S@0.34.0:1210-1211)
         for boundary in range(furthest, edge, -unit):
+            if boundary <= anchor and boundary % cfg.block_size == 0:
+                continue  # a complete chunk, which the complete-chunk lookup missed
             ready = True
             for g in range(cfg.num_groups):
-                result = self.manager.lookup(self._boundary_key(req, request, g, boundary),
-                                             req.ctx)
+                key = self._boundary_key(req, request, g, boundary)
+                if prefix and key in self.chunks_being_loaded:
+                    ready, pending = False, True  # S@0.34.0:1303-1309
+                result = self.manager.lookup(key, req.ctx)
                 if result == LookupResult.MISS:
                     ready = False
                     break
@@ -308,30 +325,33 @@ class OffloadingScheduler:
         return None if pending and complete == 0 else complete
 
     def _lookup_complete_chunks(self, req: RequestState, request: Request,
-                                n: int) -> int | None:
+                                n: int) -> tuple[int | None, int | None]:
         """The tokens loadable in whole chunks after the local hit `n`; None means defer
         (`_lookup_complete_chunks`, S:849-1054). Every group scans its keys (a prefix scan
         for full attention, a suffix-window scan for a sliding window or a Mamba state); a
         group's answer can shorten the hit, which sends the groups round again until it
         converges. The hit never covers the last prompt token's hash block
-        (LAST-TOKEN-BOUND)."""
+        (LAST-TOKEN-BOUND). Also the hit's boundary as the full-attention groups left it,
+        before the first window group narrowed it (0 without such a group or when one
+        deferred; None if the lookup ended before a window group; S@0.34.0:992-1001)."""
         cfg = self.config
         tpc = cfg.tokens_per_chunk
         keys = [self._request_keys(req, request, g) for g in range(cfg.num_groups)]
         max_hit = (request.num_tokens - 1) // cfg.hash_unit * cfg.hash_unit
-        before_caps = cfg.rules.last_token_cut is LastTokenCut.BEFORE_CAPS
-        if cfg.window_groups and before_caps:  # the last prompt token is recomputed for its
-            max_hit -= 1  # logprobs: 0.34 takes it off before the caps (S@0.34.0:921-936)
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, n + req.max_load_tokens)
         if cfg.window_groups:
-            if not before_caps:  # 0.33 after them (S:872-876): a capped hit may end one
-                max_hit -= 1     # token short of a block
+            # the last prompt token is recomputed for its logprobs: 0.33 takes it off after
+            # the caps, so a hit may end one token short of a block (S:872-876); 0.34 off the
+            # request's length before them (S@0.34.0:921-941), which this bound leaves out
+            if cfg.rules.last_token_cut is LastTokenCut.AFTER_CAPS:
+                max_hit -= 1
             if cfg.handoff_groups:  # a Mamba state exists only at chunk edges (S:877-881)
                 max_hit = max_hit // tpc * tpc
         order = tuple(g for g in range(cfg.num_groups) if g not in cfg.window_groups) \
             + cfg.window_groups
         num_hit, defer, todo = 0, False, order
+        full_attention_hit: int | None = None
         while todo:
             looked_sliding, groups, todo = False, todo, ()
             for g in groups:
@@ -340,7 +360,10 @@ class OffloadingScheduler:
                 if req.max_load_tokens is not None:
                     max_hit = max_hit // tpc * tpc
                 if max_hit - n < tpc:
-                    return 0
+                    return 0, full_attention_hit
+                if windowed and full_attention_hit is None:
+                    full_attention_hit = max_hit if len(order) > len(cfg.window_groups) \
+                        and not defer else 0
                 n_chunks = min(cdiv(max_hit, tpc), len(keys[g]))
                 start = n // tpc
                 if not windowed:
@@ -350,14 +373,14 @@ class OffloadingScheduler:
                     found = self._window_scan(keys[g][start:n_chunks], req, first,
                                               cfg.window_chunks(g))
                 if found == 0:
-                    return 0
+                    return 0, full_attention_hit
                 if found is None:
                     defer = True
                 else:
                     max_hit = min(max_hit, tpc * (start + found))
                 new = max_hit - n
                 if new < tpc:
-                    return 0
+                    return 0, full_attention_hit
                 if new < num_hit:
                     if defer:
                         defer, todo = False, order
@@ -366,15 +389,15 @@ class OffloadingScheduler:
                 looked_sliding |= windowed
                 num_hit = new
         if defer:
-            return None
+            return None, full_attention_hit
         end = n + num_hit
         for g in range(cfg.num_groups):  # a hit chunk an async load still brings
             hit = keys[g][n // tpc:cdiv(end, tpc)]
             if g in cfg.window_groups:
                 hit = hit[-cfg.load_window_chunks(g, end):]
             if any(k in self.chunks_being_loaded for k in hit):
-                return None
-        return num_hit
+                return None, full_attention_hit
+        return num_hit, full_attention_hit
 
     def _prefix_scan(self, keys: list[int], req: RequestState) -> int | None:
         """Chunks hit from the start (S:773-803); None: defer (a chunk still being written,

@@ -311,6 +311,9 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=4, families=2, workers=1, cpu_chunks=8, gpu_blocks=16,
              resets=1, failures=1, preemptions=2, groups=("full", "sliding"),
              sliding_window=3, tokens_per_block=2),
+    M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=6, gpu_blocks=14,
+             resets=1, failures=2, preemptions=1, groups=("full", "mamba"),
+             tokens_per_block=2, partial_tails=True, rules=VLLM_0_34),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
@@ -319,7 +322,9 @@ first block), blocks of several tokens (a step, a prompt, a cap that ends inside
 partial tails (a boundary inside a block of 2 and of 4 tokens; a load cap below it, an
 offload cap that leaves it unstored), vLLM's default retention (only the replay boundary's
 window tail and Mamba state), block-aligned prompts in blocks of 2 tokens beside a window
-(the hit's bound at the hash block before the last token)."""
+(the hit's bound at the hash block before the last token); partial tails under vLLM 0.34.0's
+rules (a tail searched past the full-attention prefix when a failed store left no state at
+a chunk edge)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

@@ -9,12 +9,14 @@ from dataclasses import replace
 import pytest
 
 from spec import model as M
+from spec.model.state import World
 from spec.regressions import by_name
 from spec.rules import (
     VLLM_0_33,
     VLLM_0_34,
     FailedLoadLookup,
     LastTokenCut,
+    PartialTailSearch,
     Rules,
     StoreAdmission,
     by_release,
@@ -31,7 +33,8 @@ S = M.RequestSettings
 def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
     assert Rules() == VLLM_0_33 and str(VLLM_0_33) == "0.33"
     assert VLLM_0_34.changed() == ("store_admission=per-request", "last_token_cut=before-caps",
-                                   "failed_load_lookup=for-life")
+                                   "failed_load_lookup=for-life",
+                                   "partial_tail_search=from-full-attention-prefix")
     assert by_release("0.34.0") is VLLM_0_34 and by_release("0.33") is VLLM_0_33
     with pytest.raises(ValueError, match=r"no rules for release '0\.35'"):
         by_release("0.35")
@@ -41,7 +44,8 @@ def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
         M.Bounds(rules="0.34")  # type: ignore[arg-type]
     assert parse_bounds("store_threshold=2,rules=0.34", M.Bounds()).rules is VLLM_0_34
     assert Rules.of({"store_admission": "per-request", "last_token_cut": "before-caps",
-                     "failed_load_lookup": "for-life"}) == VLLM_0_34
+                     "failed_load_lookup": "for-life",
+                     "partial_tail_search": "from-full-attention-prefix"}) == VLLM_0_34
     with pytest.raises(ValueError, match="no rule 'eviction'"):
         Rules.of({"eviction": "lru"})
     with pytest.raises(ValueError, match="rule store_admission: 'once' is not one of"):
@@ -133,15 +137,15 @@ def _hybrid_hit(rules: Rules, cap: int) -> int:
 
 
 def test_a_window_group_s_hit_under_a_load_cap_follows_the_release_s_cut() -> None:
-    """D5: beside a sliding window, a load cap on a chunk edge (2 tokens, one 2-block
-    chunk). 0.33 takes the recomputed token off after the cap, so the hit ends a token
-    short of the chunk and rounds down to none; 0.34 takes it off the prompt first, and
-    the hit reaches the cap. A cap that does not bind (4: the hit's own bound, the hash
-    block before the last token, is the lower) gives both the same hit."""
+    """D5: beside a sliding window, 2-block chunks, a 5-token prompt (the hit's own bound,
+    the hash block before the last token, is 4). 0.33 takes the recomputed token off after
+    the caps, so a capped hit ends a token short of its cap and rounds down to the chunk
+    before: a cap of 2 (a chunk edge) gives none, a cap of 4 one chunk. 0.34 takes it off
+    the prompt first, which the bound already leaves out: the hit reaches the cap."""
     after = Rules(last_token_cut=LastTokenCut.AFTER_CAPS)
     before = Rules(last_token_cut=LastTokenCut.BEFORE_CAPS)
     assert (_hybrid_hit(after, 2), _hybrid_hit(before, 2)) == (0, 2)
-    assert _hybrid_hit(after, 4) == _hybrid_hit(before, 4)
+    assert (_hybrid_hit(after, 4), _hybrid_hit(before, 4)) == (2, 4)
 
 
 @pytest.mark.parametrize("rule", list(FailedLoadLookup))
@@ -166,3 +170,40 @@ def test_a_request_whose_load_failed_loads_again_only_once(rule: FailedLoadLooku
     assert answers == [(2, True) if rule is FailedLoadLookup.ONCE else (0, False)]
     path = replay(events, bounds)  # the reference: refinement, every invariant, the drain
     assert len(path) == len(events)
+
+
+@pytest.mark.parametrize("search", list(PartialTailSearch))
+def test_a_tail_past_a_missing_mamba_state_is_found_from_the_full_attention_prefix(
+        search: PartialTailSearch) -> None:
+    """D7: r0's Mamba state at its first chunk edge fails to store (job 0); its
+    full-attention chunk 0 (job 1) and its partial tail at 3 tokens (job 3: the tail block
+    and the Mamba state) are stored. r2, the same prompt: the complete-chunk hit is 0 (no
+    state at the chunk edge), the full-attention prefix is one chunk. Searched from the
+    complete hit (0.33) only boundary 1 is tried and r2 misses; from the full-attention
+    prefix (0.34) boundary 3 hits, and the load brings chunk 0 and the tail's keys. The
+    reference implementation answers and loads the same."""
+    from statemachine.testing import replay
+
+    bounds = M.Bounds(requests=3, tokens=4, cpu_chunks=6, gpu_blocks=14, failures=2,
+                      preemptions=2, families=2, groups=("full", "mamba"), tokens_per_block=2,
+                      partial_tails=True, decode_tokens=3,
+                      rules=Rules(partial_tail_search=search))
+    events = M.parse_events(
+        "arrive(r0) ; arrive(r2) ; step(admit=r0) ; step() ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; step() ; ack(job 1, count 1) ; fail(job 0, count 1) ; step() ; "
+        "ack(job 3, count 1) ; ack(job 3, count 1) ; step(admit=r2)")
+    s = M.initial(bounds)
+    for ev in events[:-1]:
+        s = M.apply(s, ev)[0]
+    s, calls, _ = M.apply(s, events[-1])
+    answers = [c.answer for c in calls
+               if c.hook == "get_num_new_matched_tokens" and c.args[0] == "r2"]
+    loads = [j for j in s.jobs if j.kind == "load" and j.owner == "r2"]
+    if search is PartialTailSearch.FROM_COMPLETE_HIT:
+        assert answers == [(0, False)] and loads == []
+    else:
+        assert answers == [(3, True)]
+        w = World.thaw(s)  # chunk 0 of the full-attention group, then each group's tail
+        want = {w.keys_of("r2", 0)[0], w.tail_key("r2", 3, 0), w.tail_key("r2", 3, 1)}
+        assert [set(j.keys) for j in loads] == [want]
+    assert len(replay(events, bounds)) == len(events)

@@ -25,7 +25,7 @@ from spec.model import truth
 from spec.model.faults import Fault
 from spec.model.interpreter import EFFECTS, fire
 from spec.model.state import ModelError, World, put_job, put_req, tracked
-from spec.rules import LastTokenCut, StoreAdmission
+from spec.rules import LastTokenCut, PartialTailSearch, StoreAdmission
 
 
 def _open(w: World) -> None:
@@ -98,6 +98,7 @@ def _hit(w: World, r: str, local: int) -> int | None:
     tpc = b.tokens_per_chunk
     settings = w.template(r).settings
     w.short_hit = False
+    w.full_attention_hit = None
     if settings.skip_reading_prefix_cache:
         return 0  # S:1258-1259
     order = tuple(g for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS) \
@@ -108,15 +109,15 @@ def _hit(w: World, r: str, local: int) -> int | None:
     unit = b.tokens_per_hash
     max_hit = (w.num_tokens(r) - 1) // unit * unit
     cap = settings.max_load_tokens
-    # With a window group vLLM stops the hit one token before the bound (the last prompt
-    # token is recomputed for its logprobs, S:872-876): below a block, so here the hit keeps
-    # the block but is "short" until a group's answer cuts it to a chunk edge. A Mamba
-    # group cuts it at once: its state exists only at chunk edges (S:877-881).
-    short = bool(b.window_groups())
-    if cap is not None and local + cap < max_hit:  # S:867-871
-        max_hit = local + cap
-        if b.rules.last_token_cut is LastTokenCut.BEFORE_CAPS:
-            short = False  # the token came off the length, below the cap (S@0.34.0:921-936)
+    if cap is not None:
+        max_hit = min(max_hit, local + cap)  # S:867-871
+    # With a window group vLLM 0.33 stops the hit one token before the bound (the last
+    # prompt token is recomputed for its logprobs, S:872-876): below a block, so here the
+    # hit keeps the block but is "short" until a group's answer cuts it to a chunk edge. A
+    # Mamba group cuts it at once: its state exists only at chunk edges (S:877-881). 0.34
+    # takes that token off the request's length before the caps (S@0.34.0:921-941), which
+    # this bound already leaves out: its hit is never short.
+    short = bool(b.window_groups()) and b.rules.last_token_cut is LastTokenCut.AFTER_CAPS
     if b.handoff_groups():
         max_hit, short = (max_hit - short) // tpc * tpc, False
     num_hit, defer = 0, False
@@ -132,6 +133,9 @@ def _hit(w: World, r: str, local: int) -> int | None:
                 max_hit, short = (max_hit - short) // tpc * tpc, False
             if max_hit - local < tpc + short:
                 return 0
+            if sliding and w.full_attention_hit is None:  # S@0.34.0:992-1001
+                w.full_attention_hit = max_hit if len(order) > len(b.window_groups()) \
+                    and not defer else 0
             n_chunks = min(cdiv(max_hit, tpc), len(keys))
             start = local // tpc
             first = b.load_window_chunks(g, min(max_hit, n_chunks * tpc)) if sliding else 0
@@ -176,15 +180,33 @@ def _tail_hit(w: World, r: str, local: int, complete: int) -> int | None:
     if t.settings.skip_reading_prefix_cache:
         return complete
     b = w.bounds
-    edge = local + complete
-    furthest = min(t.tokens - 1, edge + b.tokens_per_block - 1)
+    tpb = b.tokens_per_block
+    edge = anchor = local + complete
+    pending = False
+    prefix = b.rules.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX
+    if prefix and (w.full_attention_hit or 0) > edge:
+        # a Mamba state missing at a chunk edge shortened the complete hit: search past the
+        # full-attention prefix, unless a chunk of it between the two is being loaded (then
+        # an empty hit defers, S@0.34.0:1176-1189)
+        between = (k for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS
+                   for k in w.keys_of(r, g)[edge // tpb:(w.full_attention_hit or 0) // tpb])
+        pending = any(k in w.being_loaded for k in between)
+        if not pending:
+            anchor = w.full_attention_hit or 0
+    furthest = min(t.tokens - 1, anchor + tpb - 1)
     if t.settings.max_load_tokens is not None:
         furthest = min(furthest, local + t.settings.max_load_tokens)
-    pending = False
+    if furthest <= edge:
+        return complete  # no boundary to search (S@0.34.0:1210-1211)
     for boundary in range(furthest, edge, -1):
-        refs = [w.chunks.get(w.tail_key(r, boundary, g)) for g in range(len(b.groups))]
+        if boundary <= anchor and boundary % tpb == 0:
+            continue  # a complete chunk, which the complete-chunk lookup missed
+        keys = [w.tail_key(r, boundary, g) for g in range(len(b.groups))]
+        refs = [w.chunks.get(k) for k in keys]
         missing = next((i for i, ref in enumerate(refs) if ref is None), len(refs))
         here = any(ref == -1 for ref in refs[:missing])
+        if prefix:  # a key another load still brings (S@0.34.0:1303-1309)
+            here |= any(k in w.being_loaded for k in keys[:missing + 1])
         if missing == len(refs) and not here:
             return boundary - local
         pending |= here

@@ -488,6 +488,11 @@ class World:
     short_hit: bool = False
     """The last lookup's hit ends one token short of a block (a window group's last-token
     rule): the core then allocates a window group as if one token less were computed."""
+    full_attention_hit: int | None = None
+    """The last lookup's hit boundary as the full-attention groups left it, before the
+    first window group narrowed it (0 without a full-attention group or when one deferred;
+    None when the lookup ended before a window group): where a partial tail is searched
+    from under `PartialTailSearch.FROM_FULL_ATTENTION_PREFIX`."""
     fired: list[tuple[str, int]] = field(default_factory=list)
     """(machine, transition index) of every row fired: the coverage."""
     moves: list[tuple[str, Any, str, str, str]] = field(default_factory=list)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -206,16 +207,23 @@ D7_TAIL_PAST_A_MISSING_STATE = (
 def test_divergence_d7_a_tail_past_a_missing_mamba_state(vllm_ready: Any) -> None:
     """D7 (CONFORMANCE.md): r0's Mamba state at its first chunk edge fails to store, its
     chunk 0 and its tail at 3 tokens are stored. 0.34.0 (feature partial_tail_anchor)
-    searches the tail from the full-attention prefix and hits 3 model tokens; the spec, as
-    0.33, searches past the complete-chunk hit (0) and answers 0. Fails once either
-    changes."""
+    searches the tail from the full-attention prefix and hits 3 model tokens: the spec under
+    0.34.0's rule (`PartialTailSearch.FROM_FULL_ATTENTION_PREFIX`) takes the same path;
+    under 0.33's (FROM_COMPLETE_HIT) it searches past the complete-chunk hit (0) and
+    answers 0. Fails once either changes."""
     if not vllm_ready.has("failure_reports"):
         pytest.skip("the program fails a store: this vLLM has no failure report")
-    from conformance.adapter import VLLMHybridMachine
+    from conformance.adapter import RELEASE_RULES, VLLMHybridMachine
+    from spec.rules import PartialTailSearch
 
     assert vllm_ready.has("partial_tail_anchor")
+    assert RELEASE_RULES.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX
+    _replay(VLLMHybridMachine, replace(D7_BOUNDS, rules=RELEASE_RULES),
+            D7_TAIL_PAST_A_MISSING_STATE)
+    before = replace(RELEASE_RULES, partial_tail_search=PartialTailSearch.FROM_COMPLETE_HIT)
     with pytest.raises(AssertionError, match=r"answered \(3, True\), the model \(0, False\)"):
-        _replay(VLLMHybridMachine, D7_BOUNDS, D7_TAIL_PAST_A_MISSING_STATE)
+        _replay(VLLMHybridMachine, replace(D7_BOUNDS, rules=before),
+                D7_TAIL_PAST_A_MISSING_STATE)
 
 
 def test_divergence_d1_whole_prompt_hit(vllm_ready: Any) -> None:

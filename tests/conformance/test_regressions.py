@@ -22,10 +22,11 @@ def _requests(s: M.ModelState) -> list[tuple[str, str, tuple[int, ...], int | No
 
 
 def _bounds(reg: Regression) -> M.Bounds:
-    """The program's bounds under the rules of the vLLM under test (`spec.rules`)."""
-    from conformance.adapter import RELEASE_RULES
+    """The program's bounds under the rules it replays under on the vLLM under test
+    (`adapter.program_rules`)."""
+    from conformance.adapter import program_rules
 
-    return replace(reg.bounds, rules=RELEASE_RULES)
+    return replace(reg.bounds, rules=program_rules(reg.bounds))
 
 
 def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
@@ -57,14 +58,9 @@ def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> N
     if vllm_ready.vllm_version() < (0, 26, 0):
         pytest.skip("the programs use preemption and finish, which the 0.22-0.25 machine "
                     "leaves out")
-    from conformance.adapter import rules_differ
     from conformance.releases import FEATURES, features
     from spec.checker import replay
 
-    differ = rules_differ(reg.bounds)
-    if differ:
-        pytest.skip(f"this vLLM's rule is not the spec's ({', '.join(differ)}, "
-                    "CONFORMANCE.md)")
     spec_path = [step.state for step in replay(_bounds(reg), reg.events(),
                                                canonical_ids=False)]
     if any(ev.kind == "report" and ev.failed for ev in reg.events()):
