@@ -175,7 +175,9 @@ def _tail_hit(w: World, r: str, local: int, complete: int) -> int | None:
     from the furthest hash boundary the hit may reach inside the next block down to the
     complete hit's end, the first boundary whose keys every group holds ready extends the
     hit to it. A write-pending key met before a miss defers the lookup, if the complete hit
-    is empty (a hit of complete chunks is answered at once)."""
+    is empty (a hit of complete chunks is answered at once). The next block is the one after
+    the complete hit, or, under `PartialTailSearch.FROM_FULL_ATTENTION_PREFIX` (0.34.0), the
+    one after the full-attention groups' hit (`World.full_attention_hit`)."""
     t = w.template(r)
     if t.settings.skip_reading_prefix_cache:
         return complete
