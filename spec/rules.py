@@ -121,9 +121,9 @@ class Rules:
         return ",".join(self.changed()) or "0.33"
 
     def __repr__(self) -> str:
-        named = {VLLM_0_33: "VLLM_0_33", VLLM_0_34: "VLLM_0_34"}
-        if self in named:
-            return named[self]
+        for release, rules in BY_RELEASE.items():
+            if rules == self:
+                return "VLLM_" + release.replace(".", "_")
         return "Rules(" + ", ".join(f"{f.name}={type(getattr(self, f.name)).__name__}."
                                     f"{getattr(self, f.name).name}" for f in fields(self)) + ")"
 

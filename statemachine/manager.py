@@ -395,7 +395,7 @@ class CPUOffloadingManager:
         counted: set[OffloadKey] = set()
         if self.offers is not None:
             if self.store_admission is StoreAdmission.PER_REQUEST:
-                counted = set(rec.counted)
+                counted = {k for k in offered if k in rec.counted}
                 rec.counted.update(offered)
             self._count_offers(offered, counted)
         candidates: list[OffloadKey] = []

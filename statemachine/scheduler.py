@@ -291,8 +291,8 @@ class OffloadingScheduler:
         unit, edge = cfg.hash_unit, n + complete
         anchor, pending = edge, False
         prefix = cfg.rules.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX
-        if prefix and (full_attention_hit or 0) > edge:
-            fa = full_attention_hit or 0
+        fa = full_attention_hit or 0
+        if prefix and fa > edge:
             between = (k for g in range(cfg.num_groups) if g not in cfg.window_groups
                        for k in self._request_keys(req, request, g)[
                            edge // cfg.block_size:fa // cfg.block_size])

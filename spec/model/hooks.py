@@ -186,15 +186,16 @@ def _tail_hit(w: World, r: str, local: int, complete: int) -> int | None:
     edge = anchor = local + complete
     pending = False
     prefix = b.rules.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX
-    if prefix and (w.full_attention_hit or 0) > edge:
+    fa = w.full_attention_hit or 0
+    if prefix and fa > edge:
         # a Mamba state missing at a chunk edge shortened the complete hit: search past the
         # full-attention prefix, unless a chunk of it between the two is being loaded (then
         # an empty hit defers, S@0.34.0:1176-1189)
         between = (k for g, kind in enumerate(b.groups) if kind not in WINDOW_KINDS
-                   for k in w.keys_of(r, g)[edge // tpb:(w.full_attention_hit or 0) // tpb])
+                   for k in w.keys_of(r, g)[edge // tpb:fa // tpb])
         pending = any(k in w.being_loaded for k in between)
         if not pending:
-            anchor = w.full_attention_hit or 0
+            anchor = fa
     furthest = min(t.tokens - 1, anchor + tpb - 1)
     if t.settings.max_load_tokens is not None:
         furthest = min(furthest, local + t.settings.max_load_tokens)
