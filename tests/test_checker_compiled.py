@@ -19,7 +19,8 @@ from statemachine.checker.compiled import CompiledUnavailable
 
 pytestmark = pytest.mark.exhaustive
 
-SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset")
+SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
+         "failed-load-not-retried")
 
 
 def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from spec import model as M
+from spec.checker import check_model
 from spec.model.state import World
 from spec.regressions import by_name
 from spec.rules import (
@@ -21,6 +22,7 @@ from spec.rules import (
     StoreAdmission,
     by_release,
 )
+from spec.scenarios import by_name as by_scenario
 from spec.scenarios import parse_bounds
 from statemachine.checker import compiled
 from statemachine.errors import ConfigError
@@ -56,10 +58,60 @@ def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
         CPUOffloadingManager(4, store_threshold=2, store_admission="per-request")  # type: ignore[arg-type]
 
 
-def test_the_compiled_twin_refuses_a_later_release_s_rules() -> None:
-    b = M.Bounds(requests=1, tokens=2, resets=0, failures=0, preemptions=0)
+def _space(b: M.Bounds) -> tuple[int, int]:
+    r = check_model(b, liveness=False)
+    assert r.ok and r.complete, r.describe()
+    return r.states, r.edges
+
+
+MOOT = {
+    "store_admission": M.Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4,
+                                resets=0, failures=0, preemptions=1),
+    "last_token_cut": M.Bounds(requests=2, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=6,
+                               resets=0, failures=0, preemptions=0, tokens_per_block=2,
+                               request_settings=(S(), S(max_load_tokens=2))),
+    "partial_tail_search": M.Bounds(requests=1, tokens=4, workers=1, cpu_chunks=4,
+                                    gpu_blocks=4, resets=0, failures=1, preemptions=1,
+                                    groups=("full", "mamba"), tokens_per_block=2),
+}
+"""Bounds where a rule is moot, each near the rule's own ground: a preempted request's
+offers under a threshold of 1, a load cap inside a block without a window group, a failed
+Mamba store without partial tails."""
+
+
+@pytest.mark.parametrize("rule", sorted(MOOT))
+def test_a_rule_not_in_play_changes_nothing(rule: str) -> None:
+    """`Bounds.rules_in_play` leaves a rule out only where its value is moot: the state
+    space under 0.34.0's value of it is 0.33.0's, state for state and edge for edge."""
+    b = MOOT[rule]
+    assert rule not in b.rules_in_play() and "failed_load_lookup" in b.rules_in_play()
+    flipped = replace(b, rules=replace(VLLM_0_33, **{rule: getattr(VLLM_0_34, rule)}))
+    assert _space(flipped) == _space(b)
+
+
+def test_the_compiled_twin_states_the_failed_load_rule_and_no_other() -> None:
+    """The compiled model takes 0.34.0's rules where only `failed_load_lookup` is in play,
+    and its answer differs from 0.33.0's as the Python model's does; a rule it does not
+    state is refused by name."""
+    b = by_scenario("failed-load-not-retried").bounds
+    assert b.rules is VLLM_0_34 and b.rules_in_play() == ("failed_load_lookup",)
     assert compiled.fits(b) is None
-    assert "rules of a later release" in (compiled.fits(replace(b, rules=VLLM_0_34)) or "")
+    later, earlier = compiled.search(b), compiled.search(replace(b, rules=VLLM_0_33))
+    assert later.verdict == earlier.verdict == "ok"
+    assert (later.states, later.edges) == _space(b) != (earlier.states, earlier.edges)
+    assert compiled.fits(replace(b, rules=VLLM_0_33)) is None
+    settled = replace(b, rules=replace(VLLM_0_33, last_token_cut=LastTokenCut.BEFORE_CAPS))
+    assert compiled.fits(settled) is None                 # no window group: moot
+    threshold = replace(b, store_threshold=2)
+    assert "store threshold" in (compiled.fits(threshold) or "")
+
+
+def test_the_compiled_twin_refuses_a_rule_it_does_not_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    b = by_scenario("failed-load-not-retried").bounds
+    monkeypatch.setattr(compiled, "RULES", ())
+    assert "rules of a later release (failed_load_lookup;" in (compiled.fits(b) or "")
+    assert compiled.fits(replace(b, rules=VLLM_0_33)) is None
 
 
 def _events(s: M.ModelState, *events: M.Event) -> M.ModelState:

@@ -15,7 +15,7 @@ before the window).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from spec import fence as F
@@ -248,6 +248,16 @@ class Bounds:
     def window_groups(self) -> tuple[int, ...]:
         """The groups looked up by a suffix-window scan (sliding window and Mamba)."""
         return tuple(g for g, kind in enumerate(self.groups) if kind in WINDOW_KINDS)
+
+    def rules_in_play(self) -> tuple[str, ...]:
+        """The `spec.rules.Rules` fields whose value can change a run within these bounds;
+        the others are moot here: store admission counts no offer under a threshold of 1,
+        the last token is cut short only beside a window group, and a partial tail is
+        searched only with partial tails."""
+        moot = {"store_admission": self.store_threshold <= 1,
+                "last_token_cut": not self.window_groups(),
+                "partial_tail_search": not self.partial_tails}
+        return tuple(f.name for f in fields(Rules) if not moot.get(f.name, False))
 
     def handoff_groups(self) -> tuple[int, ...]:
         """The groups stored only from the core's boundary-state hand-offs (Mamba)."""

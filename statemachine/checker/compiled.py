@@ -20,6 +20,7 @@ from spec import fence as F
 from spec import job as J
 from spec import model as M
 from spec import request as R
+from spec.rules import VLLM_0_33, FailedLoadLookup
 from spec.schema import MachineSpec
 from statemachine.checker import gen
 
@@ -41,6 +42,11 @@ CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 # events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
 
+RULES = ("failed_load_lookup",)
+"""The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
+`failed_load_for_life`). On the others it states 0.33.0's rule, and takes a later release's
+rules where `Bounds.rules_in_play` says that rule is moot."""
+
 VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
 
 
@@ -51,7 +57,8 @@ class CompiledUnavailable(RuntimeError):
 class CBounds(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
-        "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports")] + [
+        "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
+        "failed_load_for_life")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -81,9 +88,11 @@ def fits(b: M.Bounds) -> str | None:
         return "a store threshold (the compiled model stores every chunk offered)"
     if b.decode_tokens:
         return "decoding requests (the compiled model's requests only prefill their prompt)"
-    if b.rules.changed():
-        return (f"rules of a later release ({b.rules}; the compiled model states "
-                "vLLM 0.33.0's)")
+    unstated = [name for name in b.rules_in_play()
+                if name not in RULES and getattr(b.rules, name) != getattr(VLLM_0_33, name)]
+    if unstated:
+        return (f"rules of a later release ({', '.join(unstated)}; the compiled model states "
+                "vLLM 0.33.0's, and 0.34.0's failed_load_lookup)")
     return None
 
 
@@ -95,6 +104,7 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.timeout_steps = -1 if b.timeout_steps is None else b.timeout_steps
     cb.sync_loads, cb.partial_reports = int(b.sync_loads), int(b.partial_reports)
     cb.stray_reports = int(b.stray_reports)
+    cb.failed_load_for_life = int(b.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -243,7 +253,8 @@ def encode(s: M.ModelState) -> bytes:
             blocks = _pad(q.blocks, T)
         else:
             head, jobs, blocks = [0, flags, 0, 0, 0, 0], 0, [0] * T
-        out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0)]
+        out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0),
+                int(q is not None and q.load_failed)]
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:

@@ -343,7 +343,7 @@ static void eff_delete_request_status(World *w, int r, const Kw *kw) {
     uint8_t keep = q->flags & RF_SIGENTRY;
     q->state = R_ABSENT;
     q->flags = keep;
-    q->hit = q->cursor = q->kv_load = q->nblocks = 0;
+    q->hit = q->cursor = q->kv_load = q->nblocks = q->load_failed = 0;
     q->jobs = 0;
     memset(q->blocks, 0, MAXT);
 }
@@ -366,7 +366,9 @@ static void eff_drop_request_jobs(World *w, int r, const Kw *kw) {
 
 static void eff_mark_load_invalid(World *w, int r, const Kw *kw) {
     (void)kw;
-    tracked(w, r)->flags |= RF_LOAD_INVALID;
+    Req *q = tracked(w, r);
+    q->flags |= RF_LOAD_INVALID;
+    if (w->b->failed_load_for_life) q->load_failed = 1;
 }
 
 static void eff_poison_request_stores(World *w, int r, const Kw *kw) {
@@ -644,6 +646,7 @@ static int lookup(World *w, int r, int *is_async) {
     }
     int T = w->b->tokens, end = 0, defer = 0, bound = T - 1;
     if (w->b->skip_reading[r]) bound = 0;  /* S:1258-1259 */
+    if (q->load_failed) bound = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (w->b->max_load[r] >= 0 && w->b->max_load[r] < bound) bound = w->b->max_load[r];
     for (int c = 0; c < bound; c++) {
         int key = kv_key(w->b, r, c);

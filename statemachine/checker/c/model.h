@@ -53,6 +53,7 @@ typedef struct {
 
 typedef struct {
     uint8_t state, flags, hit, cursor, kv_load, nblocks, signals, after_signal;
+    uint8_t load_failed;  /* FailedLoadLookup.FOR_LIFE: no later lookup asks the manager */
     uint32_t jobs;
     uint8_t blocks[MAXT];
     /* the core's view (MCore), with the data's truth: its KV is invalid (ckv_bad), the load
@@ -77,6 +78,7 @@ typedef struct {
     int32_t requests, tokens, workers, cpu_chunks, gpu_blocks, resets, failures, preemptions;
     int32_t timeout_steps; /* -1: none */
     int32_t sync_loads, partial_reports, stray_reports;
+    int32_t failed_load_for_life;  /* rules.failed_load_lookup is FOR_LIFE (vLLM 0.34) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];

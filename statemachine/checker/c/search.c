@@ -18,6 +18,7 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     int n = 0, T = b->tokens;
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
+    o[n++] = q->load_failed;
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
@@ -56,6 +57,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     int n = 0, T = b->tokens;
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
+    q->load_failed = o[n++];
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
