@@ -89,29 +89,33 @@ def test_a_rule_not_in_play_changes_nothing(rule: str) -> None:
     assert _space(flipped) == _space(b)
 
 
-def test_the_compiled_twin_states_the_failed_load_rule_and_no_other() -> None:
-    """The compiled model takes 0.34.0's rules where only `failed_load_lookup` is in play,
-    and its answer differs from 0.33.0's as the Python model's does; a rule it does not
-    state is refused by name."""
-    b = by_scenario("failed-load-not-retried").bounds
-    assert b.rules is VLLM_0_34 and b.rules_in_play() == ("failed_load_lookup",)
-    assert compiled.fits(b) is None
-    later, earlier = compiled.search(b), compiled.search(replace(b, rules=VLLM_0_33))
+@pytest.mark.parametrize(("scenario", "rule"), [
+    ("failed-load-not-retried", "failed_load_lookup"),
+    ("store-admission-per-request", "store_admission")])
+def test_the_compiled_twin_states_both_values_of_its_rules(scenario: str, rule: str) -> None:
+    """The compiled model takes 0.34.0's rules where only the rules it states are in play,
+    and each value of a rule gives its own state space (each equal to the Python model's:
+    test_checker_compiled); a rule not in play there is taken whatever its value."""
+    pinned = by_scenario(scenario)
+    b = pinned.bounds
+    assert b.rules is VLLM_0_34 and rule in b.rules_in_play()
+    assert set(b.rules_in_play()) <= set(compiled.RULES) and compiled.fits(b) is None
+    later = compiled.search(b)
+    earlier = compiled.search(replace(b, rules=replace(VLLM_0_34, **{
+        rule: getattr(VLLM_0_33, rule)})))
     assert later.verdict == earlier.verdict == "ok"
-    assert (later.states, later.edges) == _space(b) != (earlier.states, earlier.edges)
-    assert compiled.fits(replace(b, rules=VLLM_0_33)) is None
-    settled = replace(b, rules=replace(VLLM_0_33, last_token_cut=LastTokenCut.BEFORE_CAPS))
-    assert compiled.fits(settled) is None                 # no window group: moot
-    threshold = replace(b, store_threshold=2)
-    assert "store threshold" in (compiled.fits(threshold) or "")
+    assert (later.states, later.depth) == (pinned.expect.states, pinned.expect.depth)
+    assert (later.states, later.edges) != (earlier.states, earlier.edges)
 
 
 def test_the_compiled_twin_refuses_a_rule_it_does_not_state(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    b = by_scenario("failed-load-not-retried").bounds
-    monkeypatch.setattr(compiled, "RULES", ())
-    assert "rules of a later release (failed_load_lookup;" in (compiled.fits(b) or "")
-    assert compiled.fits(replace(b, rules=VLLM_0_33)) is None
+    b = by_scenario("store-admission-per-request").bounds
+    monkeypatch.setattr(compiled, "RULES", ("failed_load_lookup",))
+    assert "rules of a later release (store_admission;" in (compiled.fits(b) or "")
+    assert compiled.fits(replace(b, rules=replace(VLLM_0_34, **{
+        "store_admission": StoreAdmission.PER_OFFER}))) is None
+    assert compiled.fits(replace(b, store_threshold=1)) is None  # not in play
 
 
 def _events(s: M.ModelState, *events: M.Event) -> M.ModelState:

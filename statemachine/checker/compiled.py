@@ -20,7 +20,7 @@ from spec import fence as F
 from spec import job as J
 from spec import model as M
 from spec import request as R
-from spec.rules import VLLM_0_33, FailedLoadLookup
+from spec.rules import VLLM_0_33, FailedLoadLookup, StoreAdmission
 from spec.schema import MachineSpec
 from statemachine.checker import gen
 
@@ -42,10 +42,10 @@ CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 # events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
 
-RULES = ("failed_load_lookup",)
+RULES = ("store_admission", "failed_load_lookup")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
-`failed_load_for_life`). On the others it states 0.33.0's rule, and takes a later release's
-rules where `Bounds.rules_in_play` says that rule is moot."""
+`per_request_admission` and `failed_load_for_life`). On the others it states 0.33.0's rule,
+and takes a later release's rules where `Bounds.rules_in_play` says that rule is moot."""
 
 VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
 
@@ -58,7 +58,7 @@ class CBounds(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
-        "failed_load_for_life")] + [
+        "failed_load_for_life", "store_threshold", "per_request_admission")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -84,15 +84,15 @@ def fits(b: M.Bounds) -> str | None:
     if b.hybrid:
         return ("several KV cache groups, a sliding window or chunks of several blocks "
                 "(the compiled model has one full-attention group, one block per chunk)")
-    if b.store_threshold > 1:
-        return "a store threshold (the compiled model stores every chunk offered)"
+    if b.store_threshold > 255:
+        return "a store threshold above 255 (a key's offers are counted in a byte)"
     if b.decode_tokens:
         return "decoding requests (the compiled model's requests only prefill their prompt)"
     unstated = [name for name in b.rules_in_play()
                 if name not in RULES and getattr(b.rules, name) != getattr(VLLM_0_33, name)]
     if unstated:
         return (f"rules of a later release ({', '.join(unstated)}; the compiled model states "
-                "vLLM 0.33.0's, and 0.34.0's failed_load_lookup)")
+                f"vLLM 0.33.0's, and a later release's {' and '.join(RULES)})")
     return None
 
 
@@ -105,6 +105,8 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.sync_loads, cb.partial_reports = int(b.sync_loads), int(b.partial_reports)
     cb.stray_reports = int(b.stray_reports)
     cb.failed_load_for_life = int(b.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE)
+    cb.store_threshold = b.store_threshold
+    cb.per_request_admission = int(b.rules.store_admission is StoreAdmission.PER_REQUEST)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -255,6 +257,9 @@ def encode(s: M.ModelState) -> bytes:
             head, jobs, blocks = [0, flags, 0, 0, 0, 0], 0, [0] * T
         out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0),
                 int(q is not None and q.load_failed)]
+        if b.store_threshold > 1:
+            counted = 0 if q is None else sum(1 << _key_index(b, k) for k in q.counted)
+            out += list(counted.to_bytes(2, "little"))
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:
@@ -286,6 +291,9 @@ def encode(s: M.ModelState) -> bytes:
             sum(1 << int(r[1:]) for r in s.pending_preempted), *s.budget]
     chunks = {_key_index(b, k): v for k, v in s.chunks}
     out += [chunks.get(k, CH_ABSENT) & 0xFF for k in range(b.requests * T)]
+    if b.store_threshold > 1:
+        offers = {_key_index(b, k): n for k, n in s.offers}
+        out += [offers.get(k, 0) for k in range(b.requests * T)]
     out += list(sum(1 << _key_index(b, k) for k in s.being_loaded).to_bytes(2, "little"))
     out += list(sum(1 << blk for blk in s.free_blocks).to_bytes(2, "little"))
     out += list(sum(1 << _key_index(b, k) for k in s.bad_chunks).to_bytes(2, "little"))

@@ -344,6 +344,7 @@ static void eff_delete_request_status(World *w, int r, const Kw *kw) {
     q->state = R_ABSENT;
     q->flags = keep;
     q->hit = q->cursor = q->kv_load = q->nblocks = q->load_failed = 0;
+    q->counted = 0;
     q->jobs = 0;
     memset(q->blocks, 0, MAXT);
 }
@@ -804,6 +805,22 @@ static void store(World *w, int r, int scheduled) {
         offered |= (uint16_t)(1u << key);
         if (w->s.chunk[key] == CH_ABSENT) { candidates |= (uint16_t)(1u << key); ncand++; }
     }
+    int threshold = w->b->store_threshold;
+    if (threshold > 1 && offered) {  /* store admission (M:129-148, M:282-291) */
+        uint16_t counted = 0;
+        if (w->b->per_request_admission) {  /* once per request and generation (M@0.34.0:133-159) */
+            counted = req->counted;
+            req->counted |= offered;
+        }
+        for (int k = 0; k < MAXK; k++) {
+            if (!((offered >> k) & 1)) continue;
+            if (!((counted >> k) & 1) && w->s.offers[k] < threshold) w->s.offers[k]++;
+            if (((candidates >> k) & 1) && w->s.offers[k] < threshold) {
+                candidates &= (uint16_t)~(1u << k);
+                ncand--;
+            }
+        }
+    }
     if (!ncand) { req->cursor = (uint8_t)n; return; }
     if (req->flags & RF_SIGNALED) req->after_signal++;
     int present = 0, held = 0;
@@ -919,6 +936,7 @@ static void reset(World *w) {
         if ((s->job[i].flags & JF_HELD) && s->job[i].state == J_TIMED_OUT) ids[n++] = s->job[i].id;
     for (int i = 0; i < n; i++) fire(w, M_JOB, ids[i], JT_reset, NULL);
     for (int c = 0; c < MAXK; c++) s->chunk[c] = CH_ABSENT;
+    for (int r = 0; r < MAXR; r++) s->req[r].counted = 0;  /* a new generation (M@0.34.0:161-172) */
     if (!FAULT(w, FT_RESET_KEEPS_STALE_THRESHOLD)) s->threshold = s->counter;
     Kw kw;
     memset(&kw, 0, sizeof kw);

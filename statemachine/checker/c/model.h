@@ -54,6 +54,8 @@ typedef struct {
 typedef struct {
     uint8_t state, flags, hit, cursor, kv_load, nblocks, signals, after_signal;
     uint8_t load_failed;  /* FailedLoadLookup.FOR_LIFE: no later lookup asks the manager */
+    uint16_t counted;     /* StoreAdmission.PER_REQUEST: the keys its offers counted in this
+                           * cache generation */
     uint32_t jobs;
     uint8_t blocks[MAXT];
     /* the core's view (MCore), with the data's truth: its KV is invalid (ckv_bad), the load
@@ -69,6 +71,7 @@ typedef struct {
     uint8_t pending_finished, pending_preempted;
     uint8_t budget[3];
     int8_t chunk[MAXK];
+    uint8_t offers[MAXK];  /* store admission: each key's offers, counted up to the threshold */
     uint16_t being_loaded, free_blocks, bad_chunks;  /* bad_chunks: the data's truth */
     uint32_t to_flush;
     uint32_t block_fence[MAXB];
@@ -79,6 +82,8 @@ typedef struct {
     int32_t timeout_steps; /* -1: none */
     int32_t sync_loads, partial_reports, stray_reports;
     int32_t failed_load_for_life;  /* rules.failed_load_lookup is FOR_LIFE (vLLM 0.34) */
+    int32_t store_threshold;       /* 1: every chunk offered is stored */
+    int32_t per_request_admission; /* rules.store_admission is PER_REQUEST (vLLM 0.34) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];

@@ -19,6 +19,7 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
     o[n++] = q->load_failed;
+    if (b->store_threshold > 1) { o[n++] = (uint8_t)q->counted; o[n++] = (uint8_t)(q->counted >> 8); }
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
@@ -44,6 +45,8 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
     o[n++] = s->pending_finished; o[n++] = s->pending_preempted;
     for (int i = 0; i < 3; i++) o[n++] = s->budget[i];
     for (int k = 0; k < b->requests * T; k++) o[n++] = (uint8_t)s->chunk[k];
+    if (b->store_threshold > 1)
+        for (int k = 0; k < b->requests * T; k++) o[n++] = s->offers[k];
     o[n++] = (uint8_t)s->being_loaded; o[n++] = (uint8_t)(s->being_loaded >> 8);
     o[n++] = (uint8_t)s->free_blocks; o[n++] = (uint8_t)(s->free_blocks >> 8);
     o[n++] = (uint8_t)s->bad_chunks; o[n++] = (uint8_t)(s->bad_chunks >> 8);
@@ -58,6 +61,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
     q->load_failed = o[n++];
+    if (b->store_threshold > 1) { q->counted = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
@@ -86,6 +90,8 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     s->pending_finished = o[n++]; s->pending_preempted = o[n++];
     for (int i = 0; i < 3; i++) s->budget[i] = o[n++];
     for (int k = 0; k < b->requests * T; k++) s->chunk[k] = (int8_t)o[n++];
+    if (b->store_threshold > 1)
+        for (int k = 0; k < b->requests * T; k++) s->offers[k] = o[n++];
     s->being_loaded = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
     s->free_blocks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
     s->bad_chunks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
