@@ -244,6 +244,15 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=0, preemptions=1, store_threshold=2, rules=VLLM_0_34),
              Expect("pass", 28_117, 16)),
+    Scenario("store-admission-three-requests",
+             "three requests sharing a prefix under vLLM 0.34.0's rules, store threshold 3: "
+             "a chunk is stored only once three offers counted, each request's once per "
+             "cache generation, so a preempted request's re-offer never completes the "
+             "count and a reset opens a new generation; a worker failure and two CPU chunks "
+             "for three requests' stores (the compiled twin, above the mutation matrix)",
+             Bounds(requests=3, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=6, resets=1,
+                    failures=1, preemptions=1, store_threshold=3, rules=VLLM_0_34),
+             Expect("pass", 2_431_745, 21)),
     Scenario("failed-load-not-retried",
              "an async load that a worker fails, under vLLM 0.34.0's rule "
              "(`spec.rules.FailedLoadLookup.FOR_LIFE`): the request recomputes and stores "
