@@ -255,8 +255,9 @@ def encode(s: M.ModelState) -> bytes:
             blocks = _pad(q.blocks, T)
         else:
             head, jobs, blocks = [0, flags, 0, 0, 0, 0], 0, [0] * T
-        out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0),
-                int(q is not None and q.load_failed)]
+        out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0)]
+        if b.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE:
+            out.append(int(q is not None and q.load_failed))
         if b.store_threshold > 1:
             counted = 0 if q is None else sum(1 << _key_index(b, k) for k in q.counted)
             out += list(counted.to_bytes(2, "little"))

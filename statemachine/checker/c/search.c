@@ -18,7 +18,8 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     int n = 0, T = b->tokens;
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
-    o[n++] = q->load_failed;
+    /* the rules' fields only where they can be set (the encoding of 0.33.0's bounds as before) */
+    if (b->failed_load_for_life) o[n++] = q->load_failed;
     if (b->store_threshold > 1) { o[n++] = (uint8_t)q->counted; o[n++] = (uint8_t)(q->counted >> 8); }
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
@@ -60,7 +61,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     int n = 0, T = b->tokens;
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
-    q->load_failed = o[n++];
+    if (b->failed_load_for_life) q->load_failed = o[n++];
     if (b->store_threshold > 1) { q->counted = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
