@@ -239,6 +239,8 @@ def encode(s: M.ModelState) -> bytes:
     after = {r: s.stores_after_signal.count(r) for r in set(s.stores_after_signal)}
     rstate = {n: i for i, n in enumerate(R.REQUEST_MACHINE.state_names)}
     jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
+    cb = c_bounds(b)  # the rules' fields are encoded where the C's bounds say so
+    counts_per_request = cb.store_threshold > 1 and cb.per_request_admission
     for t in b.templates():
         q = reqs.get(t.req_id)
         flags = RF_SIGENTRY if t.req_id in signals else 0
@@ -256,9 +258,9 @@ def encode(s: M.ModelState) -> bytes:
         else:
             head, jobs, blocks = [0, flags, 0, 0, 0, 0], 0, [0] * T
         out += [*head, signals.get(t.req_id, 0), after.get(t.req_id, 0)]
-        if b.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE:
+        if cb.failed_load_for_life:
             out.append(int(q is not None and q.load_failed))
-        if b.store_threshold > 1:
+        if counts_per_request:
             counted = 0 if q is None else sum(1 << _key_index(b, k) for k in q.counted)
             out += list(counted.to_bytes(2, "little"))
         out += list(jobs.to_bytes(4, "little")) + blocks
@@ -292,7 +294,7 @@ def encode(s: M.ModelState) -> bytes:
             sum(1 << int(r[1:]) for r in s.pending_preempted), *s.budget]
     chunks = {_key_index(b, k): v for k, v in s.chunks}
     out += [chunks.get(k, CH_ABSENT) & 0xFF for k in range(b.requests * T)]
-    if b.store_threshold > 1:
+    if cb.store_threshold > 1:
         offers = {_key_index(b, k): n for k, n in s.offers}
         out += [offers.get(k, 0) for k in range(b.requests * T)]
     out += list(sum(1 << _key_index(b, k) for k in s.being_loaded).to_bytes(2, "little"))

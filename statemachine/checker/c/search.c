@@ -18,9 +18,11 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     int n = 0, T = b->tokens;
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
-    /* the rules' fields only where they can be set (the encoding of 0.33.0's bounds as before) */
+    /* a rule's field only where the bounds can set it (0.33.0's bounds encode as before) */
     if (b->failed_load_for_life) o[n++] = q->load_failed;
-    if (b->store_threshold > 1) { o[n++] = (uint8_t)q->counted; o[n++] = (uint8_t)(q->counted >> 8); }
+    if (b->store_threshold > 1 && b->per_request_admission) {
+        o[n++] = (uint8_t)q->counted; o[n++] = (uint8_t)(q->counted >> 8);
+    }
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
@@ -62,7 +64,9 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
     if (b->failed_load_for_life) q->load_failed = o[n++];
-    if (b->store_threshold > 1) { q->counted = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
+    if (b->store_threshold > 1 && b->per_request_admission) {
+        q->counted = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    }
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
