@@ -130,7 +130,9 @@ EFFECTS = (
     Effect("enter_reset_fence", "_reset_fence[id] = remaining reports (S:2437-2441)"),
     Effect("count_stale_report", "_reset_fence[id] -= count; counted as a stale ack"),
     Effect("invalidate_orphaned_load", "a failed stale load whose request still waits for it "
-           "(ORPHANED_LOAD) marks the request's loaded tokens invalid"),
+           "(ORPHANED_LOAD) marks the request's loaded tokens invalid; under "
+           "Rules.stale_load_failure FENCE_ONLY (0.34.0) nothing: the worker's failed_recving "
+           "tells the core, which recomputes the request"),
     Effect("invalidate_owner_kv", "a failed sync load whose request still runs on its KV "
            "(live, stale or timed out) fires the request's kv_invalidated at once"),
     Effect("leave_reset_fence", "delete the fence entry; on_reset_flushed if the fence empties"),
@@ -201,7 +203,8 @@ TRANSITIONS = (
                         "invalidate_orphaned_load"),
                path=Path.RESET, note="a worker already failed this load: the request the "
                "reset orphans must not be promoted on the other workers' stale acks (its KV "
-               "is invalid; found by INV-20)"),
+               "is invalid; found by INV-20). Under 0.34.0's rule "
+               "(Rules.stale_load_failure FENCE_ONLY) the core keeps it from that instead"),
     Transition("ack", (STALE,), SAME, _ACK, "S:2266-2268", unless=("reports_complete",),
                effects=("count_stale_report",), path=Path.RESET),
     Transition("ack", (STALE,), STALE_DRAINED, _ACK, "S:2269-2276",

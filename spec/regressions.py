@@ -126,6 +126,21 @@ REGRESSIONS: tuple[Regression, ...] = (
         "step(admit=r1) ; ack(job 2, count 2) ; fail(job 3, count 1) ; ack(job 3, count 1) "
         "; step(admit=r1) ; step()"),
     Regression(
+        "orphaned-load-fails-then-hits",
+        "vLLM 0.34.0's rule for a stale load's failure (the restriction STALE-LOAD-FAILURE "
+        "before the spec stated it: `spec.rules.StaleLoadFailure`)",
+        "none: the path of either rule. A reset orphans r1's async load of r0's chunk "
+        "(job 1); one worker fails it, the other acks it. Under the spec's own rule "
+        "(INVALIDATES_REQUEST) r1 goes to RECOMPUTE and its next lookup answers 0 without "
+        "the manager; under 0.34.0's (FENCE_ONLY) the failure only drains the fence, r1 is "
+        "IDLE, the core recomputes it on the worker's failed_recving, and its next lookup "
+        "hits the chunk r0 stored again after the reset. Neither promotes the failed load.",
+        Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
+               failures=1, preemptions=0),
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; ack(job 0, count 2) ; step(admit=r1) ; "
+        "reset() ; fail(job 1, count 1) ; ack(job 1, count 1) ; ack(job 2, count 2) ; "
+        "finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)"),
+    Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
         "a request finished while its sync load's reports were still due; the core freed "

@@ -350,7 +350,9 @@ TRANSITIONS = (
     Transition("load_recving", (ORPHANED_LOAD,), IDLE, "update_from_output",
                "S:2266-2282, CS:3569-3575", unless=("load_invalid",),
                effects=("promote_after_recving",), path=Path.RESET,
-               note="the stale ack is filtered; the core still promotes"),
+               note="the stale ack is filtered; the core still promotes, unless a worker "
+               "named the request in failed_recving (Rules.stale_load_failure FENCE_ONLY: "
+               "the core recomputes it)"),
     Transition("load_recving", (ORPHANED_LOAD,), RECOMPUTE, "update_from_output", BEYOND_VLLM,
                requires=("load_invalid",), path=Path.FAILURE,
                note="a worker failed the orphaned load: its tokens are recomputed, not "

@@ -10,8 +10,9 @@ choose one. The conformance suite gives the spec the rules of the release under 
 
 Each rule names the divergence of CONFORMANCE.md it came from. vLLM lines are cited as
 `S@0.34.0:...` (`vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py` at
-tag v0.34.0), `M@0.34.0:...` (`vllm/v1/kv_offload/cpu/manager.py`); unmarked ones are
-v0.33.0's.
+tag v0.34.0), `M@0.34.0:...` (`vllm/v1/kv_offload/cpu/manager.py`), `W@0.34.0:...`
+(`.../offloading/worker.py`), `KU@0.34.0:...` (`vllm/distributed/kv_transfer/kv_connector/
+utils.py`), `CS@0.34.0:...` (`vllm/v1/core/sched/scheduler.py`); unmarked ones are v0.33.0's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 __all__ = ["BY_RELEASE", "VLLM_0_33", "VLLM_0_34", "FailedLoadLookup", "LastTokenCut",
-           "PartialTailSearch", "Rules", "StoreAdmission", "by_release"]
+           "PartialTailSearch", "Rules", "StaleLoadFailure", "StoreAdmission", "by_release"]
 
 
 class StoreAdmission(enum.Enum):
@@ -64,6 +65,27 @@ class FailedLoadLookup(enum.Enum):
     S@0.34.0:1411)."""
 
 
+class StaleLoadFailure(enum.Enum):
+    """What a worker's failure of an async load that a reset made stale does (the
+    restriction STALE-LOAD-FAILURE of CONFORMANCE.md before the spec stated 0.34.0's rule).
+    Either way the core never promotes the failed load's tokens: the data is invalid."""
+
+    INVALIDATES_REQUEST = "invalidates-request"
+    """The connector marks the orphaned request's loaded tokens invalid
+    (`invalidate_orphaned_load`, on a failure reported after the reset and on a reset of a
+    load already FAILING): at its load's last report the request goes to RECOMPUTE, the core
+    recomputes it, and its next lookup answers 0 without the manager. The spec's own rule:
+    vLLM 0.33.0 has no failure report (a failed copy asserts in the worker, W:299-301)."""
+    FENCE_ONLY = "fence-only"
+    """The connector only counts the failure against the reset fence (S@0.34.0:2440-2456;
+    a reset forgets a FAILING job's failure with the job) and keeps no mark of it: the
+    request leaves ORPHANED_LOAD for IDLE as after a good load. The worker still names the
+    request in `failed_recving` (W@0.34.0:306-316), which reaches the core with the load's
+    last `finished_recving` (KU@0.34.0:181-184), and the core recomputes it from token 0
+    instead of promoting the load (CS@0.34.0:3839-3852, CS@0.34.0:3625-3646); its next
+    lookup asks the manager."""
+
+
 class PartialTailSearch(enum.Enum):
     """Where a lookup with partial tails searches for a boundary inside a block (D7)."""
 
@@ -86,6 +108,7 @@ class Rules:
     last_token_cut: LastTokenCut = LastTokenCut.AFTER_CAPS
     failed_load_lookup: FailedLoadLookup = FailedLoadLookup.ONCE
     partial_tail_search: PartialTailSearch = PartialTailSearch.FROM_COMPLETE_HIT
+    stale_load_failure: StaleLoadFailure = StaleLoadFailure.INVALIDATES_REQUEST
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -134,7 +157,8 @@ VLLM_0_33 = Rules()
 VLLM_0_34 = Rules(store_admission=StoreAdmission.PER_REQUEST,
                   last_token_cut=LastTokenCut.BEFORE_CAPS,
                   failed_load_lookup=FailedLoadLookup.FOR_LIFE,
-                  partial_tail_search=PartialTailSearch.FROM_FULL_ATTENTION_PREFIX)
+                  partial_tail_search=PartialTailSearch.FROM_FULL_ATTENTION_PREFIX,
+                  stale_load_failure=StaleLoadFailure.FENCE_ONLY)
 """vLLM 0.34.0's rules."""
 
 BY_RELEASE: dict[str, Rules] = {"0.33": VLLM_0_33, "0.34": VLLM_0_34}

@@ -252,7 +252,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "for three requests' stores (the compiled twin, above the mutation matrix)",
              Bounds(requests=3, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=6, resets=1,
                     failures=1, preemptions=1, store_threshold=3, rules=VLLM_0_34),
-             Expect("pass", 2_431_745, 21)),
+             Expect("pass", 2_422_727, 21)),
     Scenario("failed-load-not-retried",
              "an async load that a worker fails, under vLLM 0.34.0's rule "
              "(`spec.rules.FailedLoadLookup.FOR_LIFE`): the request recomputes and stores "
@@ -261,6 +261,17 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
                     failures=1, preemptions=1, rules=VLLM_0_34),
              Expect("pass", 12_799, 18)),
+    Scenario("orphaned-load-fails-0.34",
+             "a reset orphans an async load that a worker fails, after the reset or already "
+             "at it (FAILING), under vLLM 0.34.0's rule "
+             "(`spec.rules.StaleLoadFailure.FENCE_ONLY`): the failure only drains the fence, "
+             "the request leaves ORPHANED_LOAD for IDLE as after a good load, and the core, "
+             "told by the worker's failed_recving, recomputes it instead of promoting the "
+             "load; its next lookup asks the manager, which the other request stored to "
+             "again",
+             Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=3, resets=1,
+                    failures=1, preemptions=0, rules=VLLM_0_34),
+             Expect("pass", 36_502, 16)),
     Scenario("partial-tails-0.34",
              "the partial-tails model with one worker failure, under vLLM 0.34.0's rules "
              "(`spec.rules.PartialTailSearch.FROM_FULL_ATTENTION_PREFIX`): when a failed "

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK
-from spec.rules import FailedLoadLookup
+from spec.rules import FailedLoadLookup, StaleLoadFailure
 from statemachine.messages import CPULoadStoreSpec, GPULoadStoreSpec, TransferJob
 from statemachine.models import JobStatus, RequestState, ResetFence
 
@@ -272,6 +272,8 @@ class SchedulerEffects:
         self.s.stats["stale_reports"] += count
 
     def invalidate_orphaned_load(self, job: JobStatus, **_: Any) -> None:
+        if self.s.config.rules.stale_load_failure is StaleLoadFailure.FENCE_ONLY:
+            return  # 0.34.0: only the fence counts it; the core reads failed_recving
         owner = self.s._req_status.get(job.owner.req_id)
         if (not job.is_store and owner is job.owner and owner.state == R.ORPHANED_LOAD
                 and not owner.loaded_tokens_invalid):

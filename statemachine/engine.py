@@ -26,9 +26,11 @@ or has its load abandoned (waiting for it) and is recomputed; the destination bl
 timed-out load stay out of the pool until `take_released_gpu_blocks` hands them back; a
 finished (e.g. aborted) request keeps the destination blocks of a load still in flight until
 that load ends. Beyond the connector: a load a reset made stale (ORPHANED_LOAD) whose copy
-failed on some rank is recomputed when its finished_recving arrives, not trusted (stale
-reports only drain the reset fence, so the connector cannot tell; the ranks' failed_jobs
-can).
+failed on some rank is never promoted. Under the spec's own rule the connector sends its
+request to RECOMPUTE (`invalidate_orphaned_load`), and the engine checks that it did (the
+ranks' failed_jobs name the load); under 0.34.0's (`Rules.stale_load_failure` FENCE_ONLY)
+the connector only drains the fence, and the engine, as vLLM 0.34.0's core reads
+failed_recving, recomputes the request itself when its finished_recving arrives.
 
 With tiers (`EngineConfig.tiering`), the connector's manager is a tiering manager over the
 workers' CPU tensors (`statemachine.tiering.connector`); after update from output, the
@@ -56,6 +58,7 @@ import torch
 from spec import job as J
 from spec import request as R
 from spec.groups import NULL_BLOCK, handoff_positions, mamba_chunk_end, offload_key
+from spec.rules import VLLM_0_33, Rules, StaleLoadFailure
 from statemachine.config import KVCacheGroup, OffloadingConfig, TieringConfig
 from statemachine.core import BlockPool, StepLedger, block_hashes, cdiv, prefix_hash
 from statemachine.errors import ConfigError, KVSpecError
@@ -121,6 +124,10 @@ class EngineConfig:
     """Secondary tiers below the CPU tier (`OffloadingConfig.tiering`): the connector's
     manager is then a tiering manager over the workers' CPU tensors, and the tiers' I/O
     runs at the end of every step (see `Engine.step`)."""
+    rules: Rules = VLLM_0_33
+    """The connector's rules (`OffloadingConfig.rules`): 0.33.0's, or a later release's
+    (`spec.rules.VLLM_0_34`); under 0.34.0's the engine, as that release's core, recomputes
+    a request whose stale load a rank failed (`Rules.stale_load_failure`)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "blocks_per_chunk", "num_gpu_blocks", "num_cpu_chunks",
@@ -171,7 +178,7 @@ class EngineConfig:
             kv_bytes_per_token=per_token * self.num_layers * self.num_workers,
             job_timeout_steps=self.job_timeout_steps, check_invariants=self.check_invariants,
             groups=self.groups, retention_interval=self.retention_interval,
-            tiering=self.tiering)
+            tiering=self.tiering, rules=self.rules)
 
 
 @dataclass(eq=False)
@@ -977,6 +984,14 @@ class Engine:
             raise EngineError(f"request {r.id!r}: its load ended but the connector has it in "
                               f"{state}")
         if r.load_failed:
+            if (self.scheduler.config.rules.stale_load_failure
+                    is StaleLoadFailure.FENCE_ONLY):
+                # 0.34.0's rule: the connector only counted the stale load's failure against
+                # the fence; the core hears of it in failed_recving and recomputes
+                # (CS@0.34.0:3839-3852)
+                self.stats["failed_recving_recomputes"] += 1
+                self._abandon_load(r)
+                return
             # the ranks' failed_jobs name this load: the connector must have sent the request
             # to recompute (a stale load's failure too, invalidate_orphaned_load)
             raise EngineError(f"request {r.id!r}: a rank failed its load but the connector "

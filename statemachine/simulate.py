@@ -499,7 +499,9 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         "resets": st["resets"],
         "injected_failures": faults.injected_failures,
         "failed_jobs": sc["failed_jobs"],
-        "orphaned_loads_failed": sc["orphaned_loads_failed"],
+        # the connector marks them (the spec's rule), or the core recomputes them on the
+        # ranks' failed_recving (0.34.0's, Rules.stale_load_failure FENCE_ONLY)
+        "orphaned_loads_failed": sc["orphaned_loads_failed"] + st["failed_recving_recomputes"],
         "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
         "stores_with_gaps": st["stores_with_gaps"],
         "states_handed_off": st["states_handed_off"],

@@ -41,6 +41,7 @@ from statemachine.testing import (
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
     OffloadingStateMachine,
+    Release034DataPlaneStateMachine,
 )
 
 MACHINES = ("model", "data-plane", "tiering")
@@ -247,9 +248,11 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
 
 
 DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
-    DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine)
+    DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine,
+    Release034DataPlaneStateMachine)
 """The data-plane soak takes its programs in turn over these (one KV cache group, full
-attention beside a sliding window, full attention beside a Mamba group)."""
+attention beside a sliding window, full attention beside a Mamba group, one group under
+vLLM 0.34.0's rules)."""
 
 
 def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,

@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 from spec import check as check_invariants
 from spec import model as M
 from spec.groups import split_groups, window_tokens
-from spec.rules import VLLM_0_34
+from spec.rules import VLLM_0_33, VLLM_0_34, Rules
 from spec.state import AbstractState
 from statemachine.config import KVCacheGroup, OffloadingConfig
 from statemachine.messages import (
@@ -716,6 +716,10 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     """The KV cache groups: "full" (one full-attention group), "hybrid" (full attention
     beside a 6-token sliding window, 1.5 blocks, with pages of another size) or "mamba"
     (full attention beside a Mamba group whose state pages are three times the size)."""
+    connector_rules: Rules = VLLM_0_33
+    """The connector's rules (`EngineConfig.rules`; hypothesis's machine owns the name
+    `rules`): 0.33.0's, or 0.34.0's, under which a failed load is never looked up again and
+    a stale load's failure is left to the core."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -730,7 +734,8 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
             num_cpu_chunks=12 if second else 6, num_workers=2, num_layers=1,
             bytes_per_token=2, max_num_batched_tokens=32, max_num_running=4,
             sync_load_budget_bytes=96 if second else 64, job_timeout_steps=3, device="cpu",
-            groups=groups, group_bytes_per_token=(2, second[1]) if second else ()))
+            groups=groups, group_bytes_per_token=(2, second[1]) if second else (),
+            rules=self.connector_rules))
         self.n = 0
         self.armed: list[tuple[str, int]] = []
         self.engine.fault_hooks.append(self._inject)
@@ -807,3 +812,13 @@ class MambaDataPlaneStateMachine(DataPlaneStateMachine):
     into the last block of its chunk and loaded back into one block."""
 
     kv_model = "mamba"
+
+
+class Release034DataPlaneStateMachine(DataPlaneStateMachine):
+    """`DataPlaneStateMachine` under vLLM 0.34.0's rules (`spec.rules.VLLM_0_34`): a request
+    whose load failed never loads again, and the failure of a load a reset made stale only
+    drains the fence while the engine, as that release's core, recomputes the request on
+    the ranks' failed_recving. One full-attention group (the rules of the lookup beside a
+    window or Mamba group are the model's to check)."""
+
+    connector_rules = VLLM_0_34

@@ -20,7 +20,8 @@ from statemachine.checker.compiled import CompiledUnavailable
 pytestmark = pytest.mark.exhaustive
 
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
-         "failed-load-not-retried", "store-admission", "store-admission-per-request")
+         "failed-load-not-retried", "store-admission", "store-admission-per-request",
+         "orphaned-load-fails-0.34")
 
 
 def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:

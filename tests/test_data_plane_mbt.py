@@ -9,6 +9,7 @@ from statemachine.testing import (
     DataPlaneStateMachine,
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
+    Release034DataPlaneStateMachine,
 )
 
 DataPlaneStateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
@@ -22,3 +23,7 @@ TestHybridDataPlane = HybridDataPlaneStateMachine.TestCase
 MambaDataPlaneStateMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None)
 TestMambaDataPlane = MambaDataPlaneStateMachine.TestCase
+
+Release034DataPlaneStateMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None)
+TestRelease034DataPlane = Release034DataPlaneStateMachine.TestCase

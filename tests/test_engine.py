@@ -11,6 +11,7 @@ import pytest
 
 from spec import job as J
 from spec import request as R
+from spec.rules import VLLM_0_34
 from statemachine.engine import Engine, EngineConfig, EngineError
 from statemachine.errors import ConfigError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
@@ -296,3 +297,38 @@ def test_workers_and_connector_must_agree_on_the_world_size() -> None:
     e = make(num_workers=2)
     with pytest.raises(ConfigError, match="workers"):
         Engine(EngineConfig(num_workers=3, device="cpu"), workers=e.workers)
+
+
+def test_under_0_34_an_orphaned_load_a_rank_failed_is_recomputed_by_the_core() -> None:
+    """vLLM 0.34.0's rule (`Rules.stale_load_failure` FENCE_ONLY): the stale failure only
+    drains the reset fence, the connector lets the request go IDLE as after a good load, and
+    the core, hearing of it from the ranks (failed_recving), recomputes it instead of
+    promoting it. Its next lookup asks the manager again."""
+    e = make(rules=VLLM_0_34)
+    seeded(e)
+
+    def fail_and_hang(eng: Engine, job: int, sync: bool) -> None:
+        eng.workers[0].fail_job(job)
+        eng.workers[1].hang_job(job, release_after=2)
+
+    on_load(e, fail_and_hang)
+    e.add_request("b", [*PREFIX, *range(40)], max_tokens=4)
+    e.step()
+    e.reset_prefix_cache(reset_running_requests=True)
+    assert e.scheduler.request_state("b") == R.ORPHANED_LOAD
+    e.step()
+    e.step()  # rank 1's late report: finished_recving from every rank, the load is over
+    # the connector kept no mark: the request is IDLE, and the core did not promote it
+    assert e.scheduler.request_state("b") == R.IDLE
+    assert e.scheduler.stats["orphaned_loads_failed"] == 0
+    assert e.stats["failed_recving_recomputes"] == 1
+    assert e.stats["loads_promoted"] == 0 and e.stats["recomputes"] == 1
+    assert e.requests["b"].request.num_computed_tokens == 0
+    lookups = e.scheduler.manager.stats["lookups"]
+    e.step()  # b is admitted again: its lookup asks the manager (the spec's rule bypasses it)
+    assert e.scheduler.manager.stats["lookups"] > lookups
+    assert_drained(e)
+    # b recomputed its prefix (the byte oracle checked every block it computed and stored)
+    e.add_request("c", [*PREFIX, *range(40), 9], max_tokens=2)
+    assert_drained(e)
+    assert e.stats["loaded_blocks_verified"] >= 8

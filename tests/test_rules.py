@@ -19,6 +19,7 @@ from spec.rules import (
     LastTokenCut,
     PartialTailSearch,
     Rules,
+    StaleLoadFailure,
     StoreAdmission,
     by_release,
 )
@@ -36,7 +37,8 @@ def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
     assert Rules() == VLLM_0_33 and str(VLLM_0_33) == "0.33"
     assert VLLM_0_34.changed() == ("store_admission=per-request", "last_token_cut=before-caps",
                                    "failed_load_lookup=for-life",
-                                   "partial_tail_search=from-full-attention-prefix")
+                                   "partial_tail_search=from-full-attention-prefix",
+                                   "stale_load_failure=fence-only")
     assert by_release("0.34.0") is VLLM_0_34 and by_release("0.33") is VLLM_0_33
     with pytest.raises(ValueError, match=r"no rules for release '0\.35'"):
         by_release("0.35")
@@ -47,7 +49,8 @@ def test_rules_name_their_release_and_refuse_what_is_not_a_rule() -> None:
     assert parse_bounds("store_threshold=2,rules=0.34", M.Bounds()).rules is VLLM_0_34
     assert Rules.of({"store_admission": "per-request", "last_token_cut": "before-caps",
                      "failed_load_lookup": "for-life",
-                     "partial_tail_search": "from-full-attention-prefix"}) == VLLM_0_34
+                     "partial_tail_search": "from-full-attention-prefix",
+                     "stale_load_failure": "fence-only"}) == VLLM_0_34
     with pytest.raises(ValueError, match="no rule 'eviction'"):
         Rules.of({"eviction": "lru"})
     with pytest.raises(ValueError, match="rule store_admission: 'once' is not one of"):
@@ -73,10 +76,13 @@ MOOT = {
     "partial_tail_search": M.Bounds(requests=1, tokens=4, workers=1, cpu_chunks=4,
                                     gpu_blocks=4, resets=0, failures=1, preemptions=1,
                                     groups=("full", "mamba"), tokens_per_block=2),
+    "stale_load_failure": M.Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2,
+                                   gpu_blocks=3, resets=0, failures=1, preemptions=0),
 }
 """Bounds where a rule is moot, each near the rule's own ground: a preempted request's
 offers under a threshold of 1, a load cap inside a block without a window group, a failed
-Mamba store without partial tails."""
+Mamba store without partial tails, an async load failed on one of two workers without a
+reset (`orphaned-load-fails-0.34` less its reset)."""
 
 
 @pytest.mark.parametrize("rule", sorted(MOOT))
@@ -91,7 +97,8 @@ def test_a_rule_not_in_play_changes_nothing(rule: str) -> None:
 
 @pytest.mark.parametrize(("scenario", "rule"), [
     ("failed-load-not-retried", "failed_load_lookup"),
-    ("store-admission-per-request", "store_admission")])
+    ("store-admission-per-request", "store_admission"),
+    ("orphaned-load-fails-0.34", "stale_load_failure")])
 def test_the_compiled_twin_states_both_values_of_its_rules(scenario: str, rule: str) -> None:
     """The compiled model takes 0.34.0's rules where only the rules it states are in play,
     and each value of a rule gives its own state space (each equal to the Python model's:
@@ -263,3 +270,48 @@ def test_a_tail_past_a_missing_mamba_state_is_found_from_the_full_attention_pref
         want = {w.keys_of("r2", 0)[0], w.tail_key("r2", 3, 0), w.tail_key("r2", 3, 1)}
         assert [set(j.keys) for j in loads] == [want]
     assert len(replay(events, bounds)) == len(events)
+
+
+@pytest.mark.parametrize("rule", list(StaleLoadFailure))
+def test_a_stale_load_s_failure_marks_the_request_or_only_the_fence(
+        rule: StaleLoadFailure) -> None:
+    """StaleLoadFailure, on the program `orphaned-load-fails-then-hits`: INVALIDATES_REQUEST
+    (the spec's own rule) sends r1 to RECOMPUTE at its load's last report and answers its
+    next lookup 0 without the manager; FENCE_ONLY (0.34.0) leaves r1 IDLE, the core
+    recomputes it on the worker's failed_recving, and its next lookup hits the chunk r0
+    stored again. Either way the core never promotes the failed load. The reference
+    implementation answers the same."""
+    from statemachine.testing import replay
+
+    reg = by_name("orphaned-load-fails-then-hits")
+    bounds = replace(reg.bounds, rules=Rules(stale_load_failure=rule))
+    events = reg.events()
+    s = M.initial(bounds)
+    for ev in events[:8]:
+        s = M.apply(s, ev)[0]
+    r1 = {r.id: r for r in s.reqs}["r1"]
+    core = dict(s.core)["r1"]
+    fence_only = rule is StaleLoadFailure.FENCE_ONLY
+    assert (r1.state, r1.load_invalid) == (("IDLE", False) if fence_only else ("RECOMPUTE", True))
+    assert (core.status, core.computed, core.blocks) == ("waiting", 0, ())  # not promoted
+    for ev in events[8:-1]:
+        s = M.apply(s, ev)[0]
+    _, calls, _ = M.apply(s, events[-1])
+    answers = [c.answer for c in calls
+               if c.hook == "get_num_new_matched_tokens" and c.args[0] == "r1"]
+    assert answers == [(1, True) if fence_only else (0, False)]
+    path = replay(events, bounds)  # the reference: refinement, every invariant, the drain
+    assert len(path) == len(events)
+
+
+def test_under_0_34_the_core_s_failed_recving_is_what_keeps_invalid_kv_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the core's reaction to failed_recving, 0.34.0's rule would promote a stale
+    load a worker failed: the checker finds the request storing that KV (INV-20)."""
+    from spec.model import environment
+
+    b = by_scenario("orphaned-load-fails-0.34").bounds
+    monkeypatch.setattr(environment, "_name_in_failed_recving", lambda *a, **k: None)
+    r = check_model(b, liveness=False)
+    assert not r.ok and r.counterexample is not None
+    assert r.counterexample.summary.startswith("INV-20")

@@ -7,6 +7,7 @@ import pytest
 from spec import fence as F
 from spec import job as J
 from spec import request as R
+from spec.rules import VLLM_0_34
 from statemachine.errors import IllegalTransition, OutOfStep
 from statemachine.messages import NewRequestData, Request
 from tests.driver import Driver, block_hashes
@@ -247,4 +248,35 @@ def test_a_failed_orphaned_load_is_recomputed_not_promoted() -> None:
     d.report({lid: 1}, failed={lid: 1}, recving=["b"])
     assert d.state("b") == R.RECOMPUTE
     assert d.s.fence.state == F.FENCE_IDLE
+    lookups = d.s.manager.stats["lookups"]
     assert d.s.get_num_new_matched_tokens(d.reqs["b"], 0) == (0, False)
+    assert d.s.manager.stats["lookups"] == lookups  # answered without the manager
+
+
+@pytest.mark.parametrize("where", ["failed after the reset", "failing at the reset"])
+def test_under_0_34_a_failed_orphaned_load_only_drains_the_fence(where: str) -> None:
+    """vLLM 0.34.0's rule (`Rules.stale_load_failure` FENCE_ONLY): the failure of a load a
+    reset made stale, reported after the reset or already at it (FAILING), only drains the
+    fence. The request leaves ORPHANED_LOAD for IDLE (the core recomputes it on the worker's
+    failed_recving) and its next lookup asks the manager."""
+    d = Driver.make(num_workers=2, rules=VLLM_0_34)
+    loaded_once(d)
+    d.add("b", 40)
+    _, _, meta = d.admit("b")
+    (lid,) = meta.load_jobs
+    if where == "failing at the reset":
+        d.report(failed={lid: 1})
+        assert d.s.jobs.get(lid).state == J.FAILING  # type: ignore[union-attr]
+    d.s.reset_cache()
+    d.build()
+    assert d.state("b") == R.ORPHANED_LOAD
+    if where == "failing at the reset":
+        d.report({lid: 1}, recving=["b"])
+    else:
+        d.report({lid: 1}, failed={lid: 1}, recving=["b"])
+    assert d.state("b") == R.IDLE
+    assert d.s.fence.state == F.FENCE_IDLE
+    assert d.s.stats["orphaned_loads_failed"] == 0
+    lookups = d.s.manager.stats["lookups"]
+    assert d.s.get_num_new_matched_tokens(d.reqs["b"], 0) == (0, False)
+    assert d.s.manager.stats["lookups"] == lookups + 1

@@ -7,6 +7,7 @@ import pytest
 
 from spec import model as M
 from spec.regressions import by_name
+from spec.rules import VLLM_0_34
 from statemachine import soak
 from statemachine.errors import InvariantViolation
 from statemachine.testing import OffloadingStateMachine
@@ -43,9 +44,11 @@ def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> No
 
 def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults() -> None:
     """The data-plane programs take turns over one group, a sliding window beside full
-    attention, and a Mamba group beside it: a fault of the per-group copy is found in a
-    program of two groups, by the bytes, and named with that machine."""
-    assert [m.kv_model for m in soak.DATA_PLANE_MACHINES] == ["full", "hybrid", "mamba"]
+    attention, a Mamba group beside it, and one group under vLLM 0.34.0's rules: a fault
+    of the per-group copy is found in a program of two groups, by the bytes, and named with
+    that machine."""
+    assert [(m.kv_model, str(m.connector_rules)) for m in soak.DATA_PLANE_MACHINES] == [
+        ("full", "0.33"), ("hybrid", "0.33"), ("mamba", "0.33"), ("full", str(VLLM_0_34))]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]

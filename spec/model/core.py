@@ -25,15 +25,16 @@ def unquarantine(w: World, job_id: int) -> None:
 
 def follow_connector(w: World) -> None:
     """The core's reaction to what the connector decided: an async load ended (the request
-    waits with its loaded tokens), failed or timed out (recompute from scratch), a sync load
+    waits with its loaded tokens, unless a worker named it in `failed_recving`:
+    `MCore.recv_failed`), failed or timed out (recompute from scratch), a sync load
     failed under a running request (preempt it), an aborted load ended (free its blocks)."""
     for r, c in list(w.core.items()):
         req = w.reqs.get(r)
         state = req.state if req is not None else R.ABSENT
         if c.status == "remote":
-            if state == R.IDLE:
+            if state == R.IDLE and not c.recv_failed:
                 w.core[r] = c._replace(status="waiting", computed=c.loading, loading=0)
-            elif state in R.MUST_RECOMPUTE:
+            elif state in R.MUST_RECOMPUTE or state == R.IDLE:  # or the worker said it failed
                 free(w, c.blocks)
                 w.core[r] = c.restarted()
         elif c.status == "running":

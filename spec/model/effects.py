@@ -18,7 +18,7 @@ from spec.model.core import unquarantine
 from spec.model.faults import Fault
 from spec.model.interpreter import effect, fire, stateless
 from spec.model.state import MJob, ModelError, World, job_of, put_job, put_req, tracked
-from spec.rules import FailedLoadLookup
+from spec.rules import FailedLoadLookup, StaleLoadFailure
 
 
 @effect
@@ -345,6 +345,8 @@ def count_stale_report(w: World, k: int, count: int = 1, **kw: Any) -> None:
 
 @effect
 def invalidate_orphaned_load(w: World, k: int, **kw: Any) -> None:
+    if w.bounds.rules.stale_load_failure is StaleLoadFailure.FENCE_ONLY:
+        return  # the connector keeps no mark; the core hears of it (MCore.recv_failed)
     j = w.held[k]
     owner = w.reqs.get(j.owner)
     if j.kind == "load" and owner is not None and owner.state == R.ORPHANED_LOAD:

@@ -38,6 +38,7 @@ from spec.model.state import (
     NotEnabled,
     World,
 )
+from spec.rules import StaleLoadFailure
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,18 @@ def _decode_blocks(w: World, r: str) -> tuple[int, ...] | None:
     w.free_blocks.difference_update(grown)
     w.core[r] = c._replace(blocks=w.extend_table(c.blocks, grown))
     return grown
+
+
+def _name_in_failed_recving(w: World, load: MJob, job_id: int) -> None:
+    """Under `Rules.stale_load_failure` FENCE_ONLY the core learns of a failed async load
+    from the worker (`failed_recving`, W@0.34.0:306-316), not from the connector: the
+    request that waits for that load is marked for recompute (`MCore.recv_failed`)."""
+    if (w.bounds.rules.stale_load_failure is not StaleLoadFailure.FENCE_ONLY
+            or load.kind != "load" or load.sync):
+        return
+    c = w.core.get(load.owner)
+    if c is not None and c.status == "remote" and c.load_job == job_id:
+        w.core[load.owner] = c._replace(recv_failed=True)
 
 
 def _behind_a_sync_load(w: World, j: MJob) -> bool:
@@ -291,6 +304,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         completes = ev.count == due.unreported and due.kind == "load" and not due.sync
         if ev.failed:
             truth.failed_copy(w, ev.job)  # before the connector hears of it
+            _name_in_failed_recving(w, due, ev.job)
         report(w, ev.job, 0 if ev.failed else ev.count, ev.count if ev.failed else 0)
         for table in (w.jobs, w.held):
             if ev.job in table:
@@ -321,7 +335,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         if not keep:
             free(w, c.blocks)
         w.core[r] = c._replace(status="finished", blocks=c.blocks if keep else (),
-                               aborted=ev.kind == "abort", loading=0)
+                               aborted=ev.kind == "abort", loading=0, recv_failed=False)
         finish(w, r)
         calls.append(Call("request_finished", (r, ev.kind == "abort")))
         w.pending_finished.add(r)

@@ -252,11 +252,13 @@ class Bounds:
     def rules_in_play(self) -> tuple[str, ...]:
         """The `spec.rules.Rules` fields whose value can change a run within these bounds;
         the others are moot here: store admission counts no offer under a threshold of 1,
-        the last token is cut short only beside a window group, and a partial tail is
-        searched only with partial tails."""
+        the last token is cut short only beside a window group, a partial tail is searched
+        only with partial tails, and a load fails after a reset made it stale only with
+        both a failure and a reset."""
         moot = {"store_admission": self.store_threshold <= 1,
                 "last_token_cut": not self.window_groups(),
-                "partial_tail_search": not self.partial_tails}
+                "partial_tail_search": not self.partial_tails,
+                "stale_load_failure": self.failures == 0 or self.resets == 0}
         return tuple(f.name for f in fields(Rules) if not moot.get(f.name, False))
 
     def handoff_groups(self) -> tuple[int, ...]:
@@ -390,6 +392,11 @@ class MCore(NamedTuple):
     kv_bad: bool = False
     """The data's truth: the request's KV on the GPU holds data a failed, timed-out or
     invalid load produced (until the core restarts it from token zero)."""
+    recv_failed: bool = False
+    """`Rules.stale_load_failure` FENCE_ONLY: a worker named the request in
+    `failed_recving` for the async load it waits for (WAITING_FOR_REMOTE_KVS), so the core
+    recomputes it when that load's last report comes instead of promoting it. Under the
+    spec's own rule the connector tells the core (RECOMPUTE) and this stays False."""
     load_job: int | None = None
     """The load that fills its blocks since the core last (re)started it."""
     generated: int = 0

@@ -20,7 +20,7 @@ from spec import fence as F
 from spec import job as J
 from spec import model as M
 from spec import request as R
-from spec.rules import VLLM_0_33, FailedLoadLookup, StoreAdmission
+from spec.rules import VLLM_0_33, FailedLoadLookup, StaleLoadFailure, StoreAdmission
 from spec.schema import MachineSpec
 from statemachine.checker import gen
 
@@ -42,10 +42,11 @@ CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 # events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
 
-RULES = ("store_admission", "failed_load_lookup")
+RULES = ("store_admission", "failed_load_lookup", "stale_load_failure")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
-`per_request_admission` and `failed_load_for_life`). On the others it states 0.33.0's rule,
-and takes a later release's rules where `Bounds.rules_in_play` says that rule is moot."""
+`per_request_admission`, `failed_load_for_life` and `stale_fence_only`). On the others it
+states 0.33.0's rule, and takes a later release's rules where `Bounds.rules_in_play` says
+that rule is moot."""
 
 VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
 
@@ -58,7 +59,8 @@ class CBounds(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in (
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
-        "failed_load_for_life", "store_threshold", "per_request_admission")] + [
+        "failed_load_for_life", "store_threshold", "per_request_admission",
+        "stale_fence_only")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -107,6 +109,7 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.failed_load_for_life = int(b.rules.failed_load_lookup is FailedLoadLookup.FOR_LIFE)
     cb.store_threshold = b.store_threshold
     cb.per_request_admission = int(b.rules.store_admission is StoreAdmission.PER_REQUEST)
+    cb.stale_fence_only = int(b.rules.stale_load_failure is StaleLoadFailure.FENCE_ONLY)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -266,10 +269,12 @@ def encode(s: M.ModelState) -> bytes:
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:
-            out += [0, 0, 0, 0, 0, 0, NONE8] + [0] * T
+            out += [0, 0, 0, 0, 0, 0, NONE8] + [0] * cb.stale_fence_only + [0] * T
         else:
             out += [CORE_STATUS[c.status], c.computed, c.loading, int(c.aborted),
                     len(c.blocks), int(c.kv_bad), NONE8 if c.load_job is None else c.load_job]
+            if cb.stale_fence_only:
+                out.append(int(c.recv_failed))
             out += _pad(c.blocks, T)
     quarantined = {i for i, _ in s.quarantined_blocks}
     records = sorted([(j, False) for j in s.jobs] + [(j, True) for j in s.held],

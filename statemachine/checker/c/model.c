@@ -587,6 +587,7 @@ static void eff_count_stale_report(World *w, int k, const Kw *kw) {
 
 static void eff_invalidate_orphaned_load(World *w, int k, const Kw *kw) {
     (void)kw;
+    if (w->b->stale_fence_only) return;  /* the core hears of it (crecv_failed) */
     Job *j = held_job(w, k);
     if (!j) fail(w, ERR_MODEL, "job %d is not held", k);
     Req *q = &w->s.req[j->owner];
@@ -962,9 +963,17 @@ static void core_free(World *w, const uint8_t *blocks, int n) {
 
 static void core_reset(Req *q, int status) {  /* MCore(status) */
     q->cstatus = (uint8_t)status;
-    q->computed = q->loading = q->aborted = q->ncblocks = q->ckv_bad = 0;
+    q->computed = q->loading = q->aborted = q->ncblocks = q->ckv_bad = q->crecv_failed = 0;
     q->cload = NONE8;
     memset(q->cblocks, 0, MAXT);
+}
+
+/* _name_in_failed_recving: under StaleLoadFailure.FENCE_ONLY the worker's failed_recving
+ * tells the core that the async load its request waits for failed */
+static void name_in_failed_recving(World *w, const Job *load, int id) {
+    if (!w->b->stale_fence_only || load->kind != KIND_LOAD || (load->flags & JF_SYNC)) return;
+    Req *q = &w->s.req[load->owner];
+    if (q->cstatus == C_REMOTE && q->cload == id) q->crecv_failed = 1;
 }
 
 static void follow_connector(World *w) {
@@ -973,11 +982,11 @@ static void follow_connector(World *w) {
         if (q->cstatus == C_NONE) continue;
         int state = (q->flags & RF_TRACKED) ? q->state : R_ABSENT;
         if (q->cstatus == C_REMOTE) {
-            if (state == R_IDLE) {
+            if (state == R_IDLE && !q->crecv_failed) {
                 q->cstatus = C_WAITING;
                 q->computed = q->loading;
                 q->loading = 0;
-            } else if (IN(RS_MUST_RECOMPUTE, state)) {
+            } else if (IN(RS_MUST_RECOMPUTE, state) || state == R_IDLE) {
                 core_free(w, q->cblocks, q->ncblocks);
                 core_reset(q, C_WAITING);
             }
@@ -1111,7 +1120,10 @@ static void apply(World *w, uint32_t ev) {
         }
         int owner = due->owner;
         int completes = count == due->unreported && due->kind == KIND_LOAD && !(due->flags & JF_SYNC);
-        if (failed) failed_copy(w, id);  /* before the connector hears of it */
+        if (failed) {
+            failed_copy(w, id);  /* before the connector hears of it */
+            name_in_failed_recving(w, due, id);
+        }
         report(w, id, failed ? 0 : count, failed ? count : 0);
         int i = job_pos(s, id);
         if (i >= 0) s->job[i].unreported = (uint8_t)(s->job[i].unreported - count);

@@ -61,6 +61,7 @@ typedef struct {
     /* the core's view (MCore), with the data's truth: its KV is invalid (ckv_bad), the load
      * that fills its blocks (cload, NONE8: none) */
     uint8_t cstatus, computed, loading, aborted, ncblocks, ckv_bad, cload;
+    uint8_t crecv_failed; /* StaleLoadFailure.FENCE_ONLY: a worker named it in failed_recving */
     uint8_t cblocks[MAXT];
 } Req;
 
@@ -84,6 +85,7 @@ typedef struct {
     int32_t failed_load_for_life;  /* rules.failed_load_lookup is FOR_LIFE (vLLM 0.34) */
     int32_t store_threshold;       /* 1: every chunk offered is stored */
     int32_t per_request_admission; /* rules.store_admission is PER_REQUEST (vLLM 0.34) */
+    int32_t stale_fence_only;      /* rules.stale_load_failure is FENCE_ONLY (vLLM 0.34) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];

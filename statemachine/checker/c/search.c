@@ -27,6 +27,7 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
     o[n++] = q->ncblocks; o[n++] = q->ckv_bad; o[n++] = q->cload;
+    if (b->stale_fence_only) o[n++] = q->crecv_failed;
     for (int i = 0; i < T; i++) o[n++] = q->cblocks[i];
     return n;
 }
@@ -72,6 +73,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
     q->cstatus = o[n++]; q->computed = o[n++]; q->loading = o[n++]; q->aborted = o[n++];
     q->ncblocks = o[n++]; q->ckv_bad = o[n++]; q->cload = o[n++];
+    if (b->stale_fence_only) q->crecv_failed = o[n++];
     for (int i = 0; i < T; i++) q->cblocks[i] = o[n++];
     return n;
 }
