@@ -50,7 +50,6 @@ from conformance.projection import (
     project,
     vllm_block,
 )
-from spec import job as J
 from spec import model as M
 from spec import request as RS
 from spec.groups import NULL_BLOCK, split_groups, window_tokens
@@ -150,6 +149,9 @@ class VLLMAdapter:
         their search reads the cap itself (S@0.34.0:1202-1203), up to the boundary the
         spec's hit reaches, where a lower cap would stop it short (`program_rules`)."""
         self._evicted: list[int] = []
+        self._failed_loads: set[int] = set()
+        """Load jobs a worker failed, live or stale: the worker names their request in
+        `failed_recving` (W@0.34.0:306-316) whatever the scheduler's table says."""
         self.deferred: set[str] = set()
         """Requests whose last lookup answered None while they held no job (the
         LOOKUP_DEFERRED mark, where vLLM keeps none: `_as_of_release`)."""
@@ -412,11 +414,14 @@ class VLLMAdapter:
             fence[job] -= done
             if fence[job] <= 0:
                 del fence[job]
-        # a load a worker failed, in this report or an earlier one (vLLM's `failed`, read
-        # before the job's last report takes it out of the table)
+        # a load a worker failed, in this report or an earlier one, live or made stale by a
+        # reset since: the worker's failed_recving (the aggregator hands it to the core
+        # with the load's last finished_recving, KU@0.34.0:181-184)
         live = self.scheduler._jobs.get(job)
-        failed_load = (live is not None and not live.is_store
-                       and bool(failed or getattr(live, "failed", False)))
+        memo = self.obs.jobs.get(job)
+        if failed and memo is not None and memo.kind == "load":
+            self._failed_loads.add(job)
+        failed_load = job in self._failed_loads
         failed_recving = set(recving) if failed_load else set()
         count = done + failed
         out = self.connector.update_connector_output(
@@ -424,7 +429,7 @@ class VLLMAdapter:
                                finished_recving=set(recving),
                                failed_jobs={job} if failed else frozenset(),
                                failed_recving=failed_recving))
-        if failed_load and job not in self.scheduler._jobs:
+        if failed_load and live is not None and job not in self.scheduler._jobs:
             self.obs.invalid_loads.add(live.req_id)  # its request's `load_failed` is set
         for r in recving:  # the core's side of finished_recving
             if self.obs.core_status.get(r) == "remote":
@@ -637,11 +642,11 @@ RELEASE_FAILURES = 2 if E.has("failure_reports") else 0
 failed copy; before, a failure asserts in the worker (W:299-301) and none is drawn."""
 
 
-RELEASE_RULES = Rules.of(dict(rule for feature, rule in releases.RULE_FEATURES.items()
-                              if E.has(feature)))
+RELEASE_RULES = Rules.of(dict(rule for feature, rules in releases.RULE_FEATURES.items()
+                              if E.has(feature) for rule in rules))
 """The spec's rules for the vLLM under test (`spec.rules`): 0.33.0's, or, where a release
-changed a rule the spec states both ways (D5, D6, D7, and a failed load not retried), that
-release's."""
+changed a rule the spec states both ways (D5, D6, D7, a failed load not retried, a stale
+load's failure left to the core), that release's."""
 
 
 def program_rules(b: M.Bounds) -> Rules:
@@ -707,21 +712,15 @@ model token is 16 vLLM tokens, or 8 where a block holds 2 model tokens)."""
 
 def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:
     """The restriction that keeps the failure report `ev` off vLLM 0.34, or None (it takes
-    it as the spec does). CONFORMANCE.md:
-    - SYNC-LOAD-FAILURE: a sync load's failure raises in the worker (W@0.34.0:309-312: its
-      request already ran on the KV), where the spec recomputes the request and poisons
-      its stores;
-    - STALE-LOAD-FAILURE: the failure of a load that a reset made stale is only counted
-      against the fence (S@0.34.0:2440-2456), so vLLM's next lookup of the request asks the
-      manager, where the spec answers 0 once (the core recomputes it in both:
-      CS@0.34.0:3839-3852)."""
+    it as the spec does). CONFORMANCE.md: SYNC-LOAD-FAILURE, a sync load's failure raises in
+    the worker (W@0.34.0:309-312: its request already ran on the KV), live or made stale by
+    a reset, where the spec recomputes the request and poisons its stores. (The failure of
+    an async load a reset made stale, the restriction STALE-LOAD-FAILURE before, is 0.34.0's
+    rule `spec.rules.StaleLoadFailure.FENCE_ONLY`, which RELEASE_RULES gives the spec.)"""
     if ev.kind != "report" or not ev.failed or ev.job is None:
         return None
-    live = next((j for j in model.jobs if j.id == ev.job), None)
-    if live is not None:
-        return "SYNC-LOAD-FAILURE" if live.kind == "load" and live.sync else None
-    held = next((h for h in model.held if h.id == ev.job), None)
-    return "STALE-LOAD-FAILURE" if held is not None and held.kind == "load" else None
+    job = next((j for j in (*model.jobs, *model.held) if j.id == ev.job), None)
+    return "SYNC-LOAD-FAILURE" if job is not None and job.kind == "load" and job.sync else None
 
 
 VLLM_SWARM = ("abort", "finish", "preempt", "reset", "partial", "complete", "late",
@@ -797,8 +796,7 @@ class VLLMMachine(OffloadingStateMachine):
         (EARLY-FINISH-SIGNAL), and the admissions and preemptions older releases take
         differently."""
         if rule == "reset":
-            return (not self.reset_would_trip() and not self.reset_keeps_stale_window()
-                    and not self.reset_stales_a_failing_load())
+            return not self.reset_would_trip() and not self.reset_keeps_stale_window()
         if rule in ("finish", "abort"):
             return FINISHES_AS_THE_SPEC
         if rule == "step":
@@ -809,15 +807,6 @@ class VLLMMachine(OffloadingStateMachine):
         if rule == "worker_failure":
             return not self.fails_what_vllm_cannot(ev)
         return True
-
-    def reset_stales_a_failing_load(self) -> bool:
-        """STALE-LOAD-FAILURE, the other way in: a reset while a worker has already failed a
-        load (FAILING). vLLM's connector forgets the failure with the job (its request gets
-        no `load_failed`; the core still recomputes it); the spec orphans the request with
-        its KV invalid and answers its next lookup 0."""
-        m = self.model
-        return m is not None and any(j.kind == "load" and j.state == J.FAILING
-                                     for j in m.jobs)
 
     def fails_what_vllm_cannot(self, ev: M.Event) -> bool:
         """A failure `unfailable_in_vllm` names."""

@@ -253,7 +253,10 @@ FEATURE_EVIDENCE: dict[str, str] = {
                        "is marked failed, and at its last report a store ends with "
                        "`complete_store(success=False)` (S@0.34.0:2466-2478) and a load sets "
                        "the request's `load_failed` (S@0.34.0:2479-2487), which answers every "
-                       "later lookup 0 (S@0.34.0:1411); before, W:299-301 asserts success",
+                       "later lookup 0 (S@0.34.0:1411); the failure of a load a reset made "
+                       "stale is only counted against the fence (S@0.34.0:2440-2456) and "
+                       "the core recomputes the request on `failed_recving` "
+                       "(CS@0.34.0:3839-3852); before, W:299-301 asserts success",
     "hybrid_hit_at_the_cap": "S@0.34.0:921-931 with a sliding-window (or Mamba) group the "
                              "lookup takes one token off the request's length before "
                              "`max_num_new_tokens` and `max_load_tokens` cap it, so a cap "
@@ -368,13 +371,14 @@ FEATURE_TAKEN: dict[str, str] = {
 """Feature -> where the conformance code takes a release without it."""
 
 
-RULE_FEATURES: dict[str, tuple[str, str]] = {
-    "store_admission_once_per_request": ("store_admission", "per-request"),
-    "hybrid_hit_at_the_cap": ("last_token_cut", "before-caps"),
-    "failure_reports": ("failed_load_lookup", "for-life"),
-    "partial_tail_anchor": ("partial_tail_search", "from-full-attention-prefix"),
+RULE_FEATURES: dict[str, tuple[tuple[str, str], ...]] = {
+    "store_admission_once_per_request": (("store_admission", "per-request"),),
+    "hybrid_hit_at_the_cap": (("last_token_cut", "before-caps"),),
+    "failure_reports": (("failed_load_lookup", "for-life"),
+                        ("stale_load_failure", "fence-only")),
+    "partial_tail_anchor": (("partial_tail_search", "from-full-attention-prefix"),),
 }
-"""Feature -> the rule of `spec.rules.Rules` a release with it has (field, value); a release
+"""Feature -> the rules of `spec.rules.Rules` a release with it has (field, value); a release
 without it has 0.33.0's (`adapter.RELEASE_RULES`)."""
 
 
