@@ -141,6 +141,20 @@ REGRESSIONS: tuple[Regression, ...] = (
         "reset() ; fail(job 1, count 1) ; ack(job 1, count 1) ; ack(job 2, count 2) ; "
         "finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)"),
     Regression(
+        "failing-load-orphaned-then-hits",
+        "vLLM 0.34.0's rule for a stale load's failure, the other way in (the reset row "
+        "`reset(FAILING)->STALE`)",
+        "none: the path of either rule. As `orphaned-load-fails-then-hits`, but one worker "
+        "fails r1's load before the reset (FAILING) and the other acks it after. Under the "
+        "spec's own rule the reset marks the orphaned r1 (`invalidate_orphaned_load`); "
+        "under 0.34.0's it forgets the failure with the job, and the core recomputes r1 on "
+        "the worker's failed_recving.",
+        Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
+               failures=1, preemptions=0),
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; ack(job 0, count 2) ; step(admit=r1) ; "
+        "fail(job 1, count 1) ; reset() ; ack(job 1, count 1) ; ack(job 2, count 2) ; "
+        "finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)"),
+    Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
         "a request finished while its sync load's reports were still due; the core freed "

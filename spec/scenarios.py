@@ -15,7 +15,7 @@ from typing import Any
 
 from spec.groups import GROUP_KINDS
 from spec.model import Bounds, Fault, RequestSettings
-from spec.rules import VLLM_0_34, by_release
+from spec.rules import VLLM_0_34, Rules, by_release
 
 
 @dataclass(frozen=True)
@@ -348,13 +348,21 @@ def _settings(item: str, part: str) -> RequestSettings:
 
 
 def parse_bounds(text: str, base: Bounds) -> Bounds:
-    """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad."""
+    """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad. A
+    rule of `spec.rules.Rules` is a bound too (`stale_load_failure=fence-only`), set on the
+    release's rules that `rules=` names (or on `base`'s), whatever the order."""
     changes: dict[str, Any] = {}
+    rule_values: dict[str, str] = {}
     fields = Bounds.__dataclass_fields__
+    rule_names = Rules.__dataclass_fields__
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
+        if name in rule_names and value:
+            rule_values[name] = value
+            continue
         if name not in fields or not value:
-            raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}")
+            raise ValueError(f"bad bound {part!r}; known: {', '.join(fields)}, and the "
+                             f"rules {', '.join(rule_names)}")
         if name == "request_settings":
             changes[name] = tuple(_settings(item, part) for item in value.split("+"))
         elif name == "groups":
@@ -377,4 +385,11 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
                 changes[name] = int(value)
             except ValueError:
                 raise ValueError(f"bad bound {part!r}: {name} takes an integer") from None
+    if rule_values:
+        rules = changes.get("rules", base.rules)
+        try:
+            changed = Rules.of(rule_values)
+        except ValueError as e:
+            raise ValueError(f"bad bound: {e}") from None
+        changes["rules"] = replace(rules, **{n: getattr(changed, n) for n in rule_values})
     return replace(base, **changes)

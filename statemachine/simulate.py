@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from spec.rules import VLLM_0_33, Rules
 from spec.tiering import tier_job as TJ
 from statemachine.config import KV_CACHE_MODELS, TieringConfig
 from statemachine.engine import Engine, EngineConfig
@@ -83,6 +84,9 @@ class SimConfig:
     tier_protect_scanned_keys: bool = True
     """False: vLLM's promotions, which may evict the chunks their own lookup just hit
     (`TieringConfig.protect_scanned_keys`, finding T1)."""
+    rules: Rules = VLLM_0_33
+    """The connector's rules (`EngineConfig.rules`): 0.33.0's, or a later release's
+    (`kvspec simulate --rules 0.34`)."""
 
     def engine_config(self, tier_root: str | None = None) -> EngineConfig:
         model = KV_CACHE_MODELS[self.model]
@@ -101,7 +105,7 @@ class SimConfig:
             sync_load_budget_bytes=96 * 4 * 2 * self.workers,
             job_timeout_steps=self.job_timeout_steps,
             check_invariants=self.check_invariants, verify_on_finish=True,
-            device=self.device, tiering=tiering)
+            device=self.device, tiering=tiering, rules=self.rules)
 
     @property
     def num_requests(self) -> int:
@@ -502,6 +506,7 @@ def _metrics(engine: Engine, faults: Faults, seconds: float) -> dict[str, Any]:
         # the connector marks them (the spec's rule), or the core recomputes them on the
         # ranks' failed_recving (0.34.0's, Rules.stale_load_failure FENCE_ONLY)
         "orphaned_loads_failed": sc["orphaned_loads_failed"] + st["failed_recving_recomputes"],
+        "orphaned_loads_failed_left_to_the_core": st["failed_recving_recomputes"],
         "orphaned_loads_promoted": sc["orphaned_loads_promoted"],
         "stores_with_gaps": st["stores_with_gaps"],
         "states_handed_off": st["states_handed_off"],
@@ -650,7 +655,10 @@ def render(result: SimResult) -> str:
         ("recomputes", f"{m['recomputes']} (a load failed or timed out)"),
         ("resets", str(m["resets"])),
         ("failures", f"{m['injected_failures']} injected, {m['failed_jobs']} jobs failed, "
-                     f"{m['orphaned_loads_failed']} reset-orphaned loads failed"),
+                     f"{m['orphaned_loads_failed']} reset-orphaned loads failed"
+                     + (f" ({m['orphaned_loads_failed_left_to_the_core']} recomputed by the "
+                        "core on failed_recving: 0.34.0's rule)"
+                        if m["orphaned_loads_failed_left_to_the_core"] else "")),
         ("timeouts", f"{m['timeouts']} jobs timed out ({m['hung_jobs']} hung)"),
         ("stalls", f"{m['stalls']} copy streams stalled for 4 steps"),
         ("bytes checked", f"{m['loaded_blocks_verified']} loaded, "

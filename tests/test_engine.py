@@ -248,8 +248,9 @@ def test_reset_mid_run_orphans_a_load_that_still_lands() -> None:
     assert e.stats["loads_promoted"] >= 1 and e.scheduler.stats["reset_flushed"] >= 1
 
 
-def test_an_orphaned_load_that_failed_on_a_rank_is_recomputed_not_trusted() -> None:
-    e = make()
+def orphan_a_load_a_rank_fails(e: Engine) -> None:
+    """'b' loads PREFIX asynchronously; rank 0 fails the load, rank 1 holds it for two
+    steps, and a reset orphans it; then both ranks' reports come (the load is over)."""
     seeded(e)
 
     def fail_and_hang(eng: Engine, job: int, sync: bool) -> None:
@@ -263,6 +264,11 @@ def test_an_orphaned_load_that_failed_on_a_rank_is_recomputed_not_trusted() -> N
     assert e.scheduler.request_state("b") == R.ORPHANED_LOAD
     e.step()
     e.step()  # rank 1's late report: finished_recving from every rank, the load is over
+
+
+def test_an_orphaned_load_that_failed_on_a_rank_is_recomputed_not_trusted() -> None:
+    e = make()
+    orphan_a_load_a_rank_fails(e)
     # rank 0's failure reached the connector as a stale report: it knows, not only the core
     assert e.scheduler.request_state("b") == R.RECOMPUTE
     assert e.scheduler.stats["orphaned_loads_failed"] == 1
@@ -305,19 +311,7 @@ def test_under_0_34_an_orphaned_load_a_rank_failed_is_recomputed_by_the_core() -
     the core, hearing of it from the ranks (failed_recving), recomputes it instead of
     promoting it. Its next lookup asks the manager again."""
     e = make(rules=VLLM_0_34)
-    seeded(e)
-
-    def fail_and_hang(eng: Engine, job: int, sync: bool) -> None:
-        eng.workers[0].fail_job(job)
-        eng.workers[1].hang_job(job, release_after=2)
-
-    on_load(e, fail_and_hang)
-    e.add_request("b", [*PREFIX, *range(40)], max_tokens=4)
-    e.step()
-    e.reset_prefix_cache(reset_running_requests=True)
-    assert e.scheduler.request_state("b") == R.ORPHANED_LOAD
-    e.step()
-    e.step()  # rank 1's late report: finished_recving from every rank, the load is over
+    orphan_a_load_a_rank_fails(e)
     # the connector kept no mark: the request is IDLE, and the core did not promote it
     assert e.scheduler.request_state("b") == R.IDLE
     assert e.scheduler.stats["orphaned_loads_failed"] == 0

@@ -81,6 +81,24 @@ def test_a_mamba_model_drains_clean_with_trouble_in_every_group() -> None:
     assert "group 1 (Mamba state, page 192 B)" in text and "PASS" in text
 
 
+@pytest.mark.parametrize("release", ["0.33", "0.34"])
+def test_a_reset_orphaned_load_that_failed_is_recomputed_under_either_release_s_rule(
+        capsys: pytest.CaptureFixture[str], release: str) -> None:
+    """Seed 1 fails an async load on one rank and holds it on the other just before a reset.
+    Under 0.33.0's rules the connector marks the orphaned request; under 0.34.0's
+    (`kvspec simulate --rules 0.34`: `spec.rules.StaleLoadFailure.FENCE_ONLY`) the
+    connector only drains the fence and the engine, as 0.34.0's core, recomputes the request
+    on the ranks' failed_recving. Either way nothing loaded from the failed copy is trusted:
+    the byte oracle checks every block the request computes and stores."""
+    assert cli.main(["simulate", "--seed", "1", "--rules", release, "--json",
+                     "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["corrupted_bytes"] == 0
+    assert data["orphaned_loads_failed"] >= 1
+    by_core = data["orphaned_loads_failed"] if release == "0.34" else 0
+    assert data["orphaned_loads_failed_left_to_the_core"] == by_core
+
+
 def test_the_run_is_a_function_of_the_seed() -> None:
     def numbers(seed: int) -> dict[str, object]:
         out = simulate.run(SimConfig(seed=seed, steps=40)).as_dict()

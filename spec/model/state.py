@@ -253,12 +253,13 @@ class Bounds:
         """The `spec.rules.Rules` fields whose value can change a run within these bounds;
         the others are moot here: store admission counts no offer under a threshold of 1,
         the last token is cut short only beside a window group, a partial tail is searched
-        only with partial tails, and a load fails after a reset made it stale only with
-        both a failure and a reset."""
+        only with partial tails, and an async load fails after a reset made it stale only
+        with a failure, a reset and async loads (under `sync_loads` every load is sync)."""
         moot = {"store_admission": self.store_threshold <= 1,
                 "last_token_cut": not self.window_groups(),
                 "partial_tail_search": not self.partial_tails,
-                "stale_load_failure": self.failures == 0 or self.resets == 0}
+                "stale_load_failure": (self.failures == 0 or self.resets == 0
+                                       or self.sync_loads)}
         return tuple(f.name for f in fields(Rules) if not moot.get(f.name, False))
 
     def handoff_groups(self) -> tuple[int, ...]:

@@ -240,7 +240,8 @@ def register(sub: Any) -> None:
                    help="check only this scenario (repeatable): "
                    + ", ".join(s.name for s in SCENARIOS))
     c.add_argument("--bounds", help="custom bounds, e.g. requests=2,workers=1,resets=1; "
-                   "rules=0.34 takes vLLM 0.34.0's rules (spec.rules) where it changed one")
+                   "rules=0.34 takes vLLM 0.34.0's rules (spec.rules) where it changed one, "
+                   "and a rule by name sets that one alone (stale_load_failure=fence-only)")
     c.add_argument("--without", action="append", metavar="INV-n",
                    help="switch a safety invariant off (repeatable, or comma-separated): "
                    "what else catches the fault, e.g. --without INV-1 for PR #48102's hang")

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from spec.rules import BY_RELEASE, by_release
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, note, usage_error
 from statemachine.config import KV_CACHE_MODELS, TIER_KINDS
 
@@ -47,7 +48,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              check_invariants=not args.no_invariants, tiers=tiers,
                              tier_threads=args.tier_threads,
                              keep_tier_dir=args.keep_tier_dir,
-                             monitor_log=args.monitor_log)
+                             monitor_log=args.monitor_log, rules=by_release(args.rules))
     show = None if args.no_progress else simulate.progress_bar(sys.stderr)
     result = simulate.run(cfg, show)
     if show is not None:
@@ -95,6 +96,10 @@ def register(sub: Any) -> None:
     sim.add_argument("--monitor-log", metavar="PATH", default=None,
                      help="write the spec monitor's event log of the connector's hooks "
                      "(check it with kvspec replay PATH)")
+    sim.add_argument("--rules", choices=tuple(BY_RELEASE), default="0.33",
+                     help="the connector's rules (spec.rules): 0.33 (default) or 0.34, whose "
+                     "failed loads are never retried and whose stale load failures are left "
+                     "to the core")
     sim.add_argument("--json", action="store_true", help="the result as JSON on stdout")
     sim.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sim.add_argument("--no-invariants", action="store_true",

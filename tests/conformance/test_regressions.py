@@ -4,6 +4,7 @@ on a release with every feature the spec describes, the program's own path."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -117,14 +118,18 @@ def test_a_request_whose_load_failed_never_loads_again(vllm_ready: Any) -> None:
         replay(events, once, VLLMMachine)
 
 
-def test_a_stale_load_s_failure_is_left_to_the_core(vllm_ready: Any) -> None:
-    """`spec.rules.StaleLoadFailure` on vLLM (once the restriction STALE-LOAD-FAILURE): in
-    `orphaned-load-fails-then-hits` a reset orphans r1's async load, which one worker
-    fails. vLLM 0.34 only counts the failure against the fence, its core recomputes r1 on
-    failed_recving, and r1's next lookup asks the manager and hits: the spec under 0.34.0's
-    rules (FENCE_ONLY) conforms; under its own rule (INVALIDATES_REQUEST) the spec marks the
-    orphaned r1's loaded tokens invalid at the failure, where vLLM keeps no mark. This test
-    fails once vLLM marks such a request."""
+@pytest.mark.parametrize(("program", "marked_at"), [
+    ("orphaned-load-fails-then-hits", "fail(job 1, count 1)"),
+    ("failing-load-orphaned-then-hits", "reset()")])
+def test_a_stale_load_s_failure_is_left_to_the_core(vllm_ready: Any, program: str,
+                                                    marked_at: str) -> None:
+    """`spec.rules.StaleLoadFailure` on vLLM (once the restriction STALE-LOAD-FAILURE): a
+    reset orphans r1's async load, which one worker fails after the reset or before it.
+    vLLM 0.34 only counts the failure against the fence (or forgets it with the job), its
+    core recomputes r1 on failed_recving, and r1's next lookup asks the manager and hits:
+    the spec under 0.34.0's rules (FENCE_ONLY) conforms; under its own rule
+    (INVALIDATES_REQUEST) the spec marks the orphaned r1's loaded tokens invalid, where
+    vLLM keeps no mark. This test fails once vLLM marks such a request."""
     from conformance.adapter import RELEASE_RULES, VLLMMachine
     from spec.rules import StaleLoadFailure
     from statemachine.testing import RefinementError, replay
@@ -132,13 +137,13 @@ def test_a_stale_load_s_failure_is_left_to_the_core(vllm_ready: Any) -> None:
     if not vllm_ready.has("failure_reports"):
         pytest.skip("this vLLM has no failure report")
     assert RELEASE_RULES.stale_load_failure is StaleLoadFailure.FENCE_ONLY
-    reg = by_name("orphaned-load-fails-then-hits")
+    reg = by_name(program)
     path = replay(reg.events(), _bounds(reg), VLLMMachine)
     assert len(path) == len(reg.events())
     r1 = {r[0]: r for r in _requests(path[7])}["r1"]  # after the load's last report
     assert r1[1] == "IDLE"
     marked = replace(_bounds(reg), rules=replace(
         RELEASE_RULES, stale_load_failure=StaleLoadFailure.INVALIDATES_REQUEST))
-    with pytest.raises(RefinementError, match=r"fail\(job 1, count 1\): the implementation "
-                       r"left the model"):
+    with pytest.raises(RefinementError,
+                       match=re.escape(f"{marked_at}: the implementation left the model")):
         replay(reg.events(), marked, VLLMMachine)
