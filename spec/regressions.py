@@ -44,6 +44,15 @@ asynchronously, its load is reported, and a reset empties the CPU cache."""
 _MAMBA_EVICTION = replace(_MAMBA_LOAD, requests=3, families=2, gpu_blocks=12)
 """Beside it, r1 of another prefix, whose stores evict r0's chunks from the CPU cache."""
 
+_STALE_LOAD = Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
+                     failures=1, preemptions=0)
+_STALE_LOAD_PROGRAM = (
+    "arrive(r0) ; arrive(r1) ; step(admit=r0) ; ack(job 0, count 2) ; step(admit=r1) ; "
+    "{} ; ack(job 2, count 2) ; finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)")
+"""r0 stores its chunk; r1 loads it asynchronously (job 1) beside r0's next store (job 2);
+`{}`: a reset orphans the load, which one worker fails (before or after the reset) and the
+other acks; r0 finishes and stores its prefix again (job 3); r1 is admitted again."""
+
 REGRESSIONS: tuple[Regression, ...] = (
     Regression(
         "store-block-reused-inside-the-step",
@@ -135,11 +144,9 @@ REGRESSIONS: tuple[Regression, ...] = (
         "the manager; under 0.34.0's (FENCE_ONLY) the failure only drains the fence, r1 is "
         "IDLE, the core recomputes it on the worker's failed_recving, and its next lookup "
         "hits the chunk r0 stored again after the reset. Neither promotes the failed load.",
-        Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
-               failures=1, preemptions=0),
-        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; ack(job 0, count 2) ; step(admit=r1) ; "
-        "reset() ; fail(job 1, count 1) ; ack(job 1, count 1) ; ack(job 2, count 2) ; "
-        "finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)"),
+        _STALE_LOAD,
+        _STALE_LOAD_PROGRAM.format(
+            "reset() ; fail(job 1, count 1) ; ack(job 1, count 1)")),
     Regression(
         "failing-load-orphaned-then-hits",
         "vLLM 0.34.0's rule for a stale load's failure, the other way in (the reset row "
@@ -149,11 +156,9 @@ REGRESSIONS: tuple[Regression, ...] = (
         "spec's own rule the reset marks the orphaned r1 (`invalidate_orphaned_load`); "
         "under 0.34.0's it forgets the failure with the job, and the core recomputes r1 on "
         "the worker's failed_recving.",
-        Bounds(requests=2, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
-               failures=1, preemptions=0),
-        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; ack(job 0, count 2) ; step(admit=r1) ; "
-        "fail(job 1, count 1) ; reset() ; ack(job 1, count 1) ; ack(job 2, count 2) ; "
-        "finish(r0) ; step() ; ack(job 3, count 2) ; step(admit=r1)"),
+        _STALE_LOAD,
+        _STALE_LOAD_PROGRAM.format(
+            "fail(job 1, count 1) ; reset() ; ack(job 1, count 1)")),
     Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
