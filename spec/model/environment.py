@@ -148,7 +148,7 @@ def _decode_blocks(w: World, r: str) -> tuple[int, ...] | None:
     return grown
 
 
-def _name_in_failed_recving(w: World, load: MJob, job_id: int) -> None:
+def _name_in_failed_recving(w: World, load: MJob) -> None:
     """Under `Rules.stale_load_failure` FENCE_ONLY the core learns of a failed async load
     from the worker (`failed_recving`, W@0.34.0:306-316), not from the connector: the
     request that waits for that load is marked for recompute (`MCore.recv_failed`)."""
@@ -156,7 +156,7 @@ def _name_in_failed_recving(w: World, load: MJob, job_id: int) -> None:
             or load.kind != "load" or load.sync):
         return
     c = w.core.get(load.owner)
-    if c is not None and c.status == "remote" and c.load_job == job_id:
+    if c is not None and c.status == "remote" and c.load_job == load.id:
         w.core[load.owner] = c._replace(recv_failed=True)
 
 
@@ -304,7 +304,7 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         completes = ev.count == due.unreported and due.kind == "load" and not due.sync
         if ev.failed:
             truth.failed_copy(w, ev.job)  # before the connector hears of it
-            _name_in_failed_recving(w, due, ev.job)
+            _name_in_failed_recving(w, due)
         report(w, ev.job, 0 if ev.failed else ev.count, ev.count if ev.failed else 0)
         for table in (w.jobs, w.held):
             if ev.job in table:

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from spec.rules import BY_RELEASE, by_release
+from spec.rules import BY_RELEASE
 from statemachine.cli.common import EXIT_FAIL, EXIT_OK, note, usage_error
 from statemachine.config import KV_CACHE_MODELS, TIER_KINDS
 
@@ -48,7 +48,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              check_invariants=not args.no_invariants, tiers=tiers,
                              tier_threads=args.tier_threads,
                              keep_tier_dir=args.keep_tier_dir,
-                             monitor_log=args.monitor_log, rules=by_release(args.rules))
+                             monitor_log=args.monitor_log, rules=BY_RELEASE[args.rules])
     show = None if args.no_progress else simulate.progress_bar(sys.stderr)
     result = simulate.run(cfg, show)
     if show is not None:

@@ -970,10 +970,10 @@ static void core_reset(Req *q, int status) {  /* MCore(status) */
 
 /* _name_in_failed_recving: under StaleLoadFailure.FENCE_ONLY the worker's failed_recving
  * tells the core that the async load its request waits for failed */
-static void name_in_failed_recving(World *w, const Job *load, int id) {
+static void name_in_failed_recving(World *w, const Job *load) {
     if (!w->b->stale_fence_only || load->kind != KIND_LOAD || (load->flags & JF_SYNC)) return;
     Req *q = &w->s.req[load->owner];
-    if (q->cstatus == C_REMOTE && q->cload == id) q->crecv_failed = 1;
+    if (q->cstatus == C_REMOTE && q->cload == load->id) q->crecv_failed = 1;
 }
 
 static void follow_connector(World *w) {
@@ -1122,7 +1122,7 @@ static void apply(World *w, uint32_t ev) {
         int completes = count == due->unreported && due->kind == KIND_LOAD && !(due->flags & JF_SYNC);
         if (failed) {
             failed_copy(w, id);  /* before the connector hears of it */
-            name_in_failed_recving(w, due, id);
+            name_in_failed_recving(w, due);
         }
         report(w, id, failed ? 0 : count, failed ? count : 0);
         int i = job_pos(s, id);
