@@ -15,7 +15,7 @@ from typing import Any
 
 from spec.groups import GROUP_KINDS
 from spec.model import Bounds, Fault, RequestSettings
-from spec.rules import VLLM_0_34, Rules, by_release
+from spec.rules import VLLM_0_33, VLLM_0_34, Rules, by_release
 
 
 @dataclass(frozen=True)
@@ -319,6 +319,8 @@ _HUNT_OVERRIDE: dict[Fault, Bounds] = {
     Fault.HANDOFF_STORE_SKIPS_FENCE: by_name("hybrid-mamba").bounds,
     Fault.TAIL_LOAD_ROUNDS_DOWN: by_name("partial-tails").bounds,
     Fault.STORE_MASK_IGNORES_SHORT_HITS: by_name("window-partial-chunk").bounds,
+    Fault.STALE_LOAD_FAILURE_IGNORED: replace(by_name("orphaned-load-fails-0.34").bounds,
+                                              rules=VLLM_0_33),
 }
 
 

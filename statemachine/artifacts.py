@@ -84,6 +84,8 @@ def mutants_table() -> str:
             tests = "model-based replay of that counterexample"
             if m.data_plane_models:
                 tests += f"; the byte oracle of {_simulate_runs(m)}"
+            if m.data_plane_soak:
+                tests += "; the data-plane soak (`AsyncLoadDataPlaneStateMachine`'s engine)"
         else:
             checker = "not expressible in the abstract model"
             tests = (f"byte oracle (kernel round trip; {_simulate_runs(m)})"

@@ -378,6 +378,10 @@ class Engine:
                 self.stats["preemptions_by_reset"] += 1
         ok = True
         if reset_connector:
+            self.stats["async_loads_orphaned_by_reset"] += sum(
+                1 for r in self.requests.values()
+                if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and r.load_job in self.scheduler.jobs)
             for job in self.scheduler.jobs:
                 for g in self._job_groups.get(job.job_id, ()):
                     self.group_stats[g]["jobs_made_stale_by_reset"] += 1
@@ -610,6 +614,7 @@ class Engine:
                 self._grow(r, r.num_tokens, hit)
                 self.scheduler.update_state_after_alloc(r.request, r.block_table(), hit)
                 self._note_load(r, hit)
+                self.stats["async_loads_scheduled"] += 1
                 r.request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 skipped.append(r)
                 continue
@@ -949,6 +954,8 @@ class Engine:
         for r in self.requests.values():
             if r.load_job is not None and r.load_job in failed:
                 r.load_failed = True
+                if r.load_job not in self.scheduler.jobs:
+                    self.stats["stale_loads_failed"] += 1
         recving = self._finished_recving(reports)
         self.scheduler.update_connector_output(KVConnectorOutput(aggregate(reports), recving))
         for rid in sorted(recving):

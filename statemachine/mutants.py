@@ -40,6 +40,9 @@ class Mutant:
     data_plane_models: tuple[str, ...] = ()
     """The `kvspec simulate --model` runs that catch it by the data plane alone (the bytes, or a
     store's keys naming another group than its blocks')."""
+    data_plane_soak: bool = False
+    """Whether the data-plane soak (`statemachine.soak.soak_data_plane`) catches it, by the
+    engine's checks or the bytes (`tests/test_soak_driver.py` holds it to that)."""
 
     @property
     def abstract(self) -> bool:
@@ -299,6 +302,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "reset_cache calls on_request_finished for finished requests already signaled",
            _patch(SchedulerEffects, "signal_request_finished", _signal_always),
            Fault.RESET_SIGNALS_TWICE),
+    Mutant("stale-load-failure-ignored", "reset", "INV-20, spec.rules.StaleLoadFailure "
+           "(the spec's own rule)",
+           "the failure of an async load a reset made stale is only counted against the "
+           "fence: the request leaves ORPHANED_LOAD as if the load were good and its failed "
+           "KV is taken as computed",
+           _patch(SchedulerEffects, "invalidate_orphaned_load", _noop_effect),
+           Fault.STALE_LOAD_FAILURE_IGNORED, data_plane_soak=True),
     Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
            "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
            _patch(OffloadingScheduler, "_apply_reports", _count_once),

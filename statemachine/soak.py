@@ -31,16 +31,19 @@ import random
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from spec import model as M
 from statemachine.testing import (
+    AsyncLoadDataPlaneStateMachine,
     DataPlaneStateMachine,
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
     OffloadingStateMachine,
+    Release034AsyncLoadDataPlaneStateMachine,
     Release034DataPlaneStateMachine,
 )
 
@@ -89,6 +92,8 @@ class SoakResult:
     programs: int = 0
     seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)
+    paths: Counter[str] = field(default_factory=Counter)
+    """How often the programs took each path of `PATHS` (data-plane soaks)."""
 
     @property
     def steps_per_second(self) -> float:
@@ -97,12 +102,12 @@ class SoakResult:
     def as_dict(self) -> dict[str, Any]:
         return {"machine": self.machine, "seed": self.seed, "steps": self.steps,
                 "programs": self.programs, "seconds": round(self.seconds, 3),
-                "failures": [f.__dict__ for f in self.failures]}
+                "failures": [f.__dict__ for f in self.failures], "paths": dict(self.paths)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SoakResult:
         return cls(d["machine"], d["seed"], d["steps"], d["programs"], d["seconds"],
-                   [Failure(**f) for f in d["failures"]])
+                   [Failure(**f) for f in d["failures"]], Counter(d.get("paths", {})))
 
 
 # ============================================================================ signatures
@@ -234,7 +239,8 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
     rules = ["new_request", "step", "worker_failure", "worker_hang", "worker_stall", "reset"]
     if live:
         rules.append("abort_request")
-    rule = rng.choice(rules)
+    weights = type(m).program_weights
+    rule = rng.choices(rules, [weights.get(r, 1) for r in rules])[0]
     if rule == "new_request":
         return rule, {"family": rng.randint(0, 2), "tokens": rng.randint(5, 20),
                       "max_tokens": rng.randint(1, 6)}
@@ -249,18 +255,38 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
 
 DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
     DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine,
-    Release034DataPlaneStateMachine)
+    Release034DataPlaneStateMachine, AsyncLoadDataPlaneStateMachine,
+    Release034AsyncLoadDataPlaneStateMachine)
 """The data-plane soak takes its programs in turn over these (one KV cache group, full
 attention beside a sliding window, full attention beside a Mamba group, one group under
-vLLM 0.34.0's rules)."""
+vLLM 0.34.0's rules, and one group whose hits all load asynchronously, under each
+release's rules)."""
+
+PATHS = ("async_loads_scheduled", "loads_promoted", "async_loads_orphaned_by_reset",
+         "stale_loads_failed", "failed_recving_recomputes", "quarantined_loads", "recomputes",
+         "loaded_blocks_verified", "stored_blocks_verified")
+"""The engine's counters a data-plane soak adds up over its programs and prints: how often
+it took the paths a soak exists to reach (a soak that never orphans a load proves nothing
+about orphaned loads)."""
 
 
 def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,
-                 length: int = 0, machine: type[DataPlaneStateMachine] = DataPlaneStateMachine
+                 length: int = 0, machine: type[DataPlaneStateMachine] = DataPlaneStateMachine,
+                 paths: Counter[str] | None = None
                  ) -> tuple[list[Action], BaseException | None]:
     """Run `actions` (or, with `rng`, `length` random ones) on a fresh data-plane machine,
-    then its teardown; the actions taken and the first failure."""
+    then its teardown; the actions taken and the first failure. `paths` adds up the engine's
+    counters of `PATHS`."""
     m = machine()
+    try:
+        return _run_on(m, actions, rng, length)
+    finally:
+        if paths is not None:
+            paths.update({k: m.engine.stats[k] for k in PATHS if m.engine.stats[k]})
+
+
+def _run_on(m: DataPlaneStateMachine, actions: Sequence[Action], rng: random.Random | None,
+            length: int) -> tuple[list[Action], BaseException | None]:
     taken: list[Action] = []
     try:
         todo: Iterator[Action] = iter(actions) if rng is None else (
@@ -302,7 +328,7 @@ def _soak_data_plane(seed: int, steps: int, program_length: int, shrink_seconds:
     t0 = time.perf_counter()
     while out.steps < steps:
         machine = DATA_PLANE_MACHINES[out.programs % len(DATA_PLANE_MACHINES)]
-        taken, exc = _run_actions((), rng, program_length, machine)
+        taken, exc = _run_actions((), rng, program_length, machine, out.paths)
         out.steps += len(taken)
         out.programs += 1
         if exc is None:
@@ -381,6 +407,11 @@ def summary(results: Sequence[SoakResult]) -> str:
         lines.append(f"{name:12} {len(rs):5} {sum(r.programs for r in rs):9} {steps:10} "
                      f"{secs:9.1f} {steps / secs if secs else 0:8.0f} "
                      f"{sum(len(r.failures) for r in rs):8}")
+    for name in names:
+        paths: Counter[str] = sum((r.paths for r in results if r.machine == name), Counter())
+        if paths:
+            lines.append(f"{name} paths: " + ", ".join(
+                f"{k} {paths[k]}" for k in PATHS if k in paths))
     failures = [f for r in results for f in r.failures]
     if failures:
         lines.append("")

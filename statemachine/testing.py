@@ -28,6 +28,7 @@ that identifies it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
@@ -720,6 +721,16 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     """The connector's rules (`EngineConfig.rules`; hypothesis's machine owns the name
     `rules`): 0.33.0's, or 0.34.0's, under which a failed load is never looked up again and
     a stale load's failure is left to the core."""
+    sync_load_budget_bytes: int | None = None
+    """The connector's sync-load budget (`OffloadingConfig.sync_load_budget_bytes`); None
+    takes 64 bytes (96 beside a second group), which every small hit of these programs fits,
+    so their loads are sync; 0 makes every load async (WAITING_FOR_REMOTE_KVS)."""
+    faults_target_loads: bool = False
+    """Whether an armed fault takes the next step's load before its stores (by default the
+    job of the lowest id, mostly a store)."""
+    program_weights: ClassVar[Mapping[str, int]] = {}
+    """How much likelier than 1 each rule is in a soak's random programs
+    (`statemachine.soak`); hypothesis draws its own programs and ignores them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -733,7 +744,10 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
             block_size=4, blocks_per_chunk=2, num_gpu_blocks=40 if second else 24,
             num_cpu_chunks=12 if second else 6, num_workers=2, num_layers=1,
             bytes_per_token=2, max_num_batched_tokens=32, max_num_running=4,
-            sync_load_budget_bytes=96 if second else 64, job_timeout_steps=3, device="cpu",
+            sync_load_budget_bytes=(self.sync_load_budget_bytes
+                                    if self.sync_load_budget_bytes is not None
+                                    else 96 if second else 64),
+            job_timeout_steps=3, device="cpu",
             groups=groups, group_bytes_per_token=(2, second[1]) if second else (),
             rules=self.connector_rules))
         self.n = 0
@@ -743,7 +757,8 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     def _inject(self, engine: Any, meta: Any) -> None:
         still = []
         for kind, worker in self.armed:
-            jobs = sorted({*meta.load_jobs, *meta.store_jobs})
+            jobs = sorted(meta.load_jobs) if self.faults_target_loads else []
+            jobs = jobs or sorted({*meta.load_jobs, *meta.store_jobs})
             if not jobs:
                 still.append((kind, worker))
             elif kind == "fail":
@@ -820,5 +835,25 @@ class Release034DataPlaneStateMachine(DataPlaneStateMachine):
     drains the fence while the engine, as that release's core, recomputes the request on
     the ranks' failed_recving. One full-attention group (the rules of the lookup beside a
     window or Mamba group are the model's to check)."""
+
+    connector_rules = VLLM_0_34
+
+
+class AsyncLoadDataPlaneStateMachine(DataPlaneStateMachine):
+    """`DataPlaneStateMachine` whose every hit loads asynchronously (no sync-load budget), its
+    faults aimed at loads, and its soak programs weighted towards prompts that share a
+    family's prefix and steps that store it: hits are common, so async loads are promoted,
+    failed, timed out, and made stale by resets, their failures arriving after the reset
+    (the engine counts `async_loads_orphaned_by_reset` and `stale_loads_failed`)."""
+
+    sync_load_budget_bytes = 0
+    faults_target_loads = True
+    program_weights: ClassVar[Mapping[str, int]] = {"new_request": 3, "step": 4}
+
+
+class Release034AsyncLoadDataPlaneStateMachine(AsyncLoadDataPlaneStateMachine):
+    """`AsyncLoadDataPlaneStateMachine` under vLLM 0.34.0's rules: a stale load's failure
+    only drains the fence and the engine, as that release's core, recomputes the request on
+    the ranks' failed_recving (`failed_recving_recomputes`)."""
 
     connector_rules = VLLM_0_34

@@ -6,9 +6,11 @@ from __future__ import annotations
 from hypothesis import settings
 
 from statemachine.testing import (
+    AsyncLoadDataPlaneStateMachine,
     DataPlaneStateMachine,
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
+    Release034AsyncLoadDataPlaneStateMachine,
     Release034DataPlaneStateMachine,
 )
 
@@ -27,3 +29,11 @@ TestMambaDataPlane = MambaDataPlaneStateMachine.TestCase
 Release034DataPlaneStateMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None)
 TestRelease034DataPlane = Release034DataPlaneStateMachine.TestCase
+
+AsyncLoadDataPlaneStateMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None)
+TestAsyncLoadDataPlane = AsyncLoadDataPlaneStateMachine.TestCase
+
+Release034AsyncLoadDataPlaneStateMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None)
+TestRelease034AsyncLoadDataPlane = Release034AsyncLoadDataPlaneStateMachine.TestCase

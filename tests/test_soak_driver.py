@@ -10,7 +10,8 @@ from spec.regressions import by_name
 from spec.rules import VLLM_0_34
 from statemachine import soak
 from statemachine.errors import InvariantViolation
-from statemachine.testing import OffloadingStateMachine
+from statemachine.mutants import MUTANTS
+from statemachine.testing import AsyncLoadDataPlaneStateMachine, OffloadingStateMachine
 
 
 def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
@@ -47,14 +48,47 @@ def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults(
     attention, a Mamba group beside it, and one group under vLLM 0.34.0's rules: a fault
     of the per-group copy is found in a program of two groups, by the bytes, and named with
     that machine."""
-    assert [(m.kv_model, str(m.connector_rules)) for m in soak.DATA_PLANE_MACHINES] == [
-        ("full", "0.33"), ("hybrid", "0.33"), ("mamba", "0.33"), ("full", str(VLLM_0_34))]
+    assert [(m.kv_model, str(m.connector_rules), m.sync_load_budget_bytes)
+            for m in soak.DATA_PLANE_MACHINES] == [
+        ("full", "0.33", None), ("hybrid", "0.33", None), ("mamba", "0.33", None),
+        ("full", str(VLLM_0_34), None), ("full", "0.33", 0), ("full", str(VLLM_0_34), 0)]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
     assert machine.kv_model != "full" and f.bounds == f"{machine.__name__}'s engine"
     assert f.error.startswith("CorruptedBytes") and "layer 1" in f.error.splitlines()[0]
     assert soak.soak_data_plane(0, 80).failures == []
+
+
+def test_the_async_load_machines_orphan_and_fail_loads_with_real_bytes() -> None:
+    """The machines whose every hit loads asynchronously reach what the others never do
+    (their loads are sync): async loads a reset orphans, and failures of such loads that
+    arrive after the reset, under both releases' rules. The counts come back in the result
+    and its summary; the spec's rule switched off in the reference
+    (`stale-load-failure-ignored`) is caught there (the next test)."""
+    r = soak.soak_data_plane(0, 24_000)
+    assert r.failures == []
+    assert r.paths["async_loads_orphaned_by_reset"] > 0
+    assert r.paths["stale_loads_failed"] > 0
+    assert r.paths["failed_recving_recomputes"] > 0  # 0.34.0's core recomputed one
+    assert r.paths["loads_promoted"] > 0 and r.paths["loaded_blocks_verified"] > 0
+    assert soak.SoakResult.from_dict(r.as_dict()).paths == r.paths
+    [line] = [x for x in soak.summary([r]).splitlines() if x.startswith("data-plane paths:")]
+    assert f"stale_loads_failed {r.paths['stale_loads_failed']}" in line
+
+
+def test_the_data_plane_soak_catches_the_mutants_that_say_so() -> None:
+    """The mutants table's claim: the soak finds the fault in an async-load machine (the
+    others' loads are sync, none is ever orphaned) by the engine, and shrinks it to a
+    program with the reset."""
+    claimed = [m.name for m in MUTANTS if m.data_plane_soak]
+    assert claimed == ["stale-load-failure-ignored"]
+    m = soak.soak_data_plane(0, 20_000, shrink_seconds=10, mutant=claimed[0])
+    [f] = m.failures
+    machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
+    assert machine is AsyncLoadDataPlaneStateMachine
+    assert f.error.startswith("EngineError") and "a rank failed its load" in f.error
+    assert "reset(" in f.shrunk and f.shrunk_length < f.original_length
 
 
 def _bounds(text: str) -> M.Bounds:

@@ -347,6 +347,8 @@ def count_stale_report(w: World, k: int, count: int = 1, **kw: Any) -> None:
 def invalidate_orphaned_load(w: World, k: int, **kw: Any) -> None:
     if w.bounds.rules.stale_load_failure is StaleLoadFailure.FENCE_ONLY:
         return  # the connector keeps no mark; the core hears of it (MCore.recv_failed)
+    if Fault.STALE_LOAD_FAILURE_IGNORED in w.faults:
+        return
     j = w.held[k]
     owner = w.reqs.get(j.owner)
     if j.kind == "load" and owner is not None and owner.state == R.ORPHANED_LOAD:

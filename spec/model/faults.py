@@ -28,6 +28,7 @@ class Fault(StrEnum):
     HANDOFF_STORE_SKIPS_FENCE = "handoff-store-skips-fence"
     TAIL_LOAD_ROUNDS_DOWN = "tail-load-rounds-down"
     STORE_MASK_IGNORES_SHORT_HITS = "store-mask-ignores-short-hits"
+    STALE_LOAD_FAILURE_IGNORED = "stale-load-failure-ignored"
 
 
 Faults = frozenset[Fault]

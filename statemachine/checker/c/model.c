@@ -588,6 +588,7 @@ static void eff_count_stale_report(World *w, int k, const Kw *kw) {
 static void eff_invalidate_orphaned_load(World *w, int k, const Kw *kw) {
     (void)kw;
     if (w->b->stale_fence_only) return;  /* the core hears of it (crecv_failed) */
+    if (FAULT(w, FT_STALE_LOAD_FAILURE_IGNORED)) return;
     Job *j = held_job(w, k);
     if (!j) fail(w, ERR_MODEL, "job %d is not held", k);
     Req *q = &w->s.req[j->owner];
