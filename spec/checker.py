@@ -508,3 +508,49 @@ def _check_stuck(result: CheckResult, states: list[M.ModelState],
         result.counterexample = Counterexample(
             "stuck", f"no quiescent state is reachable from here ({held}; job table "
             f"{sorted(a.live_job_ids)}, fence {sorted(a.fence_ids)})", trace(first))
+
+
+# ============================================================================ row witnesses
+Row = tuple[str, int]
+"""(machine, transition index): a row of the tables (`MachineSpec.row_id` names it)."""
+
+
+def row_witnesses(bounds: M.Bounds, rows: set[Row], tables: M.Tables = M.SPEC_TABLES,
+                  max_states: int | None = None) -> dict[Row, list[Step]]:
+    """For each row of `rows` that some path within `bounds` fires, a shortest such path
+    (breadth-first; real job ids), ending in the step that fires the row first. The search
+    stops once every row has one, or when the state space (or `max_states`) is spent."""
+    s0 = M.initial(bounds)
+    index: dict[M.ModelState, int] = {M.canonical(s0): 0}
+    states: list[M.ModelState] = [s0]
+    parent: list[tuple[int, Step] | None] = [None]
+    found: dict[Row, list[Step]] = {}
+    todo = set(rows)
+
+    def trace(i: int) -> list[Step]:
+        steps: list[Step] = []
+        while (p := parent[i]) is not None:
+            i, step = p
+            steps.append(step)
+        return steps[::-1]
+
+    queue = deque([0])
+    while queue and todo:
+        i = queue.popleft()
+        for ev, nxt, _calls, world in M.successors(states[i], tables=tables):
+            if isinstance(nxt, M.ModelError):
+                continue
+            assert world is not None
+            step = Step(ev, nxt, tuple(world.moves))
+            for row in todo.intersection(world.fired):
+                found[row] = [*trace(i), step]
+            todo.difference_update(world.fired)
+            key = M.canonical(nxt)
+            if key not in index:
+                index[key] = len(states)
+                states.append(nxt)
+                parent.append((i, step))
+                queue.append(len(states) - 1)
+        if max_states is not None and len(states) >= max_states:
+            break
+    return found

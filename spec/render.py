@@ -40,12 +40,12 @@ def states_table(m: MachineSpec) -> str:
 def transitions_table(m: MachineSpec) -> str:
     rows = ["| # | trigger | from | to | guards | effects | vLLM hook | code | path |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for i, t in enumerate(m.transitions, 1):
+    for i, t in enumerate(m.transitions):
         dest = "(same)" if t.dest == SAME else f"`{t.dest}`"
         effects = ", ".join(t.effects) or "—"
         note = f" {_cell(t.note)}" if t.note else ""
         rows.append(
-            f"| {m.name[0]}{i} | `{t.trigger}` | {', '.join(f'`{s}`' for s in t.sources)} | "
+            f"| {m.row_id(i)} | `{t.trigger}` | {', '.join(f'`{s}`' for s in t.sources)} | "
             f"{dest} | {_guards(t)} | {effects}{';' if note else ''}{note} | "
             f"`{t.hook}` | {t.vllm_ref} | {t.path.value} |")
     return "\n".join(rows)

@@ -133,6 +133,11 @@ class MachineSpec:
     def state_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.states)
 
+    def row_id(self, index: int) -> str:
+        """The name of transition `index` (0-based) in the tables and everywhere else: the
+        machine's initial and the 1-based row number (`r48` is the request machine's 48th)."""
+        return f"{self.name[0]}{index + 1}"
+
     @property
     def triggers(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}

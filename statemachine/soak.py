@@ -94,6 +94,8 @@ class SoakResult:
     failures: list[Failure] = field(default_factory=list)
     paths: Counter[str] = field(default_factory=Counter)
     """How often the programs took each path of `PATHS` (data-plane soaks)."""
+    rows: Counter[str] = field(default_factory=Counter)
+    """How often the model fired each row of the tables, by id (model soaks)."""
 
     @property
     def steps_per_second(self) -> float:
@@ -102,12 +104,14 @@ class SoakResult:
     def as_dict(self) -> dict[str, Any]:
         return {"machine": self.machine, "seed": self.seed, "steps": self.steps,
                 "programs": self.programs, "seconds": round(self.seconds, 3),
-                "failures": [f.__dict__ for f in self.failures], "paths": dict(self.paths)}
+                "failures": [f.__dict__ for f in self.failures], "paths": dict(self.paths),
+                "rows": dict(self.rows)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SoakResult:
         return cls(d["machine"], d["seed"], d["steps"], d["programs"], d["seconds"],
-                   [Failure(**f) for f in d["failures"]], Counter(d.get("paths", {})))
+                   [Failure(**f) for f in d["failures"]], Counter(d.get("paths", {})),
+                   Counter(d.get("rows", {})))
 
 
 # ============================================================================ signatures
@@ -209,6 +213,8 @@ def _soak_model(seed: int, steps: int, cls: type[OffloadingStateMachine], progra
     while out.steps < steps:
         m, exc = _model_program(cls, rng, program_length)
         out.steps += len(m.events)
+        out.rows.update({M.MACHINES[machine].row_id(i): n
+                         for (machine, i), n in m.rows_fired.items()})
         out.programs += 1
         if exc is None:
             continue
@@ -407,11 +413,22 @@ def summary(results: Sequence[SoakResult]) -> str:
         lines.append(f"{name:12} {len(rs):5} {sum(r.programs for r in rs):9} {steps:10} "
                      f"{secs:9.1f} {steps / secs if secs else 0:8.0f} "
                      f"{sum(len(r.failures) for r in rs):8}")
+    every = [M.MACHINES[m].row_id(i) for m, i in sorted(
+        M.coverage_universe(), key=lambda r: (list(M.MACHINES).index(r[0]), r[1]))]
     for name in names:
         paths: Counter[str] = sum((r.paths for r in results if r.machine == name), Counter())
         if paths:
             lines.append(f"{name} paths: " + ", ".join(
                 f"{k} {paths[k]}" for k in PATHS if k in paths))
+        rows: Counter[str] = sum((r.rows for r in results if r.machine == name), Counter())
+        if rows:
+            never = [row for row in every if row not in rows]
+            rare = sorted((row for row in every if 0 < rows[row] < 10), key=every.index)
+            lines.append(f"{name} rows: {len(every) - len(never)} of {len(every)} fired"
+                         + (f"; never {' '.join(never)}" if never else "")
+                         + (f"; fewer than 10 times {' '.join(rare)}" if rare else "")
+                         + (" (`kvspec witness ROW`: a program that fires it)"
+                            if never or rare else ""))
     failures = [f for r in results for f in r.failures]
     if failures:
         lines.append("")

@@ -28,6 +28,7 @@ that identifies it).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol
@@ -270,6 +271,10 @@ ONE_GROUP_BOUNDS: tuple[M.Bounds, ...] = (
              gpu_blocks=4, resets=1, failures=1, preemptions=1, timeout_steps=2),
     M.Bounds(requests=2, tokens=3, workers=3, cpu_chunks=4, gpu_blocks=6, resets=2,
              failures=2, preemptions=1, sync_loads=True),
+    M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1,
+             failures=1, preemptions=1, sync_loads=True, timeout_steps=2),
+    M.Bounds(requests=3, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6, resets=1,
+             failures=1, preemptions=1, timeout_steps=1),
 )
 """One full-attention KV group, one block per chunk."""
 
@@ -420,6 +425,9 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         """The program so far, as model events (`trace` is the same, as text)."""
         self.failure: BaseException | None = None
         """The run's first failure; teardown then leaves the broken implementation alone."""
+        self.rows_fired: Counter[tuple[str, int]] = Counter()
+        """(machine, row index) of each table row the model fired in the program's steps,
+        and how often: what the program exercised of the spec."""
         self._possible_cache: list[M.Event] = []
         self._possible_for: M.ModelState | None = None
         self.swarm: frozenset[str] = frozenset(self.SWARM)
@@ -478,6 +486,7 @@ class OffloadingStateMachine(RuleBasedStateMachine):
                 raise RefinementError(f"after {' ; '.join(self.trace)}: {c.hook}{c.args} "
                                       f"answered {got}, the model {c.answer}")
         self.model = nxt
+        self.rows_fired.update(_w.fired)
         if self.CHECK_INVARIANTS_FIRST:
             self.invariants_hold()
         if not self.CHECK_REFINEMENT:
@@ -535,6 +544,16 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     def allows(self, rule: str, ev: M.Event) -> bool:
         """Whether the machine lets `rule` take `ev` (a subclass restricts)."""
         return True
+
+    def rule_for(self, ev: M.Event) -> str | None:
+        """The rule that would take `ev` now, whatever the swarm, or None: no rule takes it
+        (a stray report, say) or the machine's restrictions (`allows`) keep it off. A
+        directed program replayed on a restricted implementation asks this first."""
+        for name, _switch, kind in self.EVENT_RULES:
+            takes = getattr(self, f"takes_{name}", None)
+            if kind == ev.kind and (takes is None or takes(ev)) and self.allows(name, ev):
+                return name
+        return None
 
     def takes_partial_ack(self, e: M.Event) -> bool:
         return not e.failed and not self._held(e) and e.count < self._unreported(e.job)
@@ -652,9 +671,11 @@ class OffloadingStateMachine(RuleBasedStateMachine):
         if self.model is None or self.failure is not None:
             return
         for _ in range(200):  # drain: deliver every report, finish everything, step
+            # a report completes what a job still waits for; never a stray report (of a job
+            # every worker already reported), which the model may send forever
             evs = [e for e in self._possible()
                    if (e.kind == "report" and not e.failed
-                       and e.count == max(1, self._unreported(e.job)))
+                       and e.count == self._unreported(e.job) > 0)
                    or e.kind in ("abort",) or (e.kind == "step" and e.req is None)]
             evs.sort(key=lambda e: ("report", "abort", "step").index(e.kind))
             if not evs:

@@ -8,6 +8,7 @@ import pytest
 from spec import model as M
 from spec.regressions import by_name
 from spec.rules import VLLM_0_34
+from spec.witnesses import all_rows as witness_rows
 from statemachine import soak
 from statemachine.errors import InvariantViolation
 from statemachine.mutants import MUTANTS
@@ -21,6 +22,23 @@ def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
     assert (a.steps, a.programs) == (b.steps, b.programs)
     d = soak.soak_data_plane(3, 150)
     assert d.failures == [] and d.steps >= 150
+
+
+def test_a_model_soak_counts_the_rows_it_fired_and_names_those_it_never_did() -> None:
+    """The soak sums the rows the model fired in each program
+    (`OffloadingStateMachine.rows_fired`); a seed gives the same counts; the summary names
+    every row never fired, so a soak that misses a row says so."""
+    r = soak.soak_model(3, 2_000)
+    again = soak.soak_model(3, 2_000)
+    assert r.rows == again.rows and all(n > 0 for n in r.rows.values())
+    assert r.rows["r1"] > 0  # every program's requests arrive (request row 1, add)
+    assert soak.SoakResult.from_dict(r.as_dict()).rows == r.rows
+    every = witness_rows()
+    assert set(r.rows) <= set(every)
+    [line] = [x for x in soak.summary([r]).splitlines() if x.startswith("model rows:")]
+    never = [row for row in every if row not in r.rows]
+    assert line.startswith(f"model rows: {len(every) - len(never)} of {len(every)} fired")
+    assert f"never {' '.join(never)};" in line or f"never {' '.join(never)} " in line
 
 
 def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> None:

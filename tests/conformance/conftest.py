@@ -117,10 +117,12 @@ def _condition(name: str) -> bool:
 
 
 def _regression_needs(item: pytest.Item) -> tuple[str, ...]:
-    """A regression program (tests/conformance/test_regressions.py) needs what its bounds
-    need, and the spec's finish lifecycle if it finishes or aborts a request."""
+    """A regression program or a row witness (tests/conformance/test_regressions.py,
+    test_witnesses.py) needs what its bounds need, and the spec's finish lifecycle if it
+    finishes or aborts a request."""
     callspec = getattr(item, "callspec", None)
-    reg = callspec.params.get("reg") if callspec is not None else None
+    params = callspec.params if callspec is not None else {}
+    reg = params.get("reg", params.get("witness"))
     if reg is None:
         return ()
     from conformance.adapter import features_needed

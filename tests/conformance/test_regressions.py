@@ -12,6 +12,7 @@ import pytest
 
 from spec import model as M
 from spec.regressions import REGRESSIONS, Regression, by_name
+from spec.witnesses import Witness
 
 pytestmark = pytest.mark.conformance
 
@@ -22,7 +23,7 @@ def _requests(s: M.ModelState) -> list[tuple[str, str, tuple[int, ...], int | No
             for r in M.abstract(s).requests]
 
 
-def _bounds(reg: Regression) -> M.Bounds:
+def _bounds(reg: Regression | Witness) -> M.Bounds:
     """The program's bounds under the rules it replays under on the vLLM under test
     (`adapter.program_rules`)."""
     from conformance.adapter import program_rules
@@ -41,7 +42,7 @@ def _replay_on_vllm(reg: Regression) -> list[M.ModelState]:
     return path
 
 
-def _unfailable(reg: Regression, spec_path: list[M.ModelState]) -> str | None:
+def _unfailable(reg: Regression | Witness, spec_path: list[M.ModelState]) -> str | None:
     """The restriction that keeps one of the program's failure reports off vLLM, if any
     (`spec_path`: the spec's state after each event)."""
     from conformance.adapter import unfailable_in_vllm
