@@ -1,39 +1,16 @@
 """The model-based machine over the whole stack (engine, scheduler, workers, kernels), with
-the byte oracle after every step."""
+the byte oracle after every step: hypothesis's programs over every data-plane machine the soak
+runs (`statemachine.soak.DATA_PLANE_MACHINES`), one test case each (`TestDataPlane`,
+`TestHybridDataPlane`, ... `TestRelease034AsyncLoadDataPlane`)."""
 
 from __future__ import annotations
 
 from hypothesis import settings
 
-from statemachine.testing import (
-    AsyncLoadDataPlaneStateMachine,
-    DataPlaneStateMachine,
-    HybridDataPlaneStateMachine,
-    MambaDataPlaneStateMachine,
-    Release034AsyncLoadDataPlaneStateMachine,
-    Release034DataPlaneStateMachine,
-)
+from statemachine.soak import DATA_PLANE_MACHINES
 
-DataPlaneStateMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
-                                                   deadline=None)
-TestDataPlane = DataPlaneStateMachine.TestCase
+SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
-HybridDataPlaneStateMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None)
-TestHybridDataPlane = HybridDataPlaneStateMachine.TestCase
-
-MambaDataPlaneStateMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None)
-TestMambaDataPlane = MambaDataPlaneStateMachine.TestCase
-
-Release034DataPlaneStateMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None)
-TestRelease034DataPlane = Release034DataPlaneStateMachine.TestCase
-
-AsyncLoadDataPlaneStateMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None)
-TestAsyncLoadDataPlane = AsyncLoadDataPlaneStateMachine.TestCase
-
-Release034AsyncLoadDataPlaneStateMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None)
-TestRelease034AsyncLoadDataPlane = Release034AsyncLoadDataPlaneStateMachine.TestCase
+for _machine in DATA_PLANE_MACHINES:
+    _machine.TestCase.settings = SETTINGS
+    globals()["Test" + _machine.__name__.removesuffix("StateMachine")] = _machine.TestCase
