@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spec import model as M
+from spec.witnesses import all_rows
 from statemachine.testing import (
     AsyncLoadDataPlaneStateMachine,
     DataPlaneStateMachine,
@@ -413,8 +414,7 @@ def summary(results: Sequence[SoakResult]) -> str:
         lines.append(f"{name:12} {len(rs):5} {sum(r.programs for r in rs):9} {steps:10} "
                      f"{secs:9.1f} {steps / secs if secs else 0:8.0f} "
                      f"{sum(len(r.failures) for r in rs):8}")
-    every = [M.MACHINES[m].row_id(i) for m, i in sorted(
-        M.coverage_universe(), key=lambda r: (list(M.MACHINES).index(r[0]), r[1]))]
+    every = list(all_rows())
     for name in names:
         paths: Counter[str] = sum((r.paths for r in results if r.machine == name), Counter())
         if paths:
