@@ -130,6 +130,22 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=3, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=3, resets=2,
                     failures=0, preemptions=1, partial_reports=False),
              Expect("pass", 12_924_973, 30)),
+    Scenario("decoding",
+             "two requests of two prompt tokens sharing a prefix, each generating two more: "
+             "one token a step after the prompt, the output stored under the request's own "
+             "keys; five GPU blocks for their eight, so a request waits for a block before "
+             "its next token; a preemption recomputes prompt and output (its lookup reaches "
+             "into its output), a reset and a worker failure",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1,
+                    failures=1, preemptions=1, decode_tokens=2),
+             Expect("pass", 1_191_944, 24)),
+    Scenario("decoding-prompt-only",
+             "the same under vLLM's default `offload_prompt_only`: stores stop at the "
+             "prompt's end, so no output chunk is ever offloaded and a restarted request's "
+             "lookup hits its prompt only",
+             Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1,
+                    failures=1, preemptions=1, decode_tokens=2, offload_prompt_only=True),
+             Expect("pass", 354_789, 20)),
     # -- beyond one full-attention group (the Python model: the compiled twin has one
     #    full-attention group and one block per chunk) ----------------------------------
     Scenario("hybrid",

@@ -51,6 +51,36 @@ def test_the_same_reachable_states_and_transitions(name: str) -> None:
     assert (run.states, run.edges) == (len(states), edges)
 
 
+DECODING = {
+    "one-request-reset-failure": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1, failures=1,
+        preemptions=1, decode_tokens=2),
+    "prompt-only": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, offload_prompt_only=True),
+    "two-requests-settings": M.Bounds(
+        requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=4, resets=0, failures=0,
+        preemptions=1, decode_tokens=1, request_settings=(
+            M.RequestSettings(max_load_tokens=1, max_offload_tokens=2),
+            M.RequestSettings(skip_reading_prefix_cache=True))),
+    "timeouts-without-room": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1, failures=1,
+        preemptions=1, decode_tokens=3, timeout_steps=2),
+}
+"""Decoding bounds small enough for the Python model's whole state space: output keys beside
+the prompt's, request settings, a finished request's commit point, timeouts, and a request
+whose output outgrows the GPU (a liveness verdict both models reach)."""
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_the_same_reachable_states_and_transitions_under_decoding(name: str) -> None:
+    b = DECODING[name]
+    states, edges = _python_states(b)
+    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
+    run = compiled.search(b, liveness=False)
+    assert (run.states, run.edges) == (len(states), edges)
+
+
 def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
     lib = compiled.library().lib
     cb = compiled.c_bounds(b)
@@ -105,7 +135,7 @@ def test_the_same_successors_of_sampled_states(scenario: object) -> None:
         assert _successors_c(scenario.bounds, compiled.encode(s)) == _successors_py(s), s
 
 
-@pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers"])
+@pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding"])
 def test_the_same_progress_predicates_and_fairness(name: str) -> None:
     b = by_name(name).bounds
     lib = compiled.library().lib

@@ -27,7 +27,7 @@ from statemachine.checker import gen
 SOURCES = Path(__file__).with_name("c")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function",
          "-Wl,--no-undefined")
-MAXR, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 4, 24, 16, 16, 32
+MAXR, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 6, 24, 16, 16, 32
 NONE8 = 0xFF
 CH_ABSENT = -128
 TRACE_CAP = 4096
@@ -60,7 +60,7 @@ class CBounds(ctypes.Structure):
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
         "failed_load_for_life", "store_threshold", "per_request_admission",
-        "stale_fence_only")] + [
+        "stale_fence_only", "decode_tokens", "offload_prompt_only")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -78,9 +78,10 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32
 
 def fits(b: M.Bounds) -> str | None:
     """Why the compiled model cannot take these bounds (None: it can)."""
-    if b.requests > MAXR or b.tokens > MAXT or b.gpu_blocks > MAXB:
-        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXT} tokens, "
-                f"{MAXB} GPU blocks)")
+    if b.requests > MAXR or b.tokens + b.decode_tokens > MAXT or b.gpu_blocks > MAXB \
+            or b.requests * (b.tokens + b.decode_tokens) > MAXK:
+        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXT} tokens of prompt "
+                f"and output, {MAXK} chunk keys, {MAXB} GPU blocks)")
     if b.workers > 7:
         return "more than 7 workers (a report's count has 3 bits)"
     if b.hybrid:
@@ -88,8 +89,6 @@ def fits(b: M.Bounds) -> str | None:
                 "(the compiled model has one full-attention group, one block per chunk)")
     if b.store_threshold > 255:
         return "a store threshold above 255 (a key's offers are counted in a byte)"
-    if b.decode_tokens:
-        return "decoding requests (the compiled model's requests only prefill their prompt)"
     unstated = [name for name in b.rules_in_play()
                 if name not in RULES and getattr(b.rules, name) != getattr(VLLM_0_33, name)]
     if unstated:
@@ -110,6 +109,8 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.store_threshold = b.store_threshold
     cb.per_request_admission = int(b.rules.store_admission is StoreAdmission.PER_REQUEST)
     cb.stale_fence_only = int(b.rules.stale_load_failure is StaleLoadFailure.FENCE_ONLY)
+    cb.decode_tokens = b.decode_tokens
+    cb.offload_prompt_only = int(b.offload_prompt_only)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -223,7 +224,12 @@ def event_label(ev: M.Event) -> int:
 
 # ==================================================================== the encoding
 def _key_index(b: M.Bounds, key: int) -> int:
+    """kv_key of model.c: a prompt key's index by its family and position, then each
+    request's output keys (family `OUTPUT_FAMILY + i`) after every prompt key."""
     family, pos = divmod(key - 1, 1000)
+    if family >= M.OUTPUT_FAMILY:
+        return (b.requests * b.tokens + (family - M.OUTPUT_FAMILY) * b.decode_tokens
+                + pos - b.tokens)
     return family * b.tokens + pos
 
 
@@ -234,7 +240,8 @@ def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
 def encode(s: M.ModelState) -> bytes:
     """The C encoding of model state `s` (kv_encode in search.c)."""
     b = s.bounds
-    T = b.tokens
+    T = b.tokens + b.decode_tokens  # a request's blocks, prompt and output
+    K = b.requests * T  # the chunk keys
     out: list[int] = []
     reqs = {r.id: r for r in s.reqs}
     core = dict(s.core)
@@ -269,12 +276,15 @@ def encode(s: M.ModelState) -> bytes:
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:
-            out += [0, 0, 0, 0, 0, 0, NONE8] + [0] * cb.stale_fence_only + [0] * T
+            out += [0, 0, 0, 0, 0, 0, NONE8] + [0] * cb.stale_fence_only + \
+                [0] * bool(b.decode_tokens) + [0] * T
         else:
             out += [CORE_STATUS[c.status], c.computed, c.loading, int(c.aborted),
                     len(c.blocks), int(c.kv_bad), NONE8 if c.load_job is None else c.load_job]
             if cb.stale_fence_only:
                 out.append(int(c.recv_failed))
+            if b.decode_tokens:
+                out.append(c.generated)
             out += _pad(c.blocks, T)
     quarantined = {i for i, _ in s.quarantined_blocks}
     records = sorted([(j, False) for j in s.jobs] + [(j, True) for j in s.held],
@@ -298,10 +308,10 @@ def encode(s: M.ModelState) -> bytes:
             sum(1 << int(r[1:]) for r in s.pending_finished),
             sum(1 << int(r[1:]) for r in s.pending_preempted), *s.budget]
     chunks = {_key_index(b, k): v for k, v in s.chunks}
-    out += [chunks.get(k, CH_ABSENT) & 0xFF for k in range(b.requests * T)]
+    out += [chunks.get(k, CH_ABSENT) & 0xFF for k in range(K)]
     if cb.store_threshold > 1:
         offers = {_key_index(b, k): n for k, n in s.offers}
-        out += [offers.get(k, 0) for k in range(b.requests * T)]
+        out += [offers.get(k, 0) for k in range(K)]
     out += list(sum(1 << _key_index(b, k) for k in s.being_loaded).to_bytes(2, "little"))
     out += list(sum(1 << blk for blk in s.free_blocks).to_bytes(2, "little"))
     out += list(sum(1 << _key_index(b, k) for k in s.bad_chunks).to_bytes(2, "little"))

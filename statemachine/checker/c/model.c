@@ -20,7 +20,33 @@ static void fail(World *w, int err, const char *fmt, ...) {
 static int popcount16(uint32_t x) { return __builtin_popcount(x); }
 
 /* ============================================================== subjects (state.py) */
-int kv_key(const Bounds *b, int req, int pos) { return b->family[req] * b->tokens + pos; }
+/* a chunk's key index: a prompt position's is its family's (shared prefixes share keys), an
+ * output position's the request's own (Template.block_key), after every prompt key */
+int kv_key(const Bounds *b, int req, int pos) {
+    if (pos < b->tokens) return b->family[req] * b->tokens + pos;
+    return b->requests * b->tokens + req * b->decode_tokens + (pos - b->tokens);
+}
+
+int kv_nkeys(const Bounds *b) { return b->requests * (b->tokens + b->decode_tokens); }
+
+/* decoding (World.num_tokens, tokens_to_compute, may_finish, sample) */
+static int num_tokens(const World *w, int r) { return w->b->tokens + w->s.req[r].generated; }
+
+static int tokens_to_compute(const World *w, int r) {
+    int done = w->b->decode_tokens > 0 && w->s.req[r].generated >= w->b->decode_tokens;
+    return num_tokens(w, r) - done;
+}
+
+static int may_finish(const World *w, int r) {
+    const Req *c = &w->s.req[r];
+    int last = num_tokens(w, r) - 1;
+    return c->cstatus == C_RUNNING && c->computed >= (w->b->tokens > last ? w->b->tokens : last);
+}
+
+static void sample(World *w, int r) {
+    Req *c = &w->s.req[r];
+    if (c->computed == num_tokens(w, r) && c->generated < w->b->decode_tokens) c->generated++;
+}
 
 static uint16_t keys_of(World *w, int r, int from, int to) {
     uint16_t m = 0;
@@ -647,7 +673,7 @@ static int lookup(World *w, int r, int *is_async) {
         fire(w, M_REQUEST, r, RT_lookup_resolved, NULL);
         return 0;
     }
-    int T = w->b->tokens, end = 0, defer = 0, bound = T - 1;
+    int end = 0, defer = 0, bound = num_tokens(w, r) - 1;
     if (w->b->skip_reading[r]) bound = 0;  /* S:1258-1259 */
     if (q->load_failed) bound = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (w->b->max_load[r] >= 0 && w->b->max_load[r] < bound) bound = w->b->max_load[r];
@@ -700,11 +726,12 @@ static void store(World *w, int r, int scheduled);
 static void end_step(World *w);
 
 /* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
- * cached requests are `cached` (mask), in index order; `sched` lists the scheduled ones in
- * the order the core scheduled them. */
+ * cached requests are `cached` (mask), in index order, each with the block its next token
+ * added to its table (`grown`, NONE8: none); `sched` lists the scheduled ones in the order
+ * the core scheduled them. */
 static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblocks,
-                       uint8_t cached, const int *sched, int nsched, uint8_t finished,
-                       uint8_t preempted) {
+                       uint8_t cached, const uint8_t *grown, const int *sched, int nsched,
+                       uint8_t finished, uint8_t preempted) {
     w->step_open = 1;
     for (int pass = 0; pass < 2; pass++)
         for (int r = 0; r < w->b->requests; r++) {
@@ -721,6 +748,11 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
             } else {
                 memcpy(table, cur->blocks, cur->nblocks);
                 ntable = cur->nblocks;
+                if (grown[r] != NONE8) {
+                    w->batch_alloc |= (uint16_t)(1u << grown[r]);
+                    if (ntable >= MAXT) fail(w, ERR_LIMIT, "more than %d blocks", MAXT);
+                    table[ntable++] = grown[r];
+                }
             }
             if (IN(RS_SCHEDULED, cur->state)) {
                 set_blocks(cur->blocks, &cur->nblocks, table, ntable);
@@ -791,12 +823,15 @@ static void store(World *w, int r, int scheduled) {
     if (req->flags & RF_LOAD_INVALID) return;
     Req snapshot = *req;
     const Req *core = &w->s.req[r];
-    int T = w->b->tokens, tokens;
-    if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : T;
+    int T = w->b->tokens, all = num_tokens(w, r), tokens;
+    /* a finished request's last sampled token is never computed */
+    if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : (T > all - 1 ? T : all - 1);
     else tokens = core->computed + scheduled;
+    /* _offloadable: the request's cap, and the prompt's end under offload_prompt_only */
     if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
+    if (w->b->offload_prompt_only && tokens > T) tokens = T;
     int n = tokens;
-    if (n > T) n = T;
+    if (n > all) n = all;
     if (n > req->nblocks) n = req->nblocks;
     int start = req->cursor;
     if (start >= n) return;
@@ -1035,14 +1070,15 @@ static int behind_a_sync_load(const State *s, const Job *j) {
 static void apply(World *w, uint32_t ev) {
     const Bounds *b = w->b;
     State *s = &w->s;
-    int kind = EV_KIND(ev), r = EV_REQ(ev), T = b->tokens;
+    int kind = EV_KIND(ev), r = EV_REQ(ev);
     if (kind == EV_ARRIVE) {
         if (s->req[r].cstatus != C_NONE) fail(w, ERR_NOT_ENABLED, "already arrived");
         core_reset(&s->req[r], C_WAITING);
         fire(w, M_REQUEST, r, RT_add, NULL);
     } else if (kind == EV_STEP) {
-        int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
-        uint8_t blocks[MAXT], cached = 0;
+        int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0, need = num_tokens(w, r);
+        uint8_t blocks[MAXT], cached = 0, grown[MAXR];
+        memset(grown, NONE8, sizeof grown);
         if (EV_ADMIT(ev)) {
             Req *c = &s->req[r];
             if (c->cstatus != C_WAITING) fail(w, ERR_NOT_ENABLED, "not waiting");
@@ -1050,8 +1086,8 @@ static void apply(World *w, uint32_t ev) {
                 int is_async;
                 int hit = lookup(w, r, &is_async);
                 inside(w, 0);
-                if (hit >= 0 && popcount16(s->free_blocks) >= T) {
-                    for (int blk = 0; blk < MAXB && nblocks < T; blk++)
+                if (hit >= 0 && popcount16(s->free_blocks) >= need) {
+                    for (int blk = 0; blk < MAXB && nblocks < need; blk++)
                         if ((s->free_blocks >> blk) & 1) blocks[nblocks++] = (uint8_t)blk;
                     for (int i = 0; i < nblocks; i++) s->free_blocks &= (uint16_t)~(1u << blocks[i]);
                     alloc(w, r, blocks, nblocks, hit);
@@ -1083,17 +1119,26 @@ static void apply(World *w, uint32_t ev) {
             }
         }
         for (int q = 0; q < b->requests; q++) {
-            const Req *c = &s->req[q];
-            if (c->cstatus == C_RUNNING && q != admitted && c->computed < T) {
+            Req *c = &s->req[q];
+            if (c->cstatus == C_RUNNING && q != admitted && c->computed < tokens_to_compute(w, q)) {
+                if (c->computed + 1 > c->ncblocks) {  /* _decode_blocks: its next token's block */
+                    if (!s->free_blocks) continue;  /* no room: not scheduled in this step */
+                    int blk = __builtin_ctz(s->free_blocks);
+                    s->free_blocks &= (uint16_t)~(1u << blk);
+                    c->cblocks[c->ncblocks++] = (uint8_t)blk;
+                    grown[q] = (uint8_t)blk;
+                }
                 cached |= (uint8_t)(1u << q);
                 sched[nsched++] = q;
             }
         }
-        build_meta(w, admitted, blocks, nblocks, cached, sched, nsched, s->pending_finished,
-                   s->pending_preempted);
+        build_meta(w, admitted, blocks, nblocks, cached, grown, sched, nsched,
+                   s->pending_finished, s->pending_preempted);
         for (int i = 0; i < nsched; i++) {
             Req *c = &s->req[sched[i]];
-            c->computed = (uint8_t)(c->computed + 1 < T ? c->computed + 1 : T);
+            int all = num_tokens(w, sched[i]);
+            c->computed = (uint8_t)(c->computed + 1 < all ? c->computed + 1 : all);
+            sample(w, sched[i]);
         }
         s->pending_finished = s->pending_preempted = 0;
         follow_connector(w);
@@ -1140,7 +1185,7 @@ static void apply(World *w, uint32_t ev) {
     } else if (kind == EV_FINISH || kind == EV_ABORT) {
         Req *c = &s->req[r];
         if (c->cstatus == C_NONE || c->cstatus == C_FINISHED) fail(w, ERR_NOT_ENABLED, "not live");
-        if (kind == EV_FINISH && (c->cstatus != C_RUNNING || c->computed < T)) fail(w, ERR_NOT_ENABLED, "not done");
+        if (kind == EV_FINISH && !may_finish(w, r)) fail(w, ERR_NOT_ENABLED, "not done");
         int keep = c->cstatus == C_REMOTE;
         uint8_t computed = c->computed, blocks2[MAXT], n2 = c->ncblocks;
         uint8_t kv_bad = c->ckv_bad, loader = c->cload;

@@ -12,10 +12,11 @@
 #include "tables.h"
 
 #define MAXR 4          /* requests */
-#define MAXT 4          /* tokens of a request (= GPU blocks = chunks) */
+#define MAXT 6          /* tokens of a request, prompt and output (= GPU blocks = chunks) */
 #define MAXJ 24         /* job records in a state (live and held) */
 #define MAXB 16         /* GPU blocks */
-#define MAXK 16         /* chunk keys: family * tokens + position */
+#define MAXK 16         /* chunk keys: the prompts' (family * tokens + position), then each
+                         * request's output (kv_key) */
 #define MAXID 32        /* job ids of one event stay below (masks are 32 bits) */
 
 #define NONE8 0xFF
@@ -62,6 +63,7 @@ typedef struct {
      * that fills its blocks (cload, NONE8: none) */
     uint8_t cstatus, computed, loading, aborted, ncblocks, ckv_bad, cload;
     uint8_t crecv_failed; /* StaleLoadFailure.FENCE_ONLY: a worker named it in failed_recving */
+    uint8_t generated;    /* output tokens sampled so far (MCore.generated); a restart keeps them */
     uint8_t cblocks[MAXT];
 } Req;
 
@@ -86,6 +88,8 @@ typedef struct {
     int32_t store_threshold;       /* 1: every chunk offered is stored */
     int32_t per_request_admission; /* rules.store_admission is PER_REQUEST (vLLM 0.34) */
     int32_t stale_fence_only;      /* rules.stale_load_failure is FENCE_ONLY (vLLM 0.34) */
+    int32_t decode_tokens;         /* output tokens each request generates after its prompt */
+    int32_t offload_prompt_only;   /* stores stop at the prompt's end */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -160,6 +164,7 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
              int *inside_hook, char *msg);
 void kv_canonical(State *s);
 int kv_key(const Bounds *b, int req, int pos);
+int kv_nkeys(const Bounds *b);
 
 /* invariants.c: the first safety invariant (index 0 = INV-1) broken, or -1 */
 int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t without);

@@ -14,8 +14,11 @@
 #define ENC_MAX 1024
 
 /* ============================================================== compact encoding */
+/* a request's blocks (prompt and output) and the chunk keys, as encoded */
+static int max_blocks(const Bounds *b) { return b->tokens + b->decode_tokens; }
+
 static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
-    int n = 0, T = b->tokens;
+    int n = 0, T = max_blocks(b);
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
     /* a rule's field only where the bounds can set it (0.33.0's bounds encode as before) */
@@ -28,12 +31,13 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
     o[n++] = q->ncblocks; o[n++] = q->ckv_bad; o[n++] = q->cload;
     if (b->stale_fence_only) o[n++] = q->crecv_failed;
+    if (b->decode_tokens) o[n++] = q->generated;
     for (int i = 0; i < T; i++) o[n++] = q->cblocks[i];
     return n;
 }
 
 int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
-    int n = 0, T = b->tokens;
+    int n = 0, T = max_blocks(b), K = kv_nkeys(b);
     for (int r = 0; r < b->requests; r++) n += put_req(b, &s->req[r], o + n);
     o[n++] = s->njobs;
     for (int i = 0; i < s->njobs; i++) {
@@ -48,9 +52,9 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
     o[n++] = s->counter; o[n++] = s->threshold; o[n++] = s->fence; o[n++] = s->reset_since_step;
     o[n++] = s->pending_finished; o[n++] = s->pending_preempted;
     for (int i = 0; i < 3; i++) o[n++] = s->budget[i];
-    for (int k = 0; k < b->requests * T; k++) o[n++] = (uint8_t)s->chunk[k];
+    for (int k = 0; k < K; k++) o[n++] = (uint8_t)s->chunk[k];
     if (b->store_threshold > 1)
-        for (int k = 0; k < b->requests * T; k++) o[n++] = s->offers[k];
+        for (int k = 0; k < K; k++) o[n++] = s->offers[k];
     o[n++] = (uint8_t)s->being_loaded; o[n++] = (uint8_t)(s->being_loaded >> 8);
     o[n++] = (uint8_t)s->free_blocks; o[n++] = (uint8_t)(s->free_blocks >> 8);
     o[n++] = (uint8_t)s->bad_chunks; o[n++] = (uint8_t)(s->bad_chunks >> 8);
@@ -61,7 +65,7 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
 }
 
 static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
-    int n = 0, T = b->tokens;
+    int n = 0, T = max_blocks(b);
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
     if (b->failed_load_for_life) q->load_failed = o[n++];
@@ -74,12 +78,13 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     q->cstatus = o[n++]; q->computed = o[n++]; q->loading = o[n++]; q->aborted = o[n++];
     q->ncblocks = o[n++]; q->ckv_bad = o[n++]; q->cload = o[n++];
     if (b->stale_fence_only) q->crecv_failed = o[n++];
+    if (b->decode_tokens) q->generated = o[n++];
     for (int i = 0; i < T; i++) q->cblocks[i] = o[n++];
     return n;
 }
 
 void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
-    int n = 0, T = b->tokens;
+    int n = 0, T = max_blocks(b), K = kv_nkeys(b);
     memset(s, 0, sizeof *s);
     for (int k = 0; k < MAXK; k++) s->chunk[k] = CH_ABSENT;
     for (int r = 0; r < b->requests; r++) n += get_req(b, &s->req[r], o + n);
@@ -96,9 +101,9 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     s->counter = o[n++]; s->threshold = o[n++]; s->fence = o[n++]; s->reset_since_step = o[n++];
     s->pending_finished = o[n++]; s->pending_preempted = o[n++];
     for (int i = 0; i < 3; i++) s->budget[i] = o[n++];
-    for (int k = 0; k < b->requests * T; k++) s->chunk[k] = (int8_t)o[n++];
+    for (int k = 0; k < K; k++) s->chunk[k] = (int8_t)o[n++];
     if (b->store_threshold > 1)
-        for (int k = 0; k < b->requests * T; k++) s->offers[k] = o[n++];
+        for (int k = 0; k < K; k++) s->offers[k] = o[n++];
     s->being_loaded = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
     s->free_blocks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
     s->bad_chunks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
