@@ -29,7 +29,7 @@ that identifies it).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
@@ -440,8 +440,12 @@ class OffloadingStateMachine(RuleBasedStateMachine):
     def start(self, which: int, swarm: set[str]) -> None:
         """Swarm testing: each run switches on a random subset of the event kinds, so some
         runs are dense in resets, others in aborts or failures."""
-        self.swarm = frozenset(swarm)
-        bounds = self.bounds_choices[which % len(self.bounds_choices)]
+        self.begin(self.bounds_choices[which % len(self.bounds_choices)], swarm)
+
+    def begin(self, bounds: M.Bounds, swarm: Iterable[str] | None = None) -> None:
+        """A fresh model and implementation under `bounds`, with the event kinds of `swarm`
+        (default: all) switched on for the random draws (a fixed program takes its own)."""
+        self.swarm = frozenset(self.SWARM if swarm is None else swarm)
         self.model = M.initial(bounds)
         self.impl = self.adapter_factory(bounds)
 
@@ -710,14 +714,14 @@ def replay(events: list[M.Event], bounds: M.Bounds,
     skipped, as in the random runs); the model follows the implementation's choices (its
     evictions), so this is the path the implementation took."""
     m = machine()
-    m.model = M.initial(bounds)
-    m.impl = m.adapter_factory(bounds)
+    m.begin(bounds)
     path: list[M.ModelState] = []
     for ev in events:
         taken = len(m.trace)
         m._step(ev)
         m.invariants_hold()
         if len(m.trace) > taken:
+            assert m.model is not None
             path.append(m.model)
     m.teardown()
     return path

@@ -178,8 +178,7 @@ def test_a_decoding_request_with_partial_tails_keeps_a_hash_per_token() -> None:
     them."""
     reg = by_name("partial-tail-output-hashes")
     m = OffloadingStateMachine()
-    m.model = M.initial(reg.bounds)
-    m.impl = m.adapter_factory(reg.bounds)
+    m.begin(reg.bounds)
     for ev in reg.events():
         m._step(ev)
     req = m.impl.requests["r1"]
@@ -275,8 +274,7 @@ def test_a_request_preempted_then_aborted_has_its_store_flushed() -> None:
     assert [(j.id, j.state) for j in s.jobs] == [(0, "FLUSH_REQUESTED")]
     assert [(r.id, r.state) for r in s.reqs] == [("r0", "FINISHED_DRAINING")]
     m = OffloadingStateMachine()
-    m.model = M.initial(reg.bounds)
-    m.impl = m.adapter_factory(reg.bounds)
+    m.begin(reg.bounds)
     for ev in events[:-1]:
         m._step(ev)
         m.invariants_hold()

@@ -3,6 +3,8 @@ reported by its first violation, never by what the teardown drain found afterwar
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from spec import model as M
@@ -39,6 +41,31 @@ def test_a_model_soak_counts_the_rows_it_fired_and_names_those_it_never_did() ->
     never = [row for row in every if row not in r.rows]
     assert line.startswith(f"model rows: {len(every) - len(never)} of {len(every)} fired")
     assert f"never {' '.join(never)};" in line or f"never {' '.join(never)} " in line
+
+
+def test_programs_seeded_with_witnesses_fire_every_row() -> None:
+    """With every program seeded (`witness_every=1`), 99 programs fire all 99 rows: each
+    replays its row's witness under the witness's scenario, checks that the row fired, and
+    goes on at random; none counts as a random program's coverage."""
+    every = witness_rows()
+    r = soak.soak_model(5, 40 * len(every), program_length=16, witness_every=1)
+    assert r.failures == [] and r.seeded == r.programs >= len(every)
+    assert set(r.rows) == set(every) and not r.random_rows
+    line = next(x for x in soak.summary([r]).splitlines() if x.startswith("model rows:"))
+    assert line.startswith(f"model rows: {len(every)} of {len(every)} fired")
+    plain = soak.soak_model(5, 2_000, witness_every=0)
+    assert plain.seeded == 0 and plain.rows == plain.random_rows
+
+
+def test_a_witness_that_misses_its_row_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded program whose witness does not fire its row (the model or the reference
+    left the path the witness was found on) fails the soak, naming the row."""
+    [first] = [w for w in soak.WITNESSES if w.row == "r1"]
+    wrong = dataclasses.replace(first, row="f6")  # arrive(r0) never drains a stray report
+    monkeypatch.setattr(soak, "WITNESSES", (wrong,))
+    r = soak.soak_model(0, 10, witness_every=1)
+    [f] = r.failures
+    assert "WitnessMissed" in f.error and "witness of f6" in f.error
 
 
 def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> None:
@@ -128,8 +155,7 @@ def test_the_teardown_leaves_a_failed_run_alone(monkeypatch: pytest.MonkeyPatch)
         for i in inv.SAFETY))
     reg = by_name("store-block-reused-inside-the-step")
     m = OffloadingStateMachine()
-    m.model = M.initial(reg.bounds)
-    m.impl = m.adapter_factory(reg.bounds)
+    m.begin(reg.bounds)
     with pytest.raises(InvariantViolation, match="INV-15"):
         for ev in reg.events():
             m._step(ev)

@@ -46,7 +46,7 @@ def test_the_machine_counts_the_rows_a_program_fires() -> None:
     once: at its last step."""
     w = W.by_row("r48")
     m = OffloadingStateMachine()
-    m.model, m.impl = M.initial(w.bounds), m.adapter_factory(w.bounds)
+    m.begin(w.bounds)
     for ev in w.events()[:-1]:
         m._step(ev)
     assert W.all_rows()["r48"] not in m.rows_fired

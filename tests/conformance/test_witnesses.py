@@ -45,7 +45,6 @@ def test_witness_replays_clean_on_vllm(vllm_ready: Any, witness: W.Witness) -> N
     failure vLLM takes otherwise, a stray report: `VLLMMachine.allows`, CONFORMANCE.md)
     skips the rest, naming it."""
     from conformance.adapter import VLLMMachine
-    from spec import model as M
 
     if vllm_ready.vllm_version() < (0, 26, 0):
         pytest.skip("the programs use preemption and finish, which the 0.22-0.25 machine "
@@ -55,7 +54,7 @@ def test_witness_replays_clean_on_vllm(vllm_ready: Any, witness: W.Witness) -> N
         pytest.skip(why)
     bounds = _bounds(witness)
     m = VLLMMachine()
-    m.model, m.impl = M.initial(bounds), m.adapter_factory(bounds)
+    m.begin(bounds)
     for i, ev in enumerate(witness.events(), 1):
         if m.rule_for(ev) is None:
             pytest.skip(f"step {i}, {ev}: {_kept_off(m, ev)}")
