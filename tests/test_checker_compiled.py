@@ -13,6 +13,7 @@ import pytest
 from spec import model as M
 from spec.checker import CheckResult, canonical_event, check_model
 from spec.progress import PROGRESS
+from spec.rules import VLLM_0_34
 from spec.scenarios import SCENARIOS, by_name, hunt_bounds, parse_bounds
 from statemachine.checker import check, compiled, gen
 from statemachine.checker.compiled import CompiledUnavailable
@@ -133,6 +134,36 @@ def test_the_same_successors_of_sampled_states(scenario: object) -> None:
                     f"{compiled.fits(scenario.bounds)}")
     for s in _sample(scenario.bounds, 40, seed=len(scenario.name)):
         assert _successors_c(scenario.bounds, compiled.encode(s)) == _successors_py(s), s
+
+
+DECODING_SAMPLED = {
+    "timeouts-two-workers": M.Bounds(
+        requests=2, tokens=2, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, timeout_steps=1),
+    "sync-loads": M.Bounds(
+        requests=2, tokens=2, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, sync_loads=True),
+    "three-requests-stray-reports": M.Bounds(
+        requests=3, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=2, failures=1,
+        preemptions=2, decode_tokens=2, stray_reports=True),
+    "store-admission-0.34": M.Bounds(
+        requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=2, decode_tokens=2, store_threshold=2, rules=VLLM_0_34),
+    "caps-inside-the-output": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=7, resets=1, failures=1,
+        preemptions=1, decode_tokens=3, request_settings=(
+            M.RequestSettings(max_offload_tokens=4), M.RequestSettings(max_load_tokens=3))),
+}
+"""Decoding beside every other feature of the compiled model, too large for a whole state
+space in Python: compared state by state on random walks."""
+
+
+@pytest.mark.parametrize("name", DECODING_SAMPLED)
+def test_the_same_successors_of_sampled_decoding_states(name: str) -> None:
+    b = DECODING_SAMPLED[name]
+    assert compiled.fits(b) is None
+    for s in _sample(b, 40, seed=len(name)):
+        assert _successors_c(b, compiled.encode(s)) == _successors_py(s), s
 
 
 @pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding"])
