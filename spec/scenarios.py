@@ -146,8 +146,23 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1,
                     failures=1, preemptions=1, decode_tokens=2, offload_prompt_only=True),
              Expect("pass", 354_789, 20)),
+    Scenario("multi-block",
+             "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
+             "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "
+             "a reset, a failure and a preemption",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=1, preemptions=1, blocks_per_chunk=2),
+             Expect("pass", 36_018, 18)),
+    Scenario("multi-block-decoding",
+             "chunks of 2 blocks over 3-token prompts that each generate 2 tokens: the "
+             "second chunk straddles prompt and output (its key is the request's own, at its "
+             "last token), a chunk is stored only once the output completes it, a restarted "
+             "request's hit ends inside it; 2 workers, a reset, a failure and a preemption",
+             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=5, resets=1,
+                    failures=1, preemptions=1, blocks_per_chunk=2, decode_tokens=2),
+             Expect("pass", 548_150, 26)),
     # -- beyond one full-attention group (the Python model: the compiled twin has one
-    #    full-attention group and one block per chunk) ----------------------------------
+    #    full-attention group in blocks of one token) ------------------------------------
     Scenario("hybrid",
              "a full-attention and a sliding-window group (window 2): the suffix-window "
              "lookup beside the prefix scan, converging; the core frees blocks before the "
@@ -219,13 +234,6 @@ SCENARIOS: tuple[Scenario, ...] = (
                     failures=0, preemptions=0, partial_reports=False,
                     groups=("mamba", "mamba")),
              Expect("pass", 74_223, 18)),
-    Scenario("multi-block",
-             "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
-             "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "
-             "a reset, a failure and a preemption",
-             Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
-                    failures=1, preemptions=1, blocks_per_chunk=2),
-             Expect("pass", 36_018, 18)),
     Scenario("multi-token-blocks",
              "blocks of 2 tokens, a full-attention and a sliding-window group (window 3), "
              "prompts of 5 tokens: a step ends inside a block, the last block is partial and "

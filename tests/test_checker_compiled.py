@@ -72,10 +72,25 @@ DECODING = {
 the prompt's, request settings, a finished request's commit point, timeouts, and a request
 whose output outgrows the GPU (a liveness verdict both models reach)."""
 
+MULTI_BLOCK = {
+    "chunks-of-3": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1, failures=1,
+        preemptions=1, blocks_per_chunk=3),
+    "chunks-of-2-decoding": M.Bounds(
+        requests=1, tokens=4, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, blocks_per_chunk=2, decode_tokens=2),
+    "caps-inside-a-chunk": M.Bounds(
+        requests=2, tokens=4, workers=1, cpu_chunks=2, gpu_blocks=5, resets=0, failures=0,
+        preemptions=1, blocks_per_chunk=2, request_settings=(
+            M.RequestSettings(max_load_tokens=3, max_offload_tokens=3),)),
+}
+"""Chunks of several blocks: a hit that ends inside its last chunk, a chunk no prompt fills,
+whole chunks under a cap, an output that completes a chunk."""
 
-@pytest.mark.parametrize("name", DECODING)
-def test_the_same_reachable_states_and_transitions_under_decoding(name: str) -> None:
-    b = DECODING[name]
+
+@pytest.mark.parametrize("name", [*DECODING, *MULTI_BLOCK])
+def test_the_same_reachable_states_and_transitions_beyond_one_block_prompts(name: str) -> None:
+    b = {**DECODING, **MULTI_BLOCK}[name]
     states, edges = _python_states(b)
     assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
     run = compiled.search(b, liveness=False)
@@ -149,13 +164,17 @@ DECODING_SAMPLED = {
     "store-admission-0.34": M.Bounds(
         requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
         preemptions=2, decode_tokens=2, store_threshold=2, rules=VLLM_0_34),
+    "chunks-of-2-timeouts-sync-loads": M.Bounds(
+        requests=2, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=8, resets=1, failures=1,
+        preemptions=1, blocks_per_chunk=2, decode_tokens=2, sync_loads=True, timeout_steps=1),
     "caps-inside-the-output": M.Bounds(
         requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=7, resets=1, failures=1,
         preemptions=1, decode_tokens=3, request_settings=(
             M.RequestSettings(max_offload_tokens=4), M.RequestSettings(max_load_tokens=3))),
 }
-"""Decoding beside every other feature of the compiled model, too large for a whole state
-space in Python: compared state by state on random walks."""
+"""Decoding beside every other feature of the compiled model (chunks of several blocks
+too), too large for a whole state space in Python: compared state by state on random
+walks."""
 
 
 @pytest.mark.parametrize("name", DECODING_SAMPLED)

@@ -48,9 +48,14 @@ static void sample(World *w, int r) {
     if (c->computed == num_tokens(w, r) && c->generated < w->b->decode_tokens) c->generated++;
 }
 
-static uint16_t keys_of(World *w, int r, int from, int to) {
+/* chunk `c`'s key: the key at its last token (World.keys_of) */
+static int chunk_key(const World *w, int r, int c) {
+    return kv_key(w->b, r, (c + 1) * w->b->blocks_per_chunk - 1);
+}
+
+static uint16_t keys_of(World *w, int r, int from, int to) {  /* chunks from <= c < to */
     uint16_t m = 0;
-    for (int c = from; c < to; c++) m |= (uint16_t)(1u << kv_key(w->b, r, c));
+    for (int c = from; c < to; c++) m |= (uint16_t)(1u << chunk_key(w, r, c));
     return m;
 }
 
@@ -308,7 +313,7 @@ static void eff_create_load_job(World *w, int r, const Kw *kw) {
     Req *q = tracked(w, r);
     q->flags &= (uint8_t)~(RF_HIT | RF_KVLOAD);
     q->hit = 0;
-    q->cursor = (uint8_t)(kw->first_block_index + kw->nblocks);
+    q->cursor = (uint8_t)kw->end_chunk;
     q->kv_load = 0;
     if (kw->sync) { q->flags |= RF_KVLOAD; q->kv_load = (uint8_t)w->last_job; }
 }
@@ -673,16 +678,26 @@ static int lookup(World *w, int r, int *is_async) {
         fire(w, M_REQUEST, r, RT_lookup_resolved, NULL);
         return 0;
     }
-    int end = 0, defer = 0, bound = num_tokens(w, r) - 1;
-    if (w->b->skip_reading[r]) bound = 0;  /* S:1258-1259 */
-    if (q->load_failed) bound = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
-    if (w->b->max_load[r] >= 0 && w->b->max_load[r] < bound) bound = w->b->max_load[r];
-    for (int c = 0; c < bound; c++) {
-        int key = kv_key(w->b, r, c);
-        int8_t ref = w->s.chunk[key];
-        if (ref == CH_ABSENT) break;
-        if (ref == -1 || ((w->s.being_loaded >> key) & 1)) defer = 1;
-        end = c + 1;
+    /* _hit: whole chunks from the start, up to the last token's hash block; the hit may
+     * end inside its last chunk (a chunk's last token the request has not reached) */
+    int tpc = w->b->blocks_per_chunk, all = num_tokens(w, r), nkeys = all / tpc;
+    int max_hit = all - 1, cap = w->b->max_load[r], end = 0, defer = 0, found = 0;
+    if (w->b->skip_reading[r]) max_hit = 0;  /* S:1258-1259 */
+    if (q->load_failed) max_hit = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
+    if (cap >= 0 && cap < max_hit) max_hit = cap;  /* S:867-871 */
+    if (nkeys * tpc < max_hit) max_hit = nkeys * tpc;
+    if (cap >= 0) max_hit = max_hit / tpc * tpc;  /* whole chunks under a cap (S:917-920) */
+    if (max_hit >= tpc) {
+        int n_chunks = (max_hit + tpc - 1) / tpc;
+        if (n_chunks > nkeys) n_chunks = nkeys;
+        for (int c = 0; c < n_chunks; c++) {
+            int key = chunk_key(w, r, c);
+            int8_t ref = w->s.chunk[key];
+            if (ref == CH_ABSENT) break;
+            if (ref == -1 || ((w->s.being_loaded >> key) & 1)) defer = 1;
+            found++;
+        }
+        end = found * tpc < max_hit ? found * tpc : max_hit;
     }
     if (defer) {
         fire(w, M_REQUEST, r, RT_lookup_deferred, NULL);
@@ -714,10 +729,10 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     Kw kw;
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
-    kw.keys = keys_of(w, r, 0, hit);
+    kw.end_chunk = (hit + w->b->blocks_per_chunk - 1) / w->b->blocks_per_chunk;
+    kw.keys = keys_of(w, r, 0, kw.end_chunk);  /* the hit's chunks, its last maybe in part */
     copy_blocks(kw.blocks, blocks, hit);
     kw.nblocks = hit;
-    kw.first_block_index = 0;
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
 }
@@ -830,15 +845,16 @@ static void store(World *w, int r, int scheduled) {
     /* _offloadable: the request's cap, and the prompt's end under offload_prompt_only */
     if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
     if (w->b->offload_prompt_only && tokens > T) tokens = T;
-    int n = tokens;
-    if (n > all) n = all;
-    if (n > req->nblocks) n = req->nblocks;
+    int bpc = w->b->blocks_per_chunk;  /* the request's full chunks, in its table */
+    int n = tokens / bpc;
+    if (n > all / bpc) n = all / bpc;
+    if (n > req->nblocks / bpc) n = req->nblocks / bpc;
     int start = req->cursor;
     if (start >= n) return;
     uint16_t offered = 0, candidates = 0;
     int ncand = 0;
     for (int c = start; c < n; c++) {
-        int key = kv_key(w->b, r, c);
+        int key = chunk_key(w, r, c);
         offered |= (uint16_t)(1u << key);
         if (w->s.chunk[key] == CH_ABSENT) { candidates |= (uint16_t)(1u << key); ncand++; }
     }
@@ -884,10 +900,10 @@ static void store(World *w, int r, int scheduled) {
     kw.count = 1;
     kw.keys = candidates;
     for (int c = start; c < n; c++) {
-        int key = kv_key(w->b, r, c);
+        int key = chunk_key(w, r, c);
         if ((candidates >> key) & 1) {
             w->s.chunk[key] = -1;
-            kw.blocks[kw.nblocks++] = snapshot.blocks[c];
+            for (int i = c * bpc; i < (c + 1) * bpc; i++) kw.blocks[kw.nblocks++] = snapshot.blocks[i];
         }
     }
     kw.end_chunk = n;

@@ -90,6 +90,7 @@ typedef struct {
     int32_t stale_fence_only;      /* rules.stale_load_failure is FENCE_ONLY (vLLM 0.34) */
     int32_t decode_tokens;         /* output tokens each request generates after its prompt */
     int32_t offload_prompt_only;   /* stores stop at the prompt's end */
+    int32_t blocks_per_chunk;      /* GPU blocks (of one token) per CPU chunk */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -97,7 +98,7 @@ typedef struct {
 
 /* the keyword arguments a trigger carries to its row's effects (spec.model's **kw) */
 typedef struct {
-    int hit_tokens, sync, count, live_jobs, job_id, end_chunk, first_block_index;
+    int hit_tokens, sync, count, live_jobs, job_id, end_chunk;
     uint16_t keys;
     int nblocks;
     uint8_t blocks[MAXT];
