@@ -281,6 +281,23 @@ REGRESSIONS: tuple[Regression, ...] = (
         "ack(job 7, count 1) ; ack(job 8, count 1) ; ack(job 9, count 1) ; "
         "ack(job 10, count 1) ; ack(job 11, count 1) ; ack(job 12, count 1) ; promote(r2) ; "
         "reset() ; step(admit=r2)"),
+    Regression(
+        "late-recving-of-a-timed-out-load",
+        "the compiled checker's first bounds with timeouts, a failure, a reset and a "
+        "preemption together (checking decoding and chunks of several blocks; 15 events)",
+        "past a timeout the spec admits a request again while its timed-out async load "
+        "still copies; when that load's late completion named the request in "
+        "finished_recving, the connector took it for the request's newer load, which a "
+        "reset had orphaned: the request left ORPHANED_LOAD for IDLE, the core promoted it "
+        "onto blocks that load had not filled, and when that load failed its stores "
+        "published invalid KV (INV-20). The connector now takes such a finished_recving as "
+        "stale (`spec.request.recving_is_stale`): it waits for the newer load, out of the "
+        "set the core reads (`stale_recving_ignored`). Mutant `stale-recving-promotes`.",
+        Bounds(requests=1, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1,
+               failures=1, preemptions=2, timeout_steps=2),
+        "arrive(r0) ; step(admit=r0) ; preempt(r0) ; ack(job 0, count 1) ; step(admit=r0) ; "
+        "step() ; step() ; step(admit=r0) ; preempt(r0) ; step(admit=r0) ; reset() ; "
+        "ack(job 1, count 1) ; fail(job 2, count 1) ; step(admit=r0) ; step()"),
 )
 
 

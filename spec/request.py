@@ -11,6 +11,8 @@ which one fires.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from spec.schema import (
     BEYOND_VLLM,
     SAME,
@@ -149,6 +151,24 @@ def finished_keeps_destinations(kind: str, sync: bool) -> bool:
     (W:256-270), so the core freed its destinations at the finish like the request's other
     blocks, and may hand them to another request while the load's reports are still due."""
     return kind == "load" and not sync
+
+
+def recving_is_stale(req_id: str, completed: int,
+                     due: Iterable[tuple[str, str, bool, int]]) -> bool:
+    """Whether a `finished_recving` that names `req_id` is stale. vLLM's worker names a
+    request as soon as an async load of it completes on every rank (W:286-321, KU:90-101),
+    whichever load that was; in vLLM a request has one async load at a time. Past a timeout
+    (beyond vLLM) the spec admits a request again while its timed-out load still copies, so
+    that load's late completion names a request whose newer async load (live, or orphaned by
+    a reset and fenced) is still due. The connector then neither promotes the request
+    (ORPHANED_LOAD's `load_recving`) nor lets the core promote it early: it takes the id out
+    of `finished_recving` and counts it (`stale_recving_ignored`); the newer load's own
+    completion names the request again. `completed`: the newest async load of the request
+    whose last report the output carries; `due`: (owner, kind, sync, job id) of every job
+    whose reports are still due once the output's reports are applied (live, quarantined or
+    fenced)."""
+    return any(owner == req_id and kind == "load" and not sync and job_id > completed
+               for owner, kind, sync, job_id in due)
 
 
 GUARDS = (

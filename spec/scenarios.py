@@ -153,6 +153,16 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1,
                     failures=1, preemptions=1, blocks_per_chunk=2),
              Expect("pass", 36_018, 18)),
+    Scenario("late-recving-after-timeout",
+             "one request, an async load that times out; admitted again it recomputes, is "
+             "preempted and loads anew, a reset orphans that load, then the timed-out load's "
+             "late completion names the request in finished_recving: stale "
+             "(`spec.request.recving_is_stale`), so the request waits in ORPHANED_LOAD for "
+             "its newer load, which fails and makes it recompute (mutant "
+             "`stale-recving-promotes` takes it for that load's: INV-20)",
+             Bounds(requests=1, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1,
+                    failures=1, preemptions=2, timeout_steps=2),
+             Expect("pass", 45_376, 28)),
     Scenario("multi-block-decoding",
              "chunks of 2 blocks over 3-token prompts that each generate 2 tokens: the "
              "second chunk straddles prompt and output (its key is the request's own, at its "
@@ -345,6 +355,7 @@ _HUNT_OVERRIDE: dict[Fault, Bounds] = {
     Fault.STORE_MASK_IGNORES_SHORT_HITS: by_name("window-partial-chunk").bounds,
     Fault.STALE_LOAD_FAILURE_IGNORED: replace(by_name("orphaned-load-fails-0.34").bounds,
                                               rules=VLLM_0_33),
+    Fault.STALE_RECVING_PROMOTES: by_name("late-recving-after-timeout").bounds,
 }
 
 

@@ -956,9 +956,14 @@ class Engine:
                 r.load_failed = True
                 if r.load_job not in self.scheduler.jobs:
                     self.stats["stale_loads_failed"] += 1
-        recving = self._finished_recving(reports)
-        self.scheduler.update_connector_output(KVConnectorOutput(aggregate(reports), recving))
-        for rid in sorted(recving):
+        named = self._finished_recving(reports)
+        output = KVConnectorOutput(aggregate(reports), set(named))
+        self.scheduler.update_connector_output(output)
+        # the connector takes out a stale id (a timed-out load's late completion, while the
+        # request waits on a newer load: spec.request.recving_is_stale); the core promotes
+        # the others
+        self.stats["stale_recvings"] += len(named - output.finished_recving)
+        for rid in sorted(output.finished_recving):
             self._promote(self.requests[rid])
         self._after_connector()
         return finished
@@ -968,7 +973,10 @@ class Engine:
         return (seed * 1_000_003 + r.num_tokens * 7919) % 32_000
 
     def _finished_recving(self, reports: list[WorkerReport]) -> set[str]:
-        """Requests whose current async load every rank finished (KU:90-101, by job)."""
+        """Requests waiting for remote KVs one of whose async loads every rank finished: the
+        worker names the request of any async load that completes (W:286-321), the
+        aggregator once every rank did (KU:90-101). Past a timeout that may be an older
+        load than the one the request waits on; the connector then takes the id out."""
         out: set[str] = set()
         for rep in reports:
             for job_id, rid in rep.recving_jobs.items():
@@ -977,8 +985,7 @@ class Engine:
                     continue
                 del self._recv_counts[job_id]
                 r = self.requests.get(rid)
-                if (r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                        and r.load_job == job_id):
+                if r is not None and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     out.add(rid)
         return out
 

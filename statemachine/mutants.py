@@ -195,6 +195,12 @@ def _never_blocked(orig: Any) -> Any:
     return _lookup_blocked
 
 
+def _never_stale(orig: Any) -> Any:
+    def _recving_is_stale(self: OffloadingScheduler, req_id: str, completed: int) -> bool:
+        return False
+    return _recving_is_stale
+
+
 def _no_method(orig: Any) -> Any:
     def method(self: Any) -> None:
         return None
@@ -309,6 +315,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "KV is taken as computed",
            _patch(SchedulerEffects, "invalidate_orphaned_load", _noop_effect),
            Fault.STALE_LOAD_FAILURE_IGNORED, data_plane_soak=True),
+    Mutant("stale-recving-promotes", "reset", "INV-20, spec.request.recving_is_stale (the "
+           "spec's timeout path)",
+           "the late finished_recving of a timed-out async load is taken for the request's "
+           "newer load, which a reset orphaned: the request leaves ORPHANED_LOAD and runs on "
+           "blocks that load has not filled (and later fails)",
+           _patch(OffloadingScheduler, "_recving_is_stale", _never_stale),
+           Fault.STALE_RECVING_PROMOTES),
     Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
            "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
            _patch(OffloadingScheduler, "_apply_reports", _count_once),

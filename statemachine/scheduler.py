@@ -821,12 +821,36 @@ class OffloadingScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         with self._hook("update_connector_output"):
             reports = self._validate_reports(output)
+            reported = {job_id: self.job_status(job_id) for job_id in reports}
             for job_id, (done, failed, cls) in sorted(reports.items()):
                 self._apply_reports(job_id, done, failed, cls)
+            completed = self._async_loads_completed(reported)
             for req_id in sorted(output.finished_recving):
+                if self._recving_is_stale(req_id, completed.get(req_id, -1)):
+                    # the late completion of a timed-out load (spec.request.recving_is_stale):
+                    # out of the set, so that the core does not promote the request early
+                    output.finished_recving.discard(req_id)
+                    self.stats["stale_recving_ignored"] += 1
+                    continue
                 req = self._req_status.get(req_id)
                 if req is not None and req.state == R.ORPHANED_LOAD:
                     self._fire(self._requests_life, req, "load_recving")
+
+    def _async_loads_completed(self, reported: dict[int, JobStatus | None]) -> dict[str, int]:
+        """Per request, the newest of its async loads whose last report this output carried
+        (a reported job the scheduler no longer knows once the reports are applied)."""
+        out: dict[str, int] = {}
+        for job_id, job in reported.items():
+            if job is not None and job.kind == "load" and not job.sync and \
+                    self.job_status(job_id) is None:
+                owner = job.owner.req_id
+                out[owner] = max(out.get(owner, -1), job_id)
+        return out
+
+    def _recving_is_stale(self, req_id: str, completed: int) -> bool:
+        due = (*self.jobs, *self.jobs.quarantine.values(), *self._fenced_jobs.values())
+        return R.recving_is_stale(req_id, completed, (
+            (j.owner.req_id, j.kind, j.sync, j.job_id) for j in due))
 
     def _validate_reports(self, output: KVConnectorOutput) -> (
             dict[int, tuple[int, int, JobClass]]):

@@ -310,7 +310,8 @@ vLLM 0.34.0's rules, and one group whose hits all load asynchronously, under eac
 release's rules)."""
 
 PATHS = ("async_loads_scheduled", "loads_promoted", "async_loads_orphaned_by_reset",
-         "stale_loads_failed", "failed_recving_recomputes", "quarantined_loads", "recomputes",
+         "stale_loads_failed", "failed_recving_recomputes", "stale_recvings",
+         "quarantined_loads", "recomputes",
          "loaded_blocks_verified", "stored_blocks_verified")
 """The engine's counters a data-plane soak adds up over its programs and prints: how often
 it took the paths a soak exists to reach (a soak that never orphans a load proves nothing

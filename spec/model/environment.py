@@ -16,7 +16,7 @@ from spec import request as R
 from spec.groups import NULL_BLOCK
 from spec.model import truth
 from spec.model.core import follow_connector, free
-from spec.model.faults import NO_FAULTS, Faults
+from spec.model.faults import NO_FAULTS, Fault, Faults
 from spec.model.hooks import (
     alloc,
     build_meta,
@@ -312,7 +312,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
                     unreported=table[ev.job].unreported - ev.count)
         recving = {owner} if completes and w.core.get(owner, MCore()).status in (
             "remote", "finished") else set()
-        if recving and owner in w.reqs and w.reqs[owner].state == R.ORPHANED_LOAD:
+        still_due = ((j.owner, j.kind, j.sync, j.id)
+                     for j in (*w.jobs.values(), *w.held.values()))
+        if recving and owner in w.reqs and w.reqs[owner].state == R.ORPHANED_LOAD and \
+                (Fault.STALE_RECVING_PROMOTES in w.faults
+                 or not R.recving_is_stale(owner, ev.job, still_due)):
             fire(w, "request", owner, "load_recving")
         calls.append(Call("update_connector_output", (ev.job, 0 if ev.failed else ev.count,
                                                       ev.count if ev.failed else 0,

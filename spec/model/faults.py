@@ -29,6 +29,7 @@ class Fault(StrEnum):
     TAIL_LOAD_ROUNDS_DOWN = "tail-load-rounds-down"
     STORE_MASK_IGNORES_SHORT_HITS = "store-mask-ignores-short-hits"
     STALE_LOAD_FAILURE_IGNORED = "stale-load-failure-ignored"
+    STALE_RECVING_PROMOTES = "stale-recving-promotes"
 
 
 Faults = frozenset[Fault]

@@ -1082,6 +1082,19 @@ static int behind_a_sync_load(const State *s, const Job *j) {
     return 0;
 }
 
+/* spec.request.recving_is_stale: a newer async load of the request than the one completed
+ * still has reports due (live, quarantined or fenced), so the finished_recving naming it came
+ * from an older, timed-out load */
+static int recving_is_stale(const State *s, int owner, int completed) {
+    for (int i = 0; i < s->njobs; i++) {
+        const Job *j = &s->job[i];
+        if ((j->flags & (JF_TABLE | JF_HELD)) && j->owner == owner && j->kind == KIND_LOAD &&
+            !(j->flags & JF_SYNC) && j->id > completed)
+            return 1;
+    }
+    return 0;
+}
+
 /* apply one event to w->s (thawed); raises through w->jb */
 static void apply(World *w, uint32_t ev) {
     const Bounds *b = w->b;
@@ -1191,7 +1204,8 @@ static void apply(World *w, uint32_t ev) {
         if (i >= 0) s->job[i].unreported = (uint8_t)(s->job[i].unreported - count);
         int cs = s->req[owner].cstatus;
         int recving = completes && (cs == C_REMOTE || cs == C_FINISHED);
-        if (recving && (s->req[owner].flags & RF_TRACKED) && s->req[owner].state == R_ORPHANED_LOAD)
+        if (recving && (s->req[owner].flags & RF_TRACKED) && s->req[owner].state == R_ORPHANED_LOAD &&
+            (FAULT(w, FT_STALE_RECVING_PROMOTES) || !recving_is_stale(s, owner, id)))
             fire(w, M_REQUEST, owner, RT_load_recving, NULL);
         follow_connector(w);
     } else if (kind == EV_ABORT && s->req[r].cstatus == C_NONE) {
