@@ -280,3 +280,32 @@ def test_a_request_preempted_then_aborted_has_its_store_flushed() -> None:
         m.invariants_hold()
     (job,) = m.impl.scheduler.jobs
     assert job.state == "FLUSH_REQUESTED" and job.flush_requested
+
+
+def test_a_late_recving_of_a_timed_out_load_is_taken_out_of_the_set() -> None:
+    """The reference's side of `spec.request.recving_is_stale`: the timed-out load's late
+    completion names r0 while its newer load (orphaned by the reset) is due; the scheduler
+    takes r0 out of finished_recving, so that the core does not promote it, counts it, and
+    keeps r0 in ORPHANED_LOAD. The newer load's own last report then names r0 for real."""
+    from statemachine.messages import KVConnectorOutput, OffloadingWorkerMetadata
+    from statemachine.testing import OffloadingStateMachine
+
+    [reg] = [r for r in REGRESSIONS if r.name == "late-recving-of-a-timed-out-load"]
+    events = reg.events()
+    late = next(i for i, ev in enumerate(events) if str(ev) == "ack(job 1, count 1)")
+    m = OffloadingStateMachine()
+    m.begin(reg.bounds)
+    for ev in events[:late]:
+        m._step(ev)
+    sched = m.impl.scheduler
+    assert sched.request_state("r0") == "ORPHANED_LOAD"
+    stale = KVConnectorOutput(OffloadingWorkerMetadata({1: 1}, {}), {"r0"})
+    sched.update_connector_output(stale)
+    assert stale.finished_recving == set()
+    assert sched.get_stats()["stale_recving_ignored"] == 1
+    assert sched.request_state("r0") == "ORPHANED_LOAD"
+    own = KVConnectorOutput(OffloadingWorkerMetadata({}, {2: 1}), {"r0"})
+    sched.update_connector_output(own)
+    assert own.finished_recving == {"r0"}
+    assert sched.get_stats()["stale_recving_ignored"] == 1
+    assert sched.request_state("r0") == "RECOMPUTE"
