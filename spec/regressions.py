@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from spec.model import Bounds, Event, RequestSettings, parse_events
+from spec.scenarios import by_name as scenario
 
 
 @dataclass(frozen=True)
@@ -293,8 +294,7 @@ REGRESSIONS: tuple[Regression, ...] = (
         "published invalid KV (INV-20). The connector now takes such a finished_recving as "
         "stale (`spec.request.recving_is_stale`): it waits for the newer load, out of the "
         "set the core reads (`stale_recving_ignored`). Mutant `stale-recving-promotes`.",
-        Bounds(requests=1, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1,
-               failures=1, preemptions=2, timeout_steps=2),
+        scenario("late-recving-after-timeout").bounds,
         "arrive(r0) ; step(admit=r0) ; preempt(r0) ; ack(job 0, count 1) ; step(admit=r0) ; "
         "step() ; step() ; step(admit=r0) ; preempt(r0) ; step(admit=r0) ; reset() ; "
         "ack(job 1, count 1) ; fail(job 2, count 1) ; step(admit=r0) ; step()"),
