@@ -60,6 +60,9 @@ def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> N
     if vllm_ready.vllm_version() < (0, 26, 0):
         pytest.skip("the programs use preemption and finish, which the 0.22-0.25 machine "
                     "leaves out")
+    if reg.bounds.timeout_steps is not None:
+        pytest.skip("a job times out: vLLM's connector has no timeout (the path is beyond "
+                    "vLLM)")
     from conformance.releases import FEATURES, features
     from spec.checker import replay
 
