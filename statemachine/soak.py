@@ -191,13 +191,14 @@ def _model_program(cls: type[OffloadingStateMachine], rng: random.Random, length
         m.begin(witness.bounds, _swarm(rng, m.SWARM))
     try:
         if witness is not None:
-            for ev in witness.events():
+            prefix = witness.events()
+            for ev in prefix:
                 m._step(ev)
                 m.invariants_hold()
             if not m.rows_fired[ROWS[witness.row]]:
                 raise WitnessMissed(f"the witness of {witness.row} did not fire it "
                                     f"(`kvspec witness {witness.row}`)")
-            length -= len(witness.events())
+            length -= len(prefix)
         for _ in range(length):
             rules = [r for r, _, _ in m.EVENT_RULES if m.candidates(r)]
             pick = rng.randrange(len(rules) + 1)

@@ -88,9 +88,12 @@ MULTI_BLOCK = {
 whole chunks under a cap, an output that completes a chunk."""
 
 
-@pytest.mark.parametrize("name", [*DECODING, *MULTI_BLOCK])
+BEYOND_ONE_BLOCK_PROMPTS = {**DECODING, **MULTI_BLOCK}
+
+
+@pytest.mark.parametrize("name", BEYOND_ONE_BLOCK_PROMPTS)
 def test_the_same_reachable_states_and_transitions_beyond_one_block_prompts(name: str) -> None:
-    b = {**DECODING, **MULTI_BLOCK}[name]
+    b = BEYOND_ONE_BLOCK_PROMPTS[name]
     states, edges = _python_states(b)
     assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
     run = compiled.search(b, liveness=False)
