@@ -11,7 +11,7 @@ checker explores in seconds, the largest (`three-requests`) in about a minute.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, get_type_hints
 
 from spec.groups import GROUP_KINDS
 from spec.model import Bounds, Fault, RequestSettings
@@ -384,6 +384,29 @@ def _settings(item: str, part: str) -> RequestSettings:
     return RequestSettings(**fields)
 
 
+_BOUND_TYPES: dict[str, Any] = get_type_hints(Bounds)
+_SWITCHES = {"true": True, "on": True, "false": False, "off": False}
+
+
+def _scalar(part: str, name: str, value: str) -> bool | int | None:
+    """A switch (`true`/`on`, `false`/`off`), an integer, or for a bound that may be None
+    `none`/`off`, by the type `Bounds` gives the field; ValueError naming the bound if the
+    value is not of it (a `none` count, a `true` timeout)."""
+    hint = _BOUND_TYPES[name]
+    word = value.lower()
+    if hint is bool:
+        if word not in _SWITCHES:
+            raise ValueError(f"bad bound {part!r}: {name} is a switch (true or false)")
+        return _SWITCHES[word]
+    if hint == int | None and word in ("none", "off"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        maybe = " or none" if hint == int | None else ""
+        raise ValueError(f"bad bound {part!r}: {name} takes an integer{maybe}") from None
+
+
 def parse_bounds(text: str, base: Bounds) -> Bounds:
     """`requests=2,workers=1,timeout_steps=none` on top of `base`; ValueError if bad. A
     rule of `spec.rules.Rules` is a bound too (`stale_load_failure=fence-only`), set on the
@@ -413,15 +436,8 @@ def parse_bounds(text: str, base: Bounds) -> Bounds:
                 changes[name] = by_release(value)
             except ValueError as e:
                 raise ValueError(f"bad bound {part!r}: {e}") from None
-        elif value.lower() in ("none", "off"):
-            changes[name] = None
-        elif value.lower() in ("true", "false"):
-            changes[name] = value.lower() == "true"
         else:
-            try:
-                changes[name] = int(value)
-            except ValueError:
-                raise ValueError(f"bad bound {part!r}: {name} takes an integer") from None
+            changes[name] = _scalar(part, name, value)
     if rule_values:
         rules = changes.get("rules", base.rules)
         try:

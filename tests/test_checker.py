@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,63 @@ def test_bounds_parsing() -> None:
     assert (b.requests, b.timeout_steps, b.sync_loads) == (1, None, True)
     with pytest.raises(ValueError, match="bad bound"):
         parse_bounds("nope=1", M.Bounds())
+    b = parse_bounds("sync_loads=on,stray_reports=off,timeout_steps=off", M.Bounds())
+    assert (b.sync_loads, b.stray_reports, b.timeout_steps) == (True, False, None)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("sync_loads=none", "sync_loads is a switch"),
+    ("partial_reports=1", "partial_reports is a switch"),
+    ("timeout_steps=true", "timeout_steps takes an integer or none"),
+    ("requests=none", "requests takes an integer"),
+    ("gpu_blocks=off", "gpu_blocks takes an integer"),
+])
+def test_a_bound_of_the_wrong_type_is_refused_by_name(text: str, says: str) -> None:
+    """Each bound takes the values of its type: a switch true or false (on, off), a count
+    an integer, a count that may be None also none; before, `none` made a count None and
+    `true` made a timeout of one step."""
+    with pytest.raises(ValueError, match=f"bad bound '{text}': {says}"):
+        parse_bounds(text, M.Bounds())
+
+
+_SMALL = M.Bounds(requests=1, workers=1, cpu_chunks=2, resets=0, failures=0, preemptions=0)
+
+
+@pytest.mark.parametrize("tokens, decode, faults, floor", [
+    (1, 0, {}, 1), (3, 0, {}, 3), (2, 2, {}, 2), (3, 1, {}, 3),
+    (2, 2, {"failures": 1}, 2), (3, 2, {"timeout_steps": 1}, 3),
+    (2, 1, {"preemptions": 1}, 3), (1, 3, {"preemptions": 1}, 4),
+    (3, 2, {"preemptions": 1, "failures": 1, "resets": 1}, 5)])
+def test_the_gpu_block_floor_is_exact_for_full_attention(
+        tokens: int, decode: int, faults: dict[str, int], floor: int) -> None:
+    """One block fewer than `gpu_blocks_floor` and the request never finishes (P-4); at the
+    floor it does. Output adds to it only where a preemption re-admits a request with its
+    output (a decoding request may stop after any token)."""
+    b = replace(_SMALL, tokens=tokens, decode_tokens=decode, **faults)
+    assert b.gpu_blocks_floor() == floor
+    below = check(replace(b, gpu_blocks=floor - 1), engine="compiled")
+    assert below.counterexample is not None and below.counterexample.property_id == "P-4"
+    assert check(replace(b, gpu_blocks=floor), engine="compiled").ok
+
+
+def test_the_gpu_block_floor_is_a_lower_bound_beside_a_window_group() -> None:
+    b = replace(_SMALL, tokens=2, groups=("full", "sliding"), sliding_window=1)
+    assert b.gpu_blocks_floor() == 3
+    below = check(replace(b, gpu_blocks=2))
+    assert below.counterexample is not None and below.counterexample.property_id == "P-4"
+
+
+def test_every_scenario_gives_a_request_its_gpu_block_floor() -> None:
+    low = [sc.name for sc in SCENARIOS if sc.bounds.gpu_blocks < sc.bounds.gpu_blocks_floor()]
+    assert not low
+
+
+def test_check_names_a_gpu_block_bound_too_small(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--bounds", "requests=1,tokens=3,gpu_blocks=2,workers=1,"
+                     "resets=0,failures=0,preemptions=0"]) == 1
+    captured = capsys.readouterr()
+    assert "gpu_blocks=2 is below the 3 a request holds" in captured.err
+    assert "liveness P-4" in captured.out
 
 
 def test_check_svg_without_dot_writes_the_dot_source(

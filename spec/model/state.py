@@ -245,6 +245,20 @@ class Bounds:
         """The blocks a group needs for `tokens` tokens (the last one may be partial)."""
         return cdiv(tokens, self.tokens_per_block)
 
+    def gpu_blocks_floor(self) -> int:
+        """The fewest GPU blocks under which a request can finish. The core admits a request
+        with blocks for every token it holds: its whole prompt in each full-attention group,
+        at least one block in each window group. A decoding request may stop after any
+        token, so its output adds nothing unless a preemption restarts it: re-admitted, it
+        holds its output too, up to all `decode_tokens` (the model lets a request that
+        sampled its last token run until it finishes, so the core may preempt it there).
+        With fewer blocks no request ever leaves the core and a check reports P-4: a bound
+        too small, not a fault. Exact for full-attention groups alone; a lower bound beside
+        a window group."""
+        full = sum(1 for kind in self.groups if kind not in WINDOW_KINDS)
+        held = self.tokens + (self.decode_tokens if self.preemptions else 0)
+        return full * self.blocks_of(held) + len(self.window_groups())
+
     def window_groups(self) -> tuple[int, ...]:
         """The groups looked up by a suffix-window scan (sliding window and Mamba)."""
         return tuple(g for g, kind in enumerate(self.groups) if kind in WINDOW_KINDS)
