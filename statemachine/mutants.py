@@ -321,7 +321,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "newer load, which a reset orphaned: the request leaves ORPHANED_LOAD and runs on "
            "blocks that load has not filled (and later fails)",
            _patch(OffloadingScheduler, "_recving_is_stale", _never_stale),
-           Fault.STALE_RECVING_PROMOTES),
+           Fault.STALE_RECVING_PROMOTES, data_plane_soak=True),
     Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
            "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
            _patch(OffloadingScheduler, "_apply_reports", _count_once),

@@ -101,6 +101,8 @@ class SoakResult:
     """The same, in the programs drawn at random from the start (not from a witness)."""
     seeded: int = 0
     """Programs that began with a row's witness (`WITNESS_EVERY`)."""
+    opened: Counter[str] = field(default_factory=Counter)
+    """Data-plane programs that began with each opener (`DATA_PLANE_OPENERS`)."""
 
     @property
     def steps_per_second(self) -> float:
@@ -111,14 +113,14 @@ class SoakResult:
                 "programs": self.programs, "seconds": round(self.seconds, 3),
                 "failures": [f.__dict__ for f in self.failures], "paths": dict(self.paths),
                 "rows": dict(self.rows), "random_rows": dict(self.random_rows),
-                "seeded": self.seeded}
+                "seeded": self.seeded, "opened": dict(self.opened)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SoakResult:
         return cls(d["machine"], d["seed"], d["steps"], d["programs"], d["seconds"],
                    [Failure(**f) for f in d["failures"]], Counter(d.get("paths", {})),
                    Counter(d.get("rows", {})), Counter(d.get("random_rows", {})),
-                   d.get("seeded", 0))
+                   d.get("seeded", 0), Counter(d.get("opened", {})))
 
 
 # ============================================================================ signatures
@@ -292,12 +294,14 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
     if rule == "new_request":
         return rule, {"family": rng.randint(0, 2), "tokens": rng.randint(5, 20),
                       "max_tokens": rng.randint(1, 6)}
-    if rule in ("worker_failure", "worker_hang", "worker_stall"):
+    if rule == "worker_hang":
+        return rule, {"worker": rng.randint(0, 1), "release_after": rng.randint(2, 8)}
+    if rule in ("worker_failure", "worker_stall"):
         return rule, {"worker": rng.randint(0, 1)}
     if rule == "abort_request":
         return rule, {"req_id": rng.choice(live)}
     if rule == "reset":
-        return rule, {"running": rng.random() < 0.5}
+        return rule, {"running": rng.random() < 0.5, "connector": rng.random() < 0.5}
     return rule, {}
 
 
@@ -319,25 +323,74 @@ it took the paths a soak exists to reach (a soak that never orphans a load prove
 about orphaned loads)."""
 
 
+@dataclass(frozen=True)
+class Opener:
+    """A data-plane program that takes a path random programs all but never reach, and the
+    counter of `PATHS` it must raise: some soak programs begin with it and go on at random
+    from there (`OPENER_EVERY`), as model programs begin with a row's witness."""
+
+    name: str
+    path: str
+    machine: type[DataPlaneStateMachine]
+    actions: tuple[Action, ...]
+
+
+def _steps(n: int) -> tuple[Action, ...]:
+    return (("step", {}),) * n
+
+
+DATA_PLANE_OPENERS: tuple[Opener, ...] = (
+    Opener("stale-recving", "stale_recvings", AsyncLoadDataPlaneStateMachine, (
+        # a prefix stored, then a request whose async load of it a rank withholds past the
+        # job timeout: it recomputes and runs; a reset of the GPU prefix cache alone
+        # preempts it and it loads the prefix again while rank 0 stalls, and the first
+        # load's late completion names it while it waits on the second
+        # (spec.request.recving_is_stale)
+        ("new_request", {"family": 0, "tokens": 20, "max_tokens": 2}), *_steps(6),
+        ("worker_hang", {"worker": 1, "release_after": 6}),
+        ("new_request", {"family": 0, "tokens": 20, "max_tokens": 12}), *_steps(5),
+        ("reset", {"running": True, "connector": False}), ("worker_stall", {"worker": 0}),
+        *_steps(3))),
+)
+
+OPENER_EVERY = 4
+"""One program in this many on an opener's machine begins with an opener of that machine
+(the openers in turn)."""
+
+
+class OpenerMissed(AssertionError):
+    """An opener run on its machine did not take its path."""
+
+
 def _run_actions(actions: Sequence[Action], rng: random.Random | None = None,
                  length: int = 0, machine: type[DataPlaneStateMachine] = DataPlaneStateMachine,
-                 paths: Counter[str] | None = None
+                 paths: Counter[str] | None = None, opener: Opener | None = None
                  ) -> tuple[list[Action], BaseException | None]:
     """Run `actions` (or, with `rng`, `length` random ones) on a fresh data-plane machine,
     then its teardown; the actions taken and the first failure. `paths` adds up the engine's
-    counters of `PATHS`."""
+    counters of `PATHS`. With `opener`, its actions come first and must take its path
+    (`OpenerMissed`), counted among the `length`."""
     m = machine()
     try:
-        return _run_on(m, actions, rng, length)
+        return _run_on(m, actions, rng, length, opener)
     finally:
         if paths is not None:
             paths.update({k: m.engine.stats[k] for k in PATHS if m.engine.stats[k]})
 
 
 def _run_on(m: DataPlaneStateMachine, actions: Sequence[Action], rng: random.Random | None,
-            length: int) -> tuple[list[Action], BaseException | None]:
+            length: int, opener: Opener | None = None
+            ) -> tuple[list[Action], BaseException | None]:
     taken: list[Action] = []
     try:
+        if opener is not None:
+            for name, kwargs in opener.actions:
+                taken.append((name, kwargs))
+                getattr(m, name)(**kwargs)
+            if not m.engine.stats[opener.path]:
+                raise OpenerMissed(f"the opener {opener.name} did not take its path "
+                                   f"({opener.path} stayed 0)")
+            length -= len(opener.actions)
         todo: Iterator[Action] = iter(actions) if rng is None else (
             _data_actions(m, rng) for _ in range(length))
         for name, kwargs in todo:
@@ -376,12 +429,24 @@ def _soak_data_plane(seed: int, steps: int, program_length: int, shrink_seconds:
     out = SoakResult("data-plane", seed)
     t0 = time.perf_counter()
     while out.steps < steps:
-        machine = DATA_PLANE_MACHINES[out.programs % len(DATA_PLANE_MACHINES)]
-        taken, exc = _run_actions((), rng, program_length, machine, out.paths)
+        turn, which = divmod(out.programs, len(DATA_PLANE_MACHINES))
+        machine = DATA_PLANE_MACHINES[which]
+        openers = [o for o in DATA_PLANE_OPENERS if o.machine is machine]
+        opener = openers[turn // OPENER_EVERY % len(openers)] \
+            if openers and turn % OPENER_EVERY == 0 else None
+        taken, exc = _run_actions((), rng, program_length, machine, out.paths, opener)
         out.steps += len(taken)
         out.programs += 1
+        if opener is not None:
+            out.opened[opener.name] += 1
         if exc is None:
             continue
+        if isinstance(exc, OpenerMissed):  # not the program's to shrink: the opener's own
+            out.failures.append(Failure(
+                "data-plane", seed, out.programs - 1, describe(exc),
+                " ; ".join(map(_action_text, taken)), f"{machine.__name__}'s engine",
+                len(taken), len(taken), 0.0, mutant))
+            break
         t1 = time.perf_counter()
         small = shrink(taken, functools.partial(_failure_of, machine=machine),
                        signature(exc), shrink_seconds)
@@ -462,6 +527,11 @@ def summary(results: Sequence[SoakResult]) -> str:
         if paths:
             lines.append(f"{name} paths: " + ", ".join(
                 f"{k} {paths[k]}" for k in PATHS if k in paths))
+        opened: Counter[str] = sum((r.opened for r in results if r.machine == name), Counter())
+        if opened:
+            lines.append(f"{name} openers (programs that began with one, each taking its "
+                         "path): " + ", ".join(f"{o.name} {opened[o.name]} ({o.path})"
+                                               for o in DATA_PLANE_OPENERS if o.name in opened))
         mine = [r for r in results if r.machine == name]
         rows: Counter[str] = sum((r.rows for r in mine), Counter())
         seeded = sum(r.seeded for r in mine)

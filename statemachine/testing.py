@@ -776,20 +776,21 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
             groups=groups, group_bytes_per_token=(2, second[1]) if second else (),
             rules=self.connector_rules))
         self.n = 0
-        self.armed: list[tuple[str, int]] = []
+        self.armed: list[tuple[str, int, int]] = []
+        """Faults for the next step's jobs: (fail or hang, worker, polls a hang lasts)."""
         self.engine.fault_hooks.append(self._inject)
 
     def _inject(self, engine: Any, meta: Any) -> None:
         still = []
-        for kind, worker in self.armed:
+        for kind, worker, release_after in self.armed:
             jobs = sorted(meta.load_jobs) if self.faults_target_loads else []
             jobs = jobs or sorted({*meta.load_jobs, *meta.store_jobs})
             if not jobs:
-                still.append((kind, worker))
+                still.append((kind, worker, release_after))
             elif kind == "fail":
                 engine.workers[worker].fail_job(jobs[0])
             else:
-                engine.workers[worker].hang_job(jobs[0], release_after=4)
+                engine.workers[worker].hang_job(jobs[0], release_after=release_after)
         self.armed = still
 
     @rule(family=st.integers(0, 2), tokens=st.integers(5, 20), max_tokens=st.integers(1, 6))
@@ -804,11 +805,14 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
 
     @rule(worker=st.integers(0, 1))
     def worker_failure(self, worker: int) -> None:
-        self.armed.append(("fail", worker))
+        self.armed.append(("fail", worker, 0))
 
-    @rule(worker=st.integers(0, 1))
-    def worker_hang(self, worker: int) -> None:
-        self.armed.append(("hang", worker))
+    @rule(worker=st.integers(0, 1), release_after=st.integers(2, 8))
+    def worker_hang(self, worker: int, release_after: int = 4) -> None:
+        """`worker` withholds the next step's job for `release_after` polls after its copy:
+        past the job timeout (3 steps) the late report comes after the request moved on,
+        which may be to a newer load of the same request."""
+        self.armed.append(("hang", worker, release_after))
 
     @rule(worker=st.integers(0, 1))
     def worker_stall(self, worker: int) -> None:
@@ -826,9 +830,13 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
         if req_id in self.engine.requests:
             self.engine.abort(req_id)
 
-    @rule(running=st.booleans())
-    def reset(self, running: bool) -> None:
-        self.engine.reset_prefix_cache(reset_running_requests=running, reset_connector=True)
+    @rule(running=st.booleans(), connector=st.booleans())
+    def reset(self, running: bool, connector: bool = True) -> None:
+        """vLLM's `reset_prefix_cache`: with `running`, the running requests are preempted;
+        with `connector`, the connector's cache is reset too (vLLM's default is not to: the
+        preempted requests then load their prefixes back from the CPU)."""
+        self.engine.reset_prefix_cache(reset_running_requests=running,
+                                       reset_connector=connector)
 
     def teardown(self) -> None:
         try:

@@ -15,6 +15,7 @@ from spec.rules import VLLM_0_34
 from statemachine.engine import Engine, EngineConfig, EngineError
 from statemachine.errors import ConfigError
 from statemachine.messages import OffloadingConnectorMetadata, RequestStatus
+from statemachine.mutants import by_name as mutant
 
 PREFIX = list(range(1000, 1064))  # 64 tokens: 4 blocks, 2 chunks
 
@@ -213,6 +214,59 @@ def test_a_hung_sync_load_times_out_while_its_request_runs() -> None:
     assert states[:3] == [R.LOADING_SYNC] * 3  # it runs while the report is lost
     assert R.TIMED_OUT in states  # timed out in a step that had scheduled it
     assert_drained(e)
+
+
+def reload_while_a_timed_out_load_hangs(e: Engine) -> tuple[int, int]:
+    """'b' loads PREFIX asynchronously; rank 1 withholds that load (L1) for 6 polls, past
+    the 3-step timeout, so b recomputes and runs. A reset of the GPU prefix cache alone
+    (vLLM's default: the connector keeps its cache) preempts b, which loads PREFIX again
+    (L2) while rank 0 stalls; L1's late report comes while b waits on L2. Returns (L1, L2)."""
+    seeded(e)
+    hung = on_load(e, lambda eng, job, sync: eng.workers[1].hang_job(job, release_after=6))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=12)
+    for _ in range(4):
+        e.step()
+    assert e.scheduler.request_state("b") == R.TIMED_OUT
+    e.step()
+    b = e.requests["b"]
+    assert b.status == RequestStatus.RUNNING and hung[0] in e.scheduler.jobs.quarantine
+    e.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    e.workers[0].stall(2)
+    e.step()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and b.load_job is not None
+    assert b.load_job != hung[0] and hung[0] in e.scheduler.jobs.quarantine
+    return hung[0], b.load_job
+
+
+def test_a_timed_out_loads_late_completion_leaves_the_newer_load_to_finish() -> None:
+    """`spec.request.recving_is_stale` on the data plane: the worker names b in
+    finished_recving when L1 completes; the connector takes the id out, b waits for L2,
+    and is promoted with the bytes L2 brought."""
+    e = make(job_timeout_steps=3, sync_load_budget_bytes=0)
+    old, new = reload_while_a_timed_out_load_hangs(e)
+    verified = e.stats["loaded_blocks_verified"]
+    e.step()  # L1's late report
+    assert old not in e.scheduler.jobs.quarantine
+    assert e.stats["stale_recvings"] == 1
+    assert e.scheduler.get_stats()["stale_recving_ignored"] == 1
+    assert e.scheduler.request_state("b") == R.LOADING_ASYNC and e.stats["loads_promoted"] == 0
+    e.step()  # L2 completes on both ranks
+    assert e.stats["loads_promoted"] == 1 and e.requests["b"].load_job == new
+    assert e.stats["loaded_blocks_verified"] > verified
+    assert_drained(e)
+    assert e.done["b"].request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_timed_out_loads_late_completion_taken_for_the_newer_load_is_caught() -> None:
+    """Under mutant stale-recving-promotes the connector passes L1's completion on as b's,
+    and the engine, promoting b while L2 still copies, stops on it."""
+    e = make(job_timeout_steps=3, sync_load_budget_bytes=0)
+    reload_while_a_timed_out_load_hangs(e)
+    with mutant("stale-recving-promotes").patch(), \
+            pytest.raises(EngineError, match="its load ended but the connector has it in "
+                                             "LOADING_ASYNC"):
+        e.step()
+    e.shutdown()
 
 
 def test_an_aborted_loading_request_keeps_its_blocks_until_its_load_ends() -> None:

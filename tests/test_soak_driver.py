@@ -4,6 +4,7 @@ reported by its first violation, never by what the teardown drain found afterwar
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 
@@ -122,18 +123,49 @@ def test_the_async_load_machines_orphan_and_fail_loads_with_real_bytes() -> None
     assert f"stale_loads_failed {r.paths['stale_loads_failed']}" in line
 
 
-def test_the_data_plane_soak_catches_the_mutants_that_say_so() -> None:
+@pytest.mark.parametrize("name, says", [
+    ("stale-load-failure-ignored", "a rank failed its load"),
+    ("stale-recving-promotes", "its load ended but the connector has it in LOADING_ASYNC")])
+def test_the_data_plane_soak_catches_the_mutants_that_say_so(name: str, says: str) -> None:
     """The mutants table's claim: the soak finds the fault in an async-load machine (the
     others' loads are sync, none is ever orphaned) by the engine, and shrinks it to a
-    program with the reset."""
-    claimed = [m.name for m in MUTANTS if m.data_plane_soak]
-    assert claimed == ["stale-load-failure-ignored"]
-    m = soak.soak_data_plane(0, 20_000, shrink_seconds=10, mutant=claimed[0])
+    program with the reset (stale-recving-promotes: in a program that began with its
+    opener, random programs all but never reaching the path)."""
+    assert [m.name for m in MUTANTS if m.data_plane_soak] == [
+        "stale-load-failure-ignored", "stale-recving-promotes"]
+    m = soak.soak_data_plane(0, 20_000, shrink_seconds=10, mutant=name)
     [f] = m.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
     assert machine is AsyncLoadDataPlaneStateMachine
-    assert f.error.startswith("EngineError") and "a rank failed its load" in f.error
+    assert f.error.startswith("EngineError") and says in f.error
     assert "reset(" in f.shrunk and f.shrunk_length < f.original_length
+
+
+def test_each_opener_takes_its_path_and_a_soak_counts_the_programs_it_began() -> None:
+    """An opener on its machine alone raises its counter; in a soak every
+    `OPENER_EVERY`-th turn of that machine begins with it, and the summary names them."""
+    for opener in soak.DATA_PLANE_OPENERS:
+        paths: Counter[str] = Counter()
+        _, exc = soak._run_actions(opener.actions, machine=opener.machine, paths=paths)
+        assert exc is None and paths[opener.path] > 0, (opener.name, exc)
+    r = soak.soak_data_plane(3, 6_000)
+    turns = -(-r.programs // len(soak.DATA_PLANE_MACHINES))  # the async-load machine's
+    assert r.failures == [] and r.opened["stale-recving"] == -(-turns // soak.OPENER_EVERY)
+    assert r.paths["stale_recvings"] >= r.opened["stale-recving"] > 0
+    assert soak.SoakResult.from_dict(r.as_dict()).opened == r.opened
+    assert f"stale-recving {r.opened['stale-recving']} (stale_recvings)" in soak.summary([r])
+
+
+def test_an_opener_that_misses_its_path_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An opener that no longer takes its path (the engine or the machine changed under it)
+    stops the soak and is named, not shrunk."""
+    [real] = soak.DATA_PLANE_OPENERS
+    broken = dataclasses.replace(real, actions=real.actions[:7])  # no second request
+    monkeypatch.setattr(soak, "DATA_PLANE_OPENERS", (broken,))
+    r = soak.soak_data_plane(0, 2_000)
+    [f] = r.failures
+    assert f.error.startswith("OpenerMissed") and "stale-recving" in f.error
+    assert f.shrunk_length == f.original_length == len(broken.actions)
 
 
 def _bounds(text: str) -> M.Bounds:
