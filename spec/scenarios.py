@@ -171,8 +171,17 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=5, resets=1,
                     failures=1, preemptions=1, blocks_per_chunk=2, decode_tokens=2),
              Expect("pass", 548_150, 26)),
+    Scenario("partial-blocks",
+             "blocks of 2 tokens over 3-token prompts sharing a prefix that each generate 2 "
+             "tokens: a prompt's last block is partial (never stored, never hit), the first "
+             "output token completes it and the second starts a block; a hit stops at the "
+             "whole blocks before the last token; 4 GPU blocks for the two, a request "
+             "restarted after its output needing 3; a reset, a failure and a preemption",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=4, resets=1,
+                    failures=1, preemptions=1, tokens_per_block=2, decode_tokens=2),
+             Expect("pass", 368_142, 24)),
     # -- beyond one full-attention group (the Python model: the compiled twin has one
-    #    full-attention group in blocks of one token) ------------------------------------
+    #    full-attention group) ----------------------------------------------------------
     Scenario("hybrid",
              "a full-attention and a sliding-window group (window 2): the suffix-window "
              "lookup beside the prefix scan, converging; the core frees blocks before the "

@@ -87,8 +87,27 @@ MULTI_BLOCK = {
 """Chunks of several blocks: a hit that ends inside its last chunk, a chunk no prompt fills,
 whole chunks under a cap, an output that completes a chunk."""
 
+MULTI_TOKEN_BLOCKS = {
+    "partial-last-block": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2),
+    "blocks-of-2-decoding": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=3, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, decode_tokens=2),
+    "blocks-of-3-caps": M.Bounds(
+        requests=2, tokens=4, workers=1, cpu_chunks=2, gpu_blocks=4, resets=0, failures=0,
+        preemptions=1, tokens_per_block=3, decode_tokens=2, request_settings=(
+            M.RequestSettings(max_load_tokens=4, max_offload_tokens=3),)),
+    "chunks-of-2-blocks-of-2": M.Bounds(
+        requests=1, tokens=5, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, blocks_per_chunk=2, decode_tokens=1),
+}
+"""Blocks of several tokens: a prompt whose last block is partial (never stored, never hit),
+a hit in whole blocks below the last token, an output token that starts a block or fills
+one, caps that end inside a block, chunks of several multi-token blocks."""
 
-BEYOND_ONE_BLOCK_PROMPTS = {**DECODING, **MULTI_BLOCK}
+
+BEYOND_ONE_BLOCK_PROMPTS = {**DECODING, **MULTI_BLOCK, **MULTI_TOKEN_BLOCKS}
 
 
 @pytest.mark.parametrize("name", BEYOND_ONE_BLOCK_PROMPTS)
@@ -170,6 +189,13 @@ DECODING_SAMPLED = {
     "chunks-of-2-timeouts-sync-loads": M.Bounds(
         requests=2, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=8, resets=1, failures=1,
         preemptions=1, blocks_per_chunk=2, decode_tokens=2, sync_loads=True, timeout_steps=1),
+    "blocks-of-2-timeouts-sync-loads": M.Bounds(
+        requests=2, tokens=4, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, decode_tokens=2, sync_loads=True, timeout_steps=1),
+    "blocks-of-2-store-admission-0.34": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1, failures=1,
+        preemptions=2, tokens_per_block=2, decode_tokens=2, store_threshold=2,
+        rules=VLLM_0_34),
     "caps-inside-the-output": M.Bounds(
         requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=7, resets=1, failures=1,
         preemptions=1, decode_tokens=3, request_settings=(

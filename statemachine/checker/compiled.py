@@ -60,7 +60,8 @@ class CBounds(ctypes.Structure):
         "requests", "tokens", "workers", "cpu_chunks", "gpu_blocks", "resets", "failures",
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
         "failed_load_for_life", "store_threshold", "per_request_admission",
-        "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk")] + [
+        "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
+        "tokens_per_block")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -84,9 +85,9 @@ def fits(b: M.Bounds) -> str | None:
                 f"and output, {MAXK} chunk keys, {MAXB} GPU blocks)")
     if b.workers > 7:
         return "more than 7 workers (a report's count has 3 bits)"
-    if b.groups != ("full",) or b.tokens_per_block > 1:
-        return ("several KV cache groups, a sliding window, a Mamba group or blocks of several "
-                "tokens (the compiled model has one full-attention group, blocks of one token)")
+    if b.groups != ("full",):
+        return ("several KV cache groups, a sliding window or a Mamba group (the compiled "
+                "model has one full-attention group)")
     if b.store_threshold > 255:
         return "a store threshold above 255 (a key's offers are counted in a byte)"
     unstated = [name for name in b.rules_in_play()
@@ -112,6 +113,7 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.decode_tokens = b.decode_tokens
     cb.offload_prompt_only = int(b.offload_prompt_only)
     cb.blocks_per_chunk = b.blocks_per_chunk
+    cb.tokens_per_block = b.tokens_per_block
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens

@@ -48,9 +48,16 @@ static void sample(World *w, int r) {
     if (c->computed == num_tokens(w, r) && c->generated < w->b->decode_tokens) c->generated++;
 }
 
+/* tokens per chunk, and the blocks `tokens` tokens take (Bounds.tokens_per_chunk, blocks_of) */
+static int tokens_per_chunk(const World *w) { return w->b->blocks_per_chunk * w->b->tokens_per_block; }
+
+static int blocks_of(const World *w, int tokens) {
+    return (tokens + w->b->tokens_per_block - 1) / w->b->tokens_per_block;
+}
+
 /* chunk `c`'s key: the key at its last token (World.keys_of) */
 static int chunk_key(const World *w, int r, int c) {
-    return kv_key(w->b, r, (c + 1) * w->b->blocks_per_chunk - 1);
+    return kv_key(w->b, r, (c + 1) * tokens_per_chunk(w) - 1);
 }
 
 static uint16_t keys_of(World *w, int r, int from, int to) {  /* chunks from <= c < to */
@@ -678,10 +685,12 @@ static int lookup(World *w, int r, int *is_async) {
         fire(w, M_REQUEST, r, RT_lookup_resolved, NULL);
         return 0;
     }
-    /* _hit: whole chunks from the start, up to the last token's hash block; the hit may
-     * end inside its last chunk (a chunk's last token the request has not reached) */
-    int tpc = w->b->blocks_per_chunk, all = num_tokens(w, r), nkeys = all / tpc;
-    int max_hit = all - 1, cap = w->b->max_load[r], end = 0, defer = 0, found = 0;
+    /* _hit: whole chunks from the start, up to the whole hash blocks before the last token;
+     * the hit may end inside its last chunk (a chunk's last token the request has not
+     * reached) */
+    int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
+    int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
+    int end = 0, defer = 0, found = 0;
     if (w->b->skip_reading[r]) max_hit = 0;  /* S:1258-1259 */
     if (q->load_failed) max_hit = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (cap >= 0 && cap < max_hit) max_hit = cap;  /* S:867-871 */
@@ -729,10 +738,10 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     Kw kw;
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
-    kw.end_chunk = (hit + w->b->blocks_per_chunk - 1) / w->b->blocks_per_chunk;
+    kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
     kw.keys = keys_of(w, r, 0, kw.end_chunk);  /* the hit's chunks, its last maybe in part */
-    copy_blocks(kw.blocks, blocks, hit);
-    kw.nblocks = hit;
+    kw.nblocks = blocks_of(w, hit);  /* the hit's blocks, its last maybe in part */
+    copy_blocks(kw.blocks, blocks, kw.nblocks);
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
 }
@@ -845,9 +854,9 @@ static void store(World *w, int r, int scheduled) {
     /* _offloadable: the request's cap, and the prompt's end under offload_prompt_only */
     if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
     if (w->b->offload_prompt_only && tokens > T) tokens = T;
-    int bpc = w->b->blocks_per_chunk;  /* the request's full chunks, in its table */
-    int n = tokens / bpc;
-    if (n > all / bpc) n = all / bpc;
+    int bpc = w->b->blocks_per_chunk, tpc = tokens_per_chunk(w);  /* its full chunks, in its table */
+    int n = tokens / tpc;
+    if (n > all / tpc) n = all / tpc;
     if (n > req->nblocks / bpc) n = req->nblocks / bpc;
     int start = req->cursor;
     if (start >= n) return;
@@ -1105,7 +1114,8 @@ static void apply(World *w, uint32_t ev) {
         core_reset(&s->req[r], C_WAITING);
         fire(w, M_REQUEST, r, RT_add, NULL);
     } else if (kind == EV_STEP) {
-        int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0, need = num_tokens(w, r);
+        int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
+        int need = blocks_of(w, num_tokens(w, r));
         uint8_t blocks[MAXT], cached = 0, grown[MAXR];
         memset(grown, NONE8, sizeof grown);
         if (EV_ADMIT(ev)) {
@@ -1150,7 +1160,7 @@ static void apply(World *w, uint32_t ev) {
         for (int q = 0; q < b->requests; q++) {
             Req *c = &s->req[q];
             if (c->cstatus == C_RUNNING && q != admitted && c->computed < tokens_to_compute(w, q)) {
-                if (c->computed + 1 > c->ncblocks) {  /* _decode_blocks: its next token's block */
+                if (blocks_of(w, c->computed + 1) > c->ncblocks) {  /* _decode_blocks: its next token's block */
                     if (!s->free_blocks) continue;  /* no room: not scheduled in this step */
                     int blk = __builtin_ctz(s->free_blocks);
                     s->free_blocks &= (uint16_t)~(1u << blk);

@@ -12,7 +12,8 @@
 #include "tables.h"
 
 #define MAXR 4          /* requests */
-#define MAXT 6          /* tokens of a request, prompt and output (= GPU blocks = chunks) */
+#define MAXT 6          /* tokens of a request, prompt and output (at least its GPU blocks
+                         * and its chunks) */
 #define MAXJ 24         /* job records in a state (live and held) */
 #define MAXB 16         /* GPU blocks */
 #define MAXK 16         /* chunk keys: the prompts' (family * tokens + position), then each
@@ -90,7 +91,8 @@ typedef struct {
     int32_t stale_fence_only;      /* rules.stale_load_failure is FENCE_ONLY (vLLM 0.34) */
     int32_t decode_tokens;         /* output tokens each request generates after its prompt */
     int32_t offload_prompt_only;   /* stores stop at the prompt's end */
-    int32_t blocks_per_chunk;      /* GPU blocks (of one token) per CPU chunk */
+    int32_t blocks_per_chunk;      /* GPU blocks per CPU chunk */
+    int32_t tokens_per_block;      /* tokens per GPU block (and per block hash) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
