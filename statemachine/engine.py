@@ -1082,8 +1082,14 @@ class Engine:
             ours = set(held[1]) if held is not None else (
                 set(owner.blocks) if owner is not None else None)
             if ours is None:
-                raise EngineError(f"the connector quarantined blocks {blocks} of load job "
-                                  f"{job_id}, which no request of the engine holds")
+                # no request holds the load: only a sync load's may have left (its copy ended
+                # with its step, and a reset that preempted its request before the connector
+                # heard of it, then an abort, ended the request before the job timed out)
+                job = self.scheduler.jobs.quarantine.get(job_id)
+                if job is None or not job.sync:
+                    raise EngineError(f"the connector quarantined blocks {blocks} of load job "
+                                      f"{job_id}, which no request of the engine holds")
+                ours = set()
             gone = set(blocks) - ours
             if gone:
                 # only a sync load's: its copy ended with its step, before the core freed

@@ -269,6 +269,31 @@ def test_a_timed_out_loads_late_completion_taken_for_the_newer_load_is_caught() 
     e.shutdown()
 
 
+def test_a_hung_sync_load_of_a_request_gone_before_its_timeout_quarantines_freed_blocks(
+        ) -> None:
+    """A reset of the GPU prefix cache alone preempts b while its sync load's report is
+    withheld, before the connector hears of it; an abort ends b; then the load times out and
+    the connector quarantines its destination blocks. The copy ended with its step, so the
+    core was right to free them: the engine counts them as freed before the quarantine and
+    ignores their release (it used to stop: no request held the load). Found by the
+    data-plane soak once it drew resets without the connector."""
+    e = make(job_timeout_steps=3, sync_load_budget_bytes=10**6)
+    seeded(e)
+    hung = on_load(e, lambda eng, job, sync: eng.workers[0].hang_job(job, release_after=8))
+    e.add_request("b", [*PREFIX, 4, 5, 6], max_tokens=6)
+    e.step()
+    dest = e.requests["b"].load_blocks
+    assert e.scheduler.request_state("b") == R.LOADING_SYNC and len(dest) == 4
+    e.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    e.abort("b")
+    assert set(dest) <= set(e.free_blocks)  # the core freed them: the copy is over
+    while hung[0] not in e.scheduler.jobs.quarantine:
+        e.step()
+    assert e.stats["quarantined_blocks_already_freed"] == len(dest)
+    assert not e.connector_held
+    assert_drained(e)
+
+
 def test_an_aborted_loading_request_keeps_its_blocks_until_its_load_ends() -> None:
     e = make()
     seeded(e)
