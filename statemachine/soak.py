@@ -296,7 +296,9 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
                       "max_tokens": rng.randint(1, 6)}
     if rule == "worker_hang":
         return rule, {"worker": rng.randint(0, 1), "release_after": rng.randint(2, 8)}
-    if rule in ("worker_failure", "worker_stall"):
+    if rule == "worker_stall":
+        return rule, {"worker": rng.randint(0, 1), "polls": rng.randint(1, 5)}
+    if rule == "worker_failure":
         return rule, {"worker": rng.randint(0, 1)}
     if rule == "abort_request":
         return rule, {"req_id": rng.choice(live)}

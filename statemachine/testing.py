@@ -814,10 +814,11 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
         which may be to a newer load of the same request."""
         self.armed.append(("hang", worker, release_after))
 
-    @rule(worker=st.integers(0, 1))
-    def worker_stall(self, worker: int) -> None:
-        """No copy of `worker` completes for the next 3 steps (a busy copy stream)."""
-        self.engine.workers[worker].stall(3)
+    @rule(worker=st.integers(0, 1), polls=st.integers(1, 5))
+    def worker_stall(self, worker: int, polls: int = 3) -> None:
+        """No copy of `worker` completes for the next `polls` steps (a busy copy stream;
+        past the 3-step job timeout its jobs time out with no hang)."""
+        self.engine.workers[worker].stall(polls)
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
