@@ -243,8 +243,8 @@ def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
 def encode(s: M.ModelState) -> bytes:
     """The C encoding of model state `s` (kv_encode in search.c)."""
     b = s.bounds
-    T = b.tokens + b.decode_tokens  # a request's blocks, prompt and output
-    K = b.requests * T  # the chunk keys
+    T = b.blocks_of(b.tokens + b.decode_tokens)  # a request's blocks, prompt and output
+    K = b.requests * (b.tokens + b.decode_tokens)  # the chunk keys (kv_nkeys)
     out: list[int] = []
     reqs = {r.id: r for r in s.reqs}
     core = dict(s.core)
