@@ -318,7 +318,8 @@ release's rules)."""
 
 PATHS = ("async_loads_scheduled", "loads_promoted", "async_loads_orphaned_by_reset",
          "stale_loads_failed", "failed_recving_recomputes", "stale_recvings",
-         "quarantined_loads", "recomputes",
+         "quarantined_loads", "quarantined_blocks_already_freed", "recomputes",
+         "preemptions", "preemptions_by_reset",
          "loaded_blocks_verified", "stored_blocks_verified")
 """The engine's counters a data-plane soak adds up over its programs and prints: how often
 it took the paths a soak exists to reach (a soak that never orphans a load proves nothing
