@@ -586,6 +586,11 @@ class Engine:
         its loaded blocks then, scheduled or not (vLLM's `_handle_blocked_waiting_request`,
         CS:3519-3535)."""
         bs = self.config.block_size
+        # the requests that hold KV blocks first, each kind in its order: vLLM keeps them in
+        # a queue of their own and drains it before the others (`kv_holding_waiting`,
+        # CS:1063-1067, CS:2697-2715), so a request that holds blocks never waits behind one
+        # that cannot get any (a preempted request whose recompute does not fit)
+        self.waiting.sort(key=lambda w: not self._holds_kv_blocks(w))
         skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_running:
             r = self.waiting.pop(0)
@@ -639,6 +644,12 @@ class Engine:
             budget -= n
         self.waiting[:0] = skipped
         return budget
+
+    @staticmethod
+    def _holds_kv_blocks(r: EngineRequest) -> bool:
+        """vLLM's test of a waiting request that holds KV blocks: tokens computed (an async
+        load's, once promoted) or an async load in flight (CS:2697-2707)."""
+        return r.num_computed > 0 or r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def _note_load(self, r: EngineRequest, hit: int) -> None:
         jobs = self.scheduler.transfer_jobs(r.id)

@@ -46,6 +46,7 @@ from statemachine.testing import (
     OffloadingStateMachine,
     Release034AsyncLoadDataPlaneStateMachine,
     Release034DataPlaneStateMachine,
+    TightDataPlaneStateMachine,
 )
 
 MACHINES = ("model", "data-plane", "tiering")
@@ -310,11 +311,11 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
 DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
     DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine,
     Release034DataPlaneStateMachine, AsyncLoadDataPlaneStateMachine,
-    Release034AsyncLoadDataPlaneStateMachine)
+    Release034AsyncLoadDataPlaneStateMachine, TightDataPlaneStateMachine)
 """The data-plane soak takes its programs in turn over these (one KV cache group, full
 attention beside a sliding window, full attention beside a Mamba group, one group under
-vLLM 0.34.0's rules, and one group whose hits all load asynchronously, under each
-release's rules)."""
+vLLM 0.34.0's rules, one group whose hits all load asynchronously, under each release's
+rules, and the same over 10 GPU blocks, where the core preempts for room)."""
 
 PATHS = ("async_loads_scheduled", "loads_promoted", "async_loads_orphaned_by_reset",
          "stale_loads_failed", "failed_recving_recomputes", "stale_recvings",

@@ -750,6 +750,9 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
     """The connector's sync-load budget (`OffloadingConfig.sync_load_budget_bytes`); None
     takes 64 bytes (96 beside a second group), which every small hit of these programs fits,
     so their loads are sync; 0 makes every load async (WAITING_FOR_REMOTE_KVS)."""
+    num_gpu_blocks: int | None = None
+    """The engine's GPU blocks; None takes 24 (40 beside a second group), where the core
+    seldom preempts for room."""
     faults_target_loads: bool = False
     """Whether an armed fault takes the next step's load before its stores (by default the
     job of the lowest id, mostly a store)."""
@@ -766,7 +769,8 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
                   "mamba": (KVCacheGroup("mamba"), 6)}.get(self.kv_model)
         groups = (KVCacheGroup(),) if second is None else (KVCacheGroup(), second[0])
         self.engine = Engine(EngineConfig(
-            block_size=4, blocks_per_chunk=2, num_gpu_blocks=40 if second else 24,
+            block_size=4, blocks_per_chunk=2,
+            num_gpu_blocks=self.num_gpu_blocks or (40 if second else 24),
             num_cpu_chunks=12 if second else 6, num_workers=2, num_layers=1,
             bytes_per_token=2, max_num_batched_tokens=32, max_num_running=4,
             sync_load_budget_bytes=(self.sync_load_budget_bytes
@@ -883,6 +887,14 @@ class AsyncLoadDataPlaneStateMachine(DataPlaneStateMachine):
     sync_load_budget_bytes = 0
     faults_target_loads = True
     program_weights: ClassVar[Mapping[str, int]] = {"new_request": 3, "step": 4}
+
+
+class TightDataPlaneStateMachine(AsyncLoadDataPlaneStateMachine):
+    """`AsyncLoadDataPlaneStateMachine` over 10 GPU blocks (a prompt and its output take up
+    to 7): the core preempts for room inside a step, while stores read the blocks it hands
+    to another request and loaded requests hold theirs while they wait."""
+
+    num_gpu_blocks = 10
 
 
 class Release034AsyncLoadDataPlaneStateMachine(AsyncLoadDataPlaneStateMachine):

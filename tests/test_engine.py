@@ -147,6 +147,34 @@ def test_preemption_takes_the_newest_running_request_and_requeues_it() -> None:
     assert e.done["new"].request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
+def test_a_waiting_request_that_holds_blocks_goes_before_a_preempted_one() -> None:
+    """vLLM drains the waiting requests that hold KV blocks first (`kv_holding_waiting`).
+    Over 10 GPU blocks, q4 is preempted for room (it goes to the head of the queue, holding
+    nothing) while q5, whose async load ended, waits holding its blocks: q5 runs, and q4
+    after it. With one queue q4 came first, did not fit beside q5's blocks, and the engine
+    stopped for good (the soak's TightDataPlaneStateMachine found it in a 5-request
+    program)."""
+    e = make(block_size=4, blocks_per_chunk=2, num_gpu_blocks=10, num_cpu_chunks=6,
+             max_num_batched_tokens=32, max_num_running=4, sync_load_budget_bytes=0,
+             job_timeout_steps=3)
+    for n, (family, tokens, max_tokens) in enumerate(
+            [(2, 10, 6), (0, 16, 4), (0, 17, 2), (2, 20, 4), (2, 19, 2)], start=1):
+        e.add_request(f"q{n}", [family * 1000 + i for i in range(tokens)], max_tokens)
+    seen = False
+    for _ in range(40):
+        order = [r.id for r in e.waiting]
+        holding = [r.id for r in e.waiting if r.num_computed > 0]
+        bare = [r.id for r in e.waiting if r.preemptions and not r.blocks]
+        result = e.step()
+        if holding and bare and order.index(bare[0]) < order.index(holding[0]):
+            seen = True
+            assert holding[0] in result.scheduled and bare[0] not in result.scheduled
+        if not e.has_pending_work():
+            break
+    assert seen and e.stats["preemptions"] >= 1 and e.stats["loads_promoted"] >= 1
+    assert_drained(e)
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_failed_load_is_recomputed_and_the_bytes_are_right_afterwards(sync: bool) -> None:
     e = make(sync_load_budget_bytes=10**6 if sync else 0)

@@ -94,10 +94,11 @@ def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults(
     attention, a Mamba group beside it, and one group under vLLM 0.34.0's rules: a fault
     of the per-group copy is found in a program of two groups, by the bytes, and named with
     that machine."""
-    assert [(m.kv_model, str(m.connector_rules), m.sync_load_budget_bytes)
+    assert [(m.kv_model, str(m.connector_rules), m.sync_load_budget_bytes, m.num_gpu_blocks)
             for m in soak.DATA_PLANE_MACHINES] == [
-        ("full", "0.33", None), ("hybrid", "0.33", None), ("mamba", "0.33", None),
-        ("full", str(VLLM_0_34), None), ("full", "0.33", 0), ("full", str(VLLM_0_34), 0)]
+        ("full", "0.33", None, None), ("hybrid", "0.33", None, None),
+        ("mamba", "0.33", None, None), ("full", str(VLLM_0_34), None, None),
+        ("full", "0.33", 0, None), ("full", str(VLLM_0_34), 0, None), ("full", "0.33", 0, 10)]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
