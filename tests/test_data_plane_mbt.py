@@ -1,7 +1,7 @@
 """The model-based machine over the whole stack (engine, scheduler, workers, kernels), with
 the byte oracle after every step: hypothesis's programs over every data-plane machine the soak
 runs (`statemachine.soak.DATA_PLANE_MACHINES`), one test case each (`TestDataPlane`,
-`TestHybridDataPlane`, ... `TestRelease034AsyncLoadDataPlane`)."""
+`TestHybridDataPlane`, ... `TestTightDataPlane`)."""
 
 from __future__ import annotations
 
