@@ -51,8 +51,8 @@ static void sample(World *w, int r) {
 /* tokens per chunk, and the blocks `tokens` tokens take (Bounds.tokens_per_chunk, blocks_of) */
 static int tokens_per_chunk(const World *w) { return w->b->blocks_per_chunk * w->b->tokens_per_block; }
 
-static int blocks_of(const World *w, int tokens) {
-    return (tokens + w->b->tokens_per_block - 1) / w->b->tokens_per_block;
+int kv_blocks_of(const Bounds *b, int tokens) {
+    return (tokens + b->tokens_per_block - 1) / b->tokens_per_block;
 }
 
 /* chunk `c`'s key: the key at its last token (World.keys_of) */
@@ -740,7 +740,7 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     kw.count = 1;
     kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
     kw.keys = keys_of(w, r, 0, kw.end_chunk);  /* the hit's chunks, its last maybe in part */
-    kw.nblocks = blocks_of(w, hit);  /* the hit's blocks, its last maybe in part */
+    kw.nblocks = kv_blocks_of(w->b, hit);  /* the hit's blocks, its last maybe in part */
     copy_blocks(kw.blocks, blocks, kw.nblocks);
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
@@ -1115,7 +1115,7 @@ static void apply(World *w, uint32_t ev) {
         fire(w, M_REQUEST, r, RT_add, NULL);
     } else if (kind == EV_STEP) {
         int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
-        int need = blocks_of(w, num_tokens(w, r));
+        int need = kv_blocks_of(w->b, num_tokens(w, r));
         uint8_t blocks[MAXT], cached = 0, grown[MAXR];
         memset(grown, NONE8, sizeof grown);
         if (EV_ADMIT(ev)) {
@@ -1160,7 +1160,7 @@ static void apply(World *w, uint32_t ev) {
         for (int q = 0; q < b->requests; q++) {
             Req *c = &s->req[q];
             if (c->cstatus == C_RUNNING && q != admitted && c->computed < tokens_to_compute(w, q)) {
-                if (blocks_of(w, c->computed + 1) > c->ncblocks) {  /* _decode_blocks: its next token's block */
+                if (kv_blocks_of(w->b, c->computed + 1) > c->ncblocks) {  /* _decode_blocks: its next token's block */
                     if (!s->free_blocks) continue;  /* no room: not scheduled in this step */
                     int blk = __builtin_ctz(s->free_blocks);
                     s->free_blocks &= (uint16_t)~(1u << blk);

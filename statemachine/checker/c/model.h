@@ -168,6 +168,7 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
 void kv_canonical(State *s);
 int kv_key(const Bounds *b, int req, int pos);
 int kv_nkeys(const Bounds *b);
+int kv_blocks_of(const Bounds *b, int tokens);
 
 /* invariants.c: the first safety invariant (index 0 = INV-1) broken, or -1 */
 int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t without);

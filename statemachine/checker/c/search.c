@@ -15,9 +15,7 @@
 
 /* ============================================================== compact encoding */
 /* a request's blocks (prompt and output), as encoded */
-static int max_blocks(const Bounds *b) {
-    return (b->tokens + b->decode_tokens + b->tokens_per_block - 1) / b->tokens_per_block;
-}
+static int max_blocks(const Bounds *b) { return kv_blocks_of(b, b->tokens + b->decode_tokens); }
 
 static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     int n = 0, T = max_blocks(b);
