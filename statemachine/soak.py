@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -386,20 +386,20 @@ def _run_on(m: DataPlaneStateMachine, actions: Sequence[Action], rng: random.Ran
             length: int, opener: Opener | None = None
             ) -> tuple[list[Action], BaseException | None]:
     taken: list[Action] = []
+
+    def run(todo: Iterable[Action]) -> None:
+        for name, kwargs in todo:
+            taken.append((name, kwargs))
+            getattr(m, name)(**kwargs)
+
     try:
         if opener is not None:
-            for name, kwargs in opener.actions:
-                taken.append((name, kwargs))
-                getattr(m, name)(**kwargs)
+            run(opener.actions)
             if not m.engine.stats[opener.path]:
                 raise OpenerMissed(f"the opener {opener.name} did not take its path "
                                    f"({opener.path} stayed 0)")
             length -= len(opener.actions)
-        todo: Iterator[Action] = iter(actions) if rng is None else (
-            _data_actions(m, rng) for _ in range(length))
-        for name, kwargs in todo:
-            taken.append((name, kwargs))
-            getattr(m, name)(**kwargs)
+        run(actions if rng is None else (_data_actions(m, rng) for _ in range(length)))
     except BaseException as exc:
         with contextlib.suppress(BaseException):
             m.engine.shutdown()
