@@ -147,14 +147,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         return usage_error("check", str(exc))
 
     for sc in scenarios:
-        b, floor = sc.bounds, sc.bounds.gpu_blocks_floor()
-        if b.gpu_blocks < floor:
-            output = (f" and its {b.decode_tokens} output tokens once a preemption re-admits "
-                      "it") if b.preemptions and b.decode_tokens else ""
-            note(f"{sc.name}: gpu_blocks={b.gpu_blocks} is below the {floor} a request "
-                 f"holds (its prompt of {b.tokens} tokens{output}, in {len(b.groups)} "
-                 "group(s)): no request can finish, so expect P-4 (a bound too small, not "
-                 "a fault); raise gpu_blocks")
+        floor = sc.bounds.gpu_blocks_floor()
+        if sc.bounds.gpu_blocks < floor:
+            note(f"{sc.name}: gpu_blocks={sc.bounds.gpu_blocks} is below the {floor} a request "
+                 "holds (Bounds.gpu_blocks_floor: its prompt, and its output once a preemption "
+                 "re-admits it, in each full-attention group; a block in each window group): "
+                 "no request can finish, so expect P-4 (a bound too small, not a fault); "
+                 "raise gpu_blocks")
     rows: list[dict[str, Any]] = []
     covered: set[tuple[str, int]] = set()
     failed: CheckResult | None = None
