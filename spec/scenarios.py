@@ -138,14 +138,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              "into its output), a reset and a worker failure",
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1,
                     failures=1, preemptions=1, decode_tokens=2),
-             Expect("pass", 1_191_944, 24)),
+             Expect("pass", 620_162, 22)),
     Scenario("decoding-prompt-only",
              "the same under vLLM's default `offload_prompt_only`: stores stop at the "
              "prompt's end, so no output chunk is ever offloaded and a restarted request's "
              "lookup hits its prompt only",
              Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1,
                     failures=1, preemptions=1, decode_tokens=2, offload_prompt_only=True),
-             Expect("pass", 354_789, 20)),
+             Expect("pass", 249_935, 19)),
     Scenario("multi-block",
              "chunks of 2 blocks over 3-token prompts: a hit ends inside a chunk (the last "
              "prompt token is never loaded), loads and stores of whole chunks, 2 workers, "
@@ -170,7 +170,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "request's hit ends inside it; 2 workers, a reset, a failure and a preemption",
              Bounds(requests=2, tokens=3, workers=2, cpu_chunks=2, gpu_blocks=5, resets=1,
                     failures=1, preemptions=1, blocks_per_chunk=2, decode_tokens=2),
-             Expect("pass", 548_150, 26)),
+             Expect("pass", 239_506, 23)),
     Scenario("partial-blocks",
              "blocks of 2 tokens over 3-token prompts sharing a prefix that each generate 2 "
              "tokens: a prompt's last block is partial (never stored, never hit), the first "
@@ -179,7 +179,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "restarted after its output needing 3; a reset, a failure and a preemption",
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=4, resets=1,
                     failures=1, preemptions=1, tokens_per_block=2, decode_tokens=2),
-             Expect("pass", 368_142, 24)),
+             Expect("pass", 220_695, 22)),
     # -- beyond one full-attention group (the Python model: the compiled twin has one
     #    full-attention group) ----------------------------------------------------------
     Scenario("hybrid",

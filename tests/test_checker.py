@@ -180,13 +180,14 @@ _SMALL = M.Bounds(requests=1, workers=1, cpu_chunks=2, resets=0, failures=0, pre
 @pytest.mark.parametrize("tokens, decode, faults, floor", [
     (1, 0, {}, 1), (3, 0, {}, 3), (2, 2, {}, 2), (3, 1, {}, 3),
     (2, 2, {"failures": 1}, 2), (3, 2, {"timeout_steps": 1}, 3),
-    (2, 1, {"preemptions": 1}, 3), (1, 3, {"preemptions": 1}, 4),
-    (3, 2, {"preemptions": 1, "failures": 1, "resets": 1}, 5)])
+    (2, 1, {"preemptions": 1}, 2), (1, 3, {"preemptions": 1}, 3),
+    (3, 2, {"preemptions": 1, "failures": 1, "resets": 1}, 4)])
 def test_the_gpu_block_floor_is_exact_for_full_attention(
         tokens: int, decode: int, faults: dict[str, int], floor: int) -> None:
     """One block fewer than `gpu_blocks_floor` and the request never finishes (P-4); at the
     floor it does. Output adds to it only where a preemption re-admits a request with its
-    output (a decoding request may stop after any token)."""
+    output (a decoding request may stop after any token), and never its last token: a
+    request that sampled it finishes, it is not preempted."""
     b = replace(_SMALL, tokens=tokens, decode_tokens=decode, **faults)
     assert b.gpu_blocks_floor() == floor
     below = check(replace(b, gpu_blocks=floor - 1), engine="compiled")

@@ -214,6 +214,22 @@ def test_the_same_successors_of_sampled_decoding_states(name: str) -> None:
         assert _successors_c(b, compiled.encode(s)) == _successors_py(s), s
 
 
+def test_neither_model_preempts_a_request_that_sampled_its_last_token() -> None:
+    """vLLM finishes a request as it samples its last output token: from that sample to
+    the model's `finish`, neither twin draws a preemption (one token earlier both do)."""
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=0,
+                 failures=0, preemptions=1, decode_tokens=2)
+    s = M.initial(b)
+    preempt = compiled.event_label(M.Event("preempt", "r0"))
+    program = "arrive(r0) ; step(admit=r0) ; step() ; step()"  # a token a step
+    for n, ev in enumerate(M.parse_events(program)):
+        s, _calls, _w = M.apply(s, ev)
+        labels = {label for label, _nxt in _successors_c(b, compiled.encode(s))}
+        assert labels == {label for label, _nxt in _successors_py(s)}
+        assert (preempt in labels) == (n in (1, 2)), (n, dict(s.core)["r0"])
+    assert dict(s.core)["r0"].generated == 2
+
+
 @pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding"])
 def test_the_same_progress_predicates_and_fairness(name: str) -> None:
     b = by_name(name).bounds

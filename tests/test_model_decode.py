@@ -134,12 +134,12 @@ def test_without_decoding_nothing_is_sampled() -> None:
 
 @pytest.mark.parametrize(("b", "states"), [
     (M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=1,
-              failures=1, preemptions=1, decode_tokens=2), 6185),
+              failures=1, preemptions=1, decode_tokens=2), 3229),
     (M.Bounds(requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=5, resets=0,
-              failures=1, preemptions=1, decode_tokens=1), 11512),
+              failures=1, preemptions=1, decode_tokens=1), 4350),
     (M.Bounds(requests=1, tokens=3, workers=1, cpu_chunks=6, gpu_blocks=12, resets=1,
               failures=1, preemptions=1, groups=("full", "sliding"), sliding_window=2,
-              blocks_per_chunk=2, decode_tokens=3), 7507),
+              blocks_per_chunk=2, decode_tokens=3), 5377),
 ], ids=["one-request-decode-2", "two-requests-decode-1", "window-decode-3"])
 def test_the_checker_finds_no_violation_and_liveness_holds_under_decoding(
         b: M.Bounds, states: int) -> None:
@@ -203,11 +203,12 @@ def test_offload_prompt_only_stores_no_output_state_beside_a_mamba_group() -> No
 
 
 def test_a_restarted_request_beside_a_mamba_group_hits_into_its_output() -> None:
-    """Preempted after 4 of its 5 tokens, the request's lookup reaches token 3 of its own
-    output: the bound is its 4 tokens before the last, and the Mamba group cuts a token
-    more, to the state stored at boundary 3."""
-    s, _given = _handoffs(MAMBA_DECODING, "arrive(r0) ; step(admit=r0) ; step() ; step() ; "
-                                          "step()")
+    """Preempted with 4 of its 5 tokens computed (and a sixth, its last, still to sample),
+    the request's lookup reaches token 3 of its own output: the bound is its 4 tokens
+    before the last, and the Mamba group cuts a token more, to the state stored at
+    boundary 3."""
+    b = replace(MAMBA_DECODING, decode_tokens=4)
+    s, _given = _handoffs(b, "arrive(r0) ; step(admit=r0) ; step() ; step() ; step()")
     s = _run_from(_ack_all(s), "preempt(r0) ; step()")
     _s, calls, _w = M.apply(s, M.Event("step", "r0"))
     lookup = next(c for c in calls if c.hook == "get_num_new_matched_tokens")
@@ -230,3 +231,20 @@ def test_a_block_appended_while_a_finished_requests_load_is_due_keeps_inv15() ->
     r0 = next(r for r in a.requests if r.id == "r0")
     assert store.blocks <= set(r0.gpu_blocks)
     assert spec.check(a) == []
+
+
+def test_a_request_that_sampled_its_last_token_finishes_and_is_not_preempted() -> None:
+    """vLLM finishes a request as it samples its last output token (`update_from_output`),
+    so nothing can preempt it in between: the model's `preempt` is not enabled from that
+    sample to the request's `finish`; one token before, it is (the compiled twin:
+    `tests/test_checker_compiled.py`)."""
+    b = M.Bounds(requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=4, resets=0,
+                 failures=0, preemptions=1, decode_tokens=2)
+    s = _run(b, "arrive(r0) ; step(admit=r0) ; step()")  # a token a step
+    assert dict(s.core)["r0"].generated == 1
+    M.apply(s, M.Event("preempt", "r0"))  # one output token to go: enabled
+    s = _run_from(s, "step()")
+    assert dict(s.core)["r0"].generated == 2
+    with pytest.raises(M.NotEnabled, match="sampled its last token"):
+        M.apply(s, M.Event("preempt", "r0"))
+    M.apply(s, M.Event("finish", "r0"))

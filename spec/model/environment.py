@@ -349,6 +349,8 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
         c = w.core.get(r)
         if c is None or c.status != "running":
             raise NotEnabled("not running")
+        if w.sampled_last(r):
+            raise NotEnabled("sampled its last token: it finishes")
         if w.budget[2] >= b.preemptions:
             raise NotEnabled("preemption budget")
         w.budget[2] += 1

@@ -250,13 +250,13 @@ class Bounds:
         with blocks for every token it holds: its whole prompt in each full-attention group,
         at least one block in each window group. A decoding request may stop after any
         token, so its output adds nothing unless a preemption restarts it: re-admitted, it
-        holds its output too, up to all `decode_tokens` (the model lets a request that
-        sampled its last token run until it finishes, so the core may preempt it there).
-        With fewer blocks no request ever leaves the core and a check reports P-4: a bound
-        too small, not a fault. Exact for full-attention groups alone; a lower bound beside
-        a window group."""
+        holds its output too, all but the last of its `decode_tokens` (a request that
+        sampled its last token finishes: `World.sampled_last`). With fewer blocks no
+        request ever leaves the core and a check reports P-4: a bound too small, not a
+        fault. Exact for full-attention groups alone; a lower bound beside a window
+        group."""
         full = sum(1 for kind in self.groups if kind not in WINDOW_KINDS)
-        held = self.tokens + (self.decode_tokens if self.preemptions else 0)
+        held = self.tokens + (max(0, self.decode_tokens - 1) if self.preemptions else 0)
         return full * self.blocks_of(held) + len(self.window_groups())
 
     def window_groups(self) -> tuple[int, ...]:
@@ -592,9 +592,14 @@ class World:
         """Where the core stops scheduling the request: every token it holds, but the last
         sampled one once it generated all its `decode_tokens` (vLLM would finish it there,
         and never computes a finished request's last token)."""
+        return self.num_tokens(req_id) - self.sampled_last(req_id)
+
+    def sampled_last(self, req_id: str) -> bool:
+        """The request sampled its last output token (all its `decode_tokens`): vLLM
+        finishes it as it samples (`update_from_output`), so until the model's `finish`
+        the core neither computes that token nor preempts the request."""
         c, t = self.core[req_id], self.template(req_id)
-        done = t.decode_tokens > 0 and c.generated >= t.decode_tokens
-        return self.num_tokens(req_id) - done
+        return t.decode_tokens > 0 and c.generated >= t.decode_tokens
 
     def may_finish(self, req_id: str) -> bool:
         """The request can stop (a stop token or its length): it runs, its prompt is

@@ -29,13 +29,14 @@ int kv_key(const Bounds *b, int req, int pos) {
 
 int kv_nkeys(const Bounds *b) { return b->requests * (b->tokens + b->decode_tokens); }
 
-/* decoding (World.num_tokens, tokens_to_compute, may_finish, sample) */
+/* decoding (World.num_tokens, sampled_last, tokens_to_compute, may_finish, sample) */
 static int num_tokens(const World *w, int r) { return w->b->tokens + w->s.req[r].generated; }
 
-static int tokens_to_compute(const World *w, int r) {
-    int done = w->b->decode_tokens > 0 && w->s.req[r].generated >= w->b->decode_tokens;
-    return num_tokens(w, r) - done;
+static int sampled_last(const World *w, int r) {
+    return w->b->decode_tokens > 0 && w->s.req[r].generated >= w->b->decode_tokens;
 }
+
+static int tokens_to_compute(const World *w, int r) { return num_tokens(w, r) - sampled_last(w, r); }
 
 static int may_finish(const World *w, int r) {
     const Req *c = &w->s.req[r];
@@ -1242,6 +1243,7 @@ static void apply(World *w, uint32_t ev) {
     } else if (kind == EV_PREEMPT) {
         Req *c = &s->req[r];
         if (c->cstatus != C_RUNNING) fail(w, ERR_NOT_ENABLED, "not running");
+        if (sampled_last(w, r)) fail(w, ERR_NOT_ENABLED, "sampled its last token: it finishes");
         if (s->budget[2] >= b->preemptions) fail(w, ERR_NOT_ENABLED, "preemption budget");
         s->budget[2]++;
         core_free(w, c->cblocks, c->ncblocks);
