@@ -14,7 +14,7 @@ import pytest
 
 from spec import model as M
 from spec.checker import CheckResult, check_model
-from spec.scenarios import SCENARIOS, Expect, Scenario, hunt_bounds, parse_bounds
+from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds, parse_bounds
 from statemachine import cli, diagrams
 from statemachine.checker import check, compiled
 from statemachine.mutants import MUTANTS, Mutant
@@ -205,6 +205,20 @@ def test_the_gpu_block_floor_is_a_lower_bound_beside_a_window_group() -> None:
 def test_every_scenario_gives_a_request_its_gpu_block_floor() -> None:
     low = [sc.name for sc in SCENARIOS if sc.bounds.gpu_blocks < sc.bounds.gpu_blocks_floor()]
     assert not low
+
+
+def test_check_changes_the_bounds_of_each_named_scenario(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scenario A --scenario B --bounds X` checks A and B with X changed on each one's
+    bounds (before, --bounds alone counted and the scenarios were dropped)."""
+    assert cli.main(["check", "--scenario", "late-reports", "--scenario", "two-resets",
+                     "--bounds", "workers=1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["scenarios"]
+    assert [r["scenario"] for r in rows] == ["late-reports+workers=1", "two-resets+workers=1"]
+    for row, name in zip(rows, ("late-reports", "two-resets"), strict=True):
+        b = replace(by_name(name).bounds, workers=1)
+        assert b != by_name(name).bounds
+        assert row["states"] == check(b).states
 
 
 def test_check_names_a_gpu_block_bound_too_small(capsys: pytest.CaptureFixture[str]) -> None:

@@ -117,6 +117,10 @@ def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
         return [Scenario(f"{MUTANT_SCENARIO}:{mutant.name}", mutant.description,
                          parse_bounds(args.bounds or "", base), None)], \
             frozenset([mutant.model_fault])
+    if args.bounds and args.scenario:  # each named scenario, its bounds changed
+        return [Scenario(f"{sc.name}+{args.bounds}", f"{sc.purpose} (with {args.bounds})",
+                         parse_bounds(args.bounds, sc.bounds), None)
+                for sc in map(by_name, args.scenario)], M.NO_FAULTS
     if args.bounds:
         return [Scenario("custom", "bounds from the command line",
                          parse_bounds(args.bounds, SCENARIOS[0].bounds), None)], M.NO_FAULTS
@@ -248,7 +252,8 @@ def register(sub: Any) -> None:
     c.add_argument("--scenario", action="append",
                    help="check only this scenario (repeatable): "
                    + ", ".join(s.name for s in SCENARIOS))
-    c.add_argument("--bounds", help="custom bounds, e.g. requests=2,workers=1,resets=1; "
+    c.add_argument("--bounds", help="custom bounds, e.g. requests=2,workers=1,resets=1, on "
+                   "top of each --scenario's bounds (else the first scenario's); "
                    "rules=0.34 takes vLLM 0.34.0's rules (spec.rules) where it changed one, "
                    "and a rule by name sets that one alone (stale_load_failure=fence-only)")
     c.add_argument("--without", action="append", metavar="INV-n",
