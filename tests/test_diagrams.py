@@ -185,3 +185,35 @@ def test_table_citations_parse() -> None:
                 continue
             for part in (p.strip() for p in t.vllm_ref.split(",")):
                 assert [c.text for c in vllm.citations(part)] == [part], (m.name, t.trigger)
+
+
+def test_the_documents_state_each_scenarios_pinned_outcome() -> None:
+    """Where SPEC.md or the README gives a scenario's count ("`name` ... N states" and
+    perhaps ", depth D", before the next scenario's name), it is the one `spec/scenarios.py`
+    pins: the
+    counts live there, and a change that moves them moves the prose too."""
+    import re
+
+    from spec.scenarios import SCENARIOS
+
+    pinned = {sc.name: sc.expect for sc in SCENARIOS if sc.expect is not None}
+    names = "|".join(sorted(map(re.escape, pinned), key=len, reverse=True))
+    mention = re.compile(rf"`({names})`")
+    outcome = re.compile(r"(\d{1,3}(?:,\d{3})*)\s+states(?:,\s+depth\s+(\d+))?")
+    stated, wrong = 0, []
+    for doc in (ROOT / "spec" / "SPEC.md", ROOT / "README.md"):
+        text = doc.read_text()
+        marks = list(mention.finditer(text))
+        for m, after in zip(marks, [*marks[1:], None][:len(marks)], strict=True):
+            span = text[m.end():after.start() if after else len(text)][:400]
+            found = outcome.search(span)
+            if found is None:
+                continue
+            stated += 1
+            expect = pinned[m.group(1)]
+            says = (int(found.group(1).replace(",", "")),
+                    int(found.group(2) or expect.depth))  # the depth, where it is given
+            if says != (expect.states, expect.depth):
+                wrong.append(f"{doc.name}: {m.group(1)} says {says}, pinned "
+                             f"{(expect.states, expect.depth)}")
+    assert stated >= 10 and not wrong, (stated, wrong)
