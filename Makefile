@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test coverage campaign soak check mutate diagrams conformance bench-scheduler clean
+.PHONY: venv demo test coverage campaign soak check check-groups mutate diagrams conformance bench-scheduler clean
 
 venv: $(STAMP)
 
@@ -30,7 +30,7 @@ demo: $(STAMP)
 # the tests run one file per worker over every core (a module's fixtures are built once); the
 # exhaustive searches in a run of their own, test by test (a few long searches dominate);
 # line coverage is `make coverage` (the tracer costs `make test` about 2.5 minutes)
-UNIT := -m "not campaign and not conformance and not soak and not exhaustive"
+UNIT := -m "not campaign and not conformance and not soak and not exhaustive and not deep"
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -59,6 +59,11 @@ soak: $(STAMP)
 check: $(STAMP)
 	$(BIN)/kvspec check
 	$(BIN)/kvspec check --tiering
+
+# exhaustive checks of window and Mamba groups past the pinned scenarios (tests/test_deep_groups.py),
+# on the Python model (the compiled twin has one full-attention group): each case over a core
+check-groups: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
 # the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched
