@@ -190,8 +190,7 @@ def test_table_citations_parse() -> None:
 def test_the_documents_state_each_scenarios_pinned_outcome() -> None:
     """Where SPEC.md or the README gives a scenario's count ("`name` ... N states" and
     perhaps ", depth D", before the next scenario's name), it is the one `spec/scenarios.py`
-    pins: the
-    counts live there, and a change that moves them moves the prose too."""
+    pins: the counts live there, and a change that moves them moves the prose too."""
     import re
 
     from spec.scenarios import SCENARIOS
@@ -204,8 +203,9 @@ def test_the_documents_state_each_scenarios_pinned_outcome() -> None:
     for doc in (ROOT / "spec" / "SPEC.md", ROOT / "README.md"):
         text = doc.read_text()
         marks = list(mention.finditer(text))
-        for m, after in zip(marks, [*marks[1:], None][:len(marks)], strict=True):
-            span = text[m.end():after.start() if after else len(text)][:400]
+        ends = [after.start() for after in marks[1:]] + [len(text)]  # the next mention
+        for m, end in zip(marks, ends, strict=False):  # ends is longer only without a mention
+            span = text[m.end():end][:400]
             found = outcome.search(span)
             if found is None:
                 continue

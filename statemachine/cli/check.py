@@ -156,9 +156,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             note(f"{sc.name}: gpu_blocks={sc.bounds.gpu_blocks} is below the {floor} a request "
                  "holds (Bounds.gpu_blocks_floor: its prompt, and its output but the last token "
                  "once a preemption re-admits it, in each full-attention group; a block in "
-                 "each window group): "
-                 "no request can finish, so expect P-4 (a bound too small, not a fault); "
-                 "raise gpu_blocks")
+                 "each window group): no request can finish, so expect P-4 (a bound too "
+                 "small, not a fault); raise gpu_blocks")
     rows: list[dict[str, Any]] = []
     covered: set[tuple[str, int]] = set()
     failed: CheckResult | None = None
