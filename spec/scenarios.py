@@ -180,8 +180,22 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=4, resets=1,
                     failures=1, preemptions=1, tokens_per_block=2, decode_tokens=2),
              Expect("pass", 220_695, 22)),
-    # -- beyond one full-attention group (the Python model: the compiled twin has one
-    #    full-attention group) ----------------------------------------------------------
+    Scenario("two-full-groups",
+             "two full-attention KV cache groups (vLLM splits each attention type's layers "
+             "into groups of one size, `_get_kv_cache_groups_uniform_page_size`, so a model "
+             "with twice as many full-attention layers as window layers has two "
+             "full-attention groups; the model leaves the window group out): each chunk has a "
+             "key per group, "
+             "a lookup converges over both prefix scans, loads and stores read each group's "
+             "part of the table, and three CPU slots for a prompt's six keys evict one "
+             "group's key of a chunk without the other's; 3-token prompts sharing a prefix "
+             "that each generate a token (a block per group), a reset, a failure and a "
+             "preemption",
+             Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=10, resets=1,
+                    failures=1, preemptions=1, decode_tokens=1, groups=("full", "full")),
+             Expect("pass", 119_125, 22)),
+    # -- window and Mamba groups (the Python model: the compiled twin has full-attention
+    #    groups only) ---------------------------------------------------------------------
     Scenario("hybrid",
              "a full-attention and a sliding-window group (window 2): the suffix-window "
              "lookup beside the prefix scan, converging; the core frees blocks before the "

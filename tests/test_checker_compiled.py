@@ -5,6 +5,7 @@ what CI runs; these tests are why its answers are the model's."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 from collections import Counter, deque
 
@@ -12,6 +13,7 @@ import pytest
 
 from spec import model as M
 from spec.checker import CheckResult, canonical_event, check_model
+from spec.model.hooks import lookup
 from spec.progress import PROGRESS
 from spec.rules import VLLM_0_34
 from spec.scenarios import SCENARIOS, by_name, hunt_bounds, parse_bounds
@@ -117,6 +119,107 @@ def test_the_same_reachable_states_and_transitions_beyond_one_block_prompts(name
     assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
     run = compiled.search(b, liveness=False)
     assert (run.states, run.edges) == (len(states), edges)
+
+
+FULL = ("full", "full")
+FULL_GROUPS = {
+    "two-groups-reset-failure": M.Bounds(
+        requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=0, groups=FULL),
+    "two-groups-eviction": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=0, failures=1,
+        preemptions=0, groups=FULL),
+    "two-groups-decoding": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, groups=FULL),
+    "two-groups-chunks-of-2": M.Bounds(
+        requests=1, tokens=4, workers=1, cpu_chunks=3, gpu_blocks=8, resets=1, failures=1,
+        preemptions=1, blocks_per_chunk=2, groups=FULL),
+    "two-groups-blocks-of-2": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=0, failures=1,
+        preemptions=1, tokens_per_block=2, groups=FULL),
+    "two-groups-sync-timeouts": M.Bounds(
+        requests=1, tokens=2, workers=2, cpu_chunks=2, gpu_blocks=4, resets=1, failures=1,
+        preemptions=0, sync_loads=True, timeout_steps=2, groups=FULL),
+    "two-groups-settings": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1, failures=0,
+        preemptions=0, groups=FULL, request_settings=(
+            M.RequestSettings(max_load_tokens=1, max_offload_tokens=2),
+            M.RequestSettings(skip_reading_prefix_cache=True))),
+    "two-groups-0.34": M.Bounds(
+        requests=2, tokens=2, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=0, groups=FULL, rules=VLLM_0_34),
+    "three-groups": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, groups=("full", "full", "full")),
+    "three-groups-18-keys": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=9, resets=0, failures=1,
+        preemptions=0, groups=("full", "full", "full")),
+    "two-groups-admission-20-keys": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=8, resets=1, failures=0,
+        preemptions=0, decode_tokens=2, store_threshold=2, groups=FULL, rules=VLLM_0_34),
+}
+"""Several full-attention groups: a key per group at each chunk, each group's part of a flat
+table, a table that grows by a block per group, the lookup's scans per group, eviction that
+takes one group's key of a chunk and not the other's, caps, 0.34.0's rules; and more than 16
+keys (the last two), whose key sets the encoding writes in 4 bytes, per-request admission
+counts among them."""
+
+
+@pytest.mark.parametrize("name", FULL_GROUPS)
+def test_the_same_reachable_states_and_transitions_with_several_full_groups(name: str) -> None:
+    b = FULL_GROUPS[name]
+    assert compiled.fits(b) is None
+    states, edges = _python_states(b)
+    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
+    run = compiled.search(b, liveness=False)
+    assert (run.states, run.edges) == (len(states), edges)
+
+
+def test_eviction_splits_a_chunk_between_its_groups() -> None:
+    """With three CPU slots for six keys a store evicts one group's key of a chunk and keeps
+    the other's, so the groups' prefix scans can answer differently (what the lookup's
+    convergence is for)."""
+    b = FULL_GROUPS["two-groups-eviction"]
+    states, _edges = _python_states(b)
+    split = [s for s in states
+             if any((M.key(0, pos, 0, 2) in dict(s.chunks)) != (M.key(0, pos, 1, 2)
+                                                                 in dict(s.chunks))
+                    for pos in range(b.tokens))]
+    assert split
+
+
+def _lookup_state(chunks: dict[tuple[int, int], int]) -> tuple[M.Bounds, M.ModelState]:
+    """A request waiting for its first lookup beside CPU chunks `chunks` ((position, group):
+    reference count, -1 being written), of a 3-token prompt in two full-attention groups.
+    The chunks are set directly: a store that leaves one group's chunk being written and the
+    other group's evicted needs a long eviction history the bounded search does not reach."""
+    b = M.Bounds(requests=1, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=6, resets=0,
+                 failures=0, preemptions=0, groups=FULL)
+    s, _calls, _w = M.apply(M.initial(b), M.Event("arrive", "r0"))
+    return b, dataclasses.replace(s, chunks=tuple(sorted(
+        (M.key(0, pos, g, 2), ref) for (pos, g), ref in chunks.items())))
+
+
+@pytest.mark.parametrize(("chunks", "hit"), [
+    ({(0, 0): 0, (0, 1): 0, (1, 0): -1}, 1),
+    ({(0, 0): 0, (0, 1): 0, (1, 0): 0, (1, 1): -1}, None),
+    ({(0, 0): -1, (0, 1): 0}, None),
+    ({(0, 0): 0, (1, 0): 0, (0, 1): 0}, 1),
+    ({(0, 0): 0, (1, 0): 0, (0, 1): 0, (1, 1): 0}, 2),
+], ids=["deferral-dropped-by-a-shorter-group", "second-group-writing", "first-chunk-writing",
+        "second-group-shorter", "both-whole"])
+def test_the_lookup_converges_over_the_groups(chunks: dict[tuple[int, int], int],
+                                              hit: int | None) -> None:
+    """The first group's scan meets a chunk still being written (defer) and the second
+    group's stops before it: the shorter hit drops the deferral and both groups scan again,
+    so the lookup answers the shorter hit at once (S:849-1054); both twins agree on every
+    successor."""
+    b, s = _lookup_state(chunks)
+    w = M.World.thaw(s)
+    assert lookup(w, "r0")[0] == hit
+    s = M.canonical(s)
+    assert _successors_c(b, compiled.encode(s)) == _successors_py(s)
 
 
 def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:

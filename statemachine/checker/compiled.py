@@ -27,7 +27,7 @@ from statemachine.checker import gen
 SOURCES = Path(__file__).with_name("c")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function",
          "-Wl,--no-undefined")
-MAXR, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 6, 24, 16, 16, 32
+MAXR, MAXTOK, MAXG, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 6, 3, 12, 24, 16, 32, 32
 NONE8 = 0xFF
 CH_ABSENT = -128
 TRACE_CAP = 4096
@@ -61,7 +61,7 @@ class CBounds(ctypes.Structure):
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
         "failed_load_for_life", "store_threshold", "per_request_admission",
         "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
-        "tokens_per_block")] + [
+        "tokens_per_block", "groups")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -79,15 +79,18 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32
 
 def fits(b: M.Bounds) -> str | None:
     """Why the compiled model cannot take these bounds (None: it can)."""
-    if b.requests > MAXR or b.tokens + b.decode_tokens > MAXT or b.gpu_blocks > MAXB \
-            or b.requests * (b.tokens + b.decode_tokens) > MAXK:
-        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXT} tokens of prompt "
-                f"and output, {MAXK} chunk keys, {MAXB} GPU blocks)")
+    if any(kind != "full" for kind in b.groups):
+        return ("a sliding window or a Mamba group (the compiled model has full-attention "
+                "groups only)")
+    ng = len(b.groups)
+    if b.requests > MAXR or b.tokens + b.decode_tokens > MAXTOK or b.gpu_blocks > MAXB \
+            or ng > MAXG or ng * b.blocks_of(b.tokens + b.decode_tokens) > MAXT \
+            or b.requests * (b.tokens + b.decode_tokens) * ng > MAXK:
+        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXTOK} tokens of "
+                f"prompt and output, {MAXG} groups, {MAXT} blocks in a request's table, "
+                f"{MAXK} chunk keys, {MAXB} GPU blocks)")
     if b.workers > 7:
         return "more than 7 workers (a report's count has 3 bits)"
-    if b.groups != ("full",):
-        return ("several KV cache groups, a sliding window or a Mamba group (the compiled "
-                "model has one full-attention group)")
     if b.store_threshold > 255:
         return "a store threshold above 255 (a key's offers are counted in a byte)"
     unstated = [name for name in b.rules_in_play()
@@ -114,6 +117,7 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.offload_prompt_only = int(b.offload_prompt_only)
     cb.blocks_per_chunk = b.blocks_per_chunk
     cb.tokens_per_block = b.tokens_per_block
+    cb.groups = len(b.groups)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -228,12 +232,27 @@ def event_label(ev: M.Event) -> int:
 # ==================================================================== the encoding
 def _key_index(b: M.Bounds, key: int) -> int:
     """kv_key of model.c: a prompt key's index by its family and position, then each
-    request's output keys (family `OUTPUT_FAMILY + i`) after every prompt key."""
-    family, pos = divmod(key - 1, 1000)
+    request's output keys (family `OUTPUT_FAMILY + i`) after every prompt key; a key per
+    group at each (the group index last, as `spec.groups.offload_key` appends it)."""
+    ng = len(b.groups)
+    block_hash, group = divmod(key, ng)
+    family, pos = divmod(block_hash - 1, 1000)
     if family >= M.OUTPUT_FAMILY:
-        return (b.requests * b.tokens + (family - M.OUTPUT_FAMILY) * b.decode_tokens
-                + pos - b.tokens)
-    return family * b.tokens + pos
+        at = (b.requests * b.tokens + (family - M.OUTPUT_FAMILY) * b.decode_tokens
+              + pos - b.tokens)
+    else:
+        at = family * b.tokens + pos
+    return at * ng + group
+
+
+def _mask(b: M.Bounds, mask: int) -> list[int]:
+    """A set of keys as kv_encode writes it: 2 bytes, or 4 beyond 16 keys."""
+    return list(mask.to_bytes(4 if kv_nkeys(b) > 16 else 2, "little"))
+
+
+def kv_nkeys(b: M.Bounds) -> int:
+    """The chunk keys of the compiled model (kv_nkeys of model.c)."""
+    return b.requests * (b.tokens + b.decode_tokens) * len(b.groups)
 
 
 def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
@@ -243,8 +262,8 @@ def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
 def encode(s: M.ModelState) -> bytes:
     """The C encoding of model state `s` (kv_encode in search.c)."""
     b = s.bounds
-    T = b.blocks_of(b.tokens + b.decode_tokens)  # a request's blocks, prompt and output
-    K = b.requests * (b.tokens + b.decode_tokens)  # the chunk keys (kv_nkeys)
+    T = len(b.groups) * b.blocks_of(b.tokens + b.decode_tokens)  # a request's table
+    K = kv_nkeys(b)
     out: list[int] = []
     reqs = {r.id: r for r in s.reqs}
     core = dict(s.core)
@@ -275,7 +294,7 @@ def encode(s: M.ModelState) -> bytes:
             out.append(int(q is not None and q.load_failed))
         if counts_per_request:
             counted = 0 if q is None else sum(1 << _key_index(b, k) for k in q.counted)
-            out += list(counted.to_bytes(2, "little"))
+            out += _mask(b, counted)
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:
@@ -304,7 +323,7 @@ def encode(s: M.ModelState) -> bytes:
         out += [j.id, 0 if j.kind == "load" else 1, owner, jstate[j.state], j.pending,
                 j.unreported, NONE8 if j.age is None else j.age, j.held_slots, flags,
                 len(j.blocks)]
-        out += list(keys.to_bytes(2, "little")) + list(deferred.to_bytes(2, "little"))
+        out += _mask(b, keys) + list(deferred.to_bytes(2, "little"))
         out += _pad(j.blocks, T)
     fence = {n: i for i, n in enumerate(F.FENCE_MACHINE.state_names)}
     out += [s.counter, s.threshold, fence[s.fence_state], int(s.reset_since_step),
@@ -315,9 +334,9 @@ def encode(s: M.ModelState) -> bytes:
     if cb.store_threshold > 1:
         offers = {_key_index(b, k): n for k, n in s.offers}
         out += [offers.get(k, 0) for k in range(K)]
-    out += list(sum(1 << _key_index(b, k) for k in s.being_loaded).to_bytes(2, "little"))
+    out += _mask(b, sum(1 << _key_index(b, k) for k in s.being_loaded))
     out += list(sum(1 << blk for blk in s.free_blocks).to_bytes(2, "little"))
-    out += list(sum(1 << _key_index(b, k) for k in s.bad_chunks).to_bytes(2, "little"))
+    out += _mask(b, sum(1 << _key_index(b, k) for k in s.bad_chunks))
     out += list(sum(1 << i for i in s.to_flush).to_bytes(4, "little"))
     fences = dict(s.block_fence)
     for blk in range(b.gpu_blocks):

@@ -127,7 +127,7 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
     }
     /* INV-8 chunks-being-loaded */
     if (ON(8)) {
-        uint16_t async_keys = 0;
+        KeyMask async_keys = 0;
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
             if (live(j) && j->kind == KIND_LOAD && !(j->flags & JF_SYNC)) {
@@ -216,7 +216,7 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
     }
     /* INV-16 cpu-data-safety */
     if (ON(16)) {
-        uint16_t written = 0;
+        KeyMask written = 0;
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
             if (!live(j) || j->kind != KIND_STORE) continue;

@@ -21,13 +21,16 @@ static int popcount16(uint32_t x) { return __builtin_popcount(x); }
 
 /* ============================================================== subjects (state.py) */
 /* a chunk's key index: a prompt position's is its family's (shared prefixes share keys), an
- * output position's the request's own (Template.block_key), after every prompt key */
-int kv_key(const Bounds *b, int req, int pos) {
-    if (pos < b->tokens) return b->family[req] * b->tokens + pos;
-    return b->requests * b->tokens + req * b->decode_tokens + (pos - b->tokens);
+ * output position's the request's own (Template.block_key), after every prompt key; each
+ * position has a key per group, next to each other (spec.groups.offload_key), so the indices
+ * sort as the model's keys do */
+int kv_key(const Bounds *b, int req, int pos, int group) {
+    int at = pos < b->tokens ? b->family[req] * b->tokens + pos
+                             : b->requests * b->tokens + req * b->decode_tokens + (pos - b->tokens);
+    return at * b->groups + group;
 }
 
-int kv_nkeys(const Bounds *b) { return b->requests * (b->tokens + b->decode_tokens); }
+int kv_nkeys(const Bounds *b) { return b->requests * (b->tokens + b->decode_tokens) * b->groups; }
 
 /* decoding (World.num_tokens, sampled_last, tokens_to_compute, may_finish, sample) */
 static int num_tokens(const World *w, int r) { return w->b->tokens + w->s.req[r].generated; }
@@ -56,14 +59,15 @@ int kv_blocks_of(const Bounds *b, int tokens) {
     return (tokens + b->tokens_per_block - 1) / b->tokens_per_block;
 }
 
-/* chunk `c`'s key: the key at its last token (World.keys_of) */
-static int chunk_key(const World *w, int r, int c) {
-    return kv_key(w->b, r, (c + 1) * tokens_per_chunk(w) - 1);
+/* chunk `c`'s key in group `g`: the key at its last token (World.keys_of) */
+static int chunk_key(const World *w, int r, int c, int g) {
+    return kv_key(w->b, r, (c + 1) * tokens_per_chunk(w) - 1, g);
 }
 
-static uint16_t keys_of(World *w, int r, int from, int to) {  /* chunks from <= c < to */
-    uint16_t m = 0;
-    for (int c = from; c < to; c++) m |= (uint16_t)(1u << chunk_key(w, r, c));
+static KeyMask keys_of(World *w, int r, int from, int to) {  /* chunks from <= c < to, every group */
+    KeyMask m = 0;
+    for (int g = 0; g < w->b->groups; g++)
+        for (int c = from; c < to; c++) m |= (KeyMask)1 << chunk_key(w, r, c, g);
     return m;
 }
 
@@ -149,8 +153,8 @@ static void truth_new_job(World *w, Job *j) {
     }
 }
 
-static void published(World *w, const Job *j, uint16_t ready) {
-    if (j->flags & JF_BAD) w->s.bad_chunks |= ready; else w->s.bad_chunks &= (uint16_t)~ready;
+static void published(World *w, const Job *j, KeyMask ready) {
+    if (j->flags & JF_BAD) w->s.bad_chunks |= ready; else w->s.bad_chunks &= ~ready;
 }
 
 /* ============================================================== the interpreter */
@@ -446,7 +450,7 @@ static void eff_allocate_job_id(World *w, int k, const Kw *kw) {
 
 static void eff_pin_load_chunks(World *w, int k, const Kw *kw) {
     (void)k; (void)kw;
-    uint16_t keys = w->pending_new.keys;
+    KeyMask keys = w->pending_new.keys;
     for (int c = 0; c < MAXK; c++) {
         if (!((keys >> c) & 1)) continue;
         if (w->s.chunk[c] < 0) fail(w, ERR_MODEL, "prepare_load of chunk %d that is not ready", c);
@@ -495,9 +499,9 @@ static void eff_add_to_jobs_to_flush(World *w, int k, const Kw *kw) {
 static void eff_count_report(World *w, int k, const Kw *kw) {
     Job *j = job_of(w, k);
     if (FAULT(w, FT_STORE_READY_ON_FIRST_ACK) && j->kind == KIND_STORE && j->state != J_STALE) {
-        uint16_t ready = 0;
+        KeyMask ready = 0;
         for (int c = 0; c < MAXK; c++)
-            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (uint16_t)(1u << c); }
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (KeyMask)1 << c; }
         published(w, j, ready);
     }
     j->pending = (uint8_t)(j->pending - kw->count);
@@ -505,22 +509,22 @@ static void eff_count_report(World *w, int k, const Kw *kw) {
 
 static void eff_mark_failed(World *w, int k, const Kw *kw) { (void)kw; job_of(w, k)->flags |= JF_FAILED; }
 
-static void unpin(World *w, uint16_t keys) {
+static void unpin(World *w, KeyMask keys) {
     for (int c = 0; c < MAXK; c++)
         if ((keys >> c) & 1 && w->s.chunk[c] != CH_ABSENT && w->s.chunk[c] > 0) w->s.chunk[c]--;
 }
 
 static void unmark(World *w, const Job *j) {  /* only an async load marked its keys */
-    if (!(j->flags & JF_SYNC)) w->s.being_loaded &= (uint16_t)~j->keys;
+    if (!(j->flags & JF_SYNC)) w->s.being_loaded &= ~j->keys;
 }
 
 static void eff_complete_in_manager(World *w, int k, const Kw *kw) {
     (void)kw;
     Job *j = job_of(w, k);
     if (j->kind == KIND_STORE) {
-        uint16_t ready = 0;
+        KeyMask ready = 0;
         for (int c = 0; c < MAXK; c++)
-            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (uint16_t)(1u << c); }
+            if ((j->keys >> c) & 1 && w->s.chunk[c] == -1) { w->s.chunk[c] = 0; ready |= (KeyMask)1 << c; }
         published(w, j, ready);
     } else {
         if (j->flags & JF_BAD) taint_owner(w, j);
@@ -688,27 +692,42 @@ static int lookup(World *w, int r, int *is_async) {
     }
     /* _hit: whole chunks from the start, up to the whole hash blocks before the last token;
      * the hit may end inside its last chunk (a chunk's last token the request has not
-     * reached) */
+     * reached). Every group scans its own keys (_scan, a prefix scan); a group that hits
+     * less shortens the hit, and a deferral met before a shorter answer is looked at again
+     * from the first group, until the hit converges. */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
     int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
-    int end = 0, defer = 0, found = 0;
+    int num_hit = 0, defer = 0, end = 0, todo = 1;
     if (w->b->skip_reading[r]) max_hit = 0;  /* S:1258-1259 */
     if (q->load_failed) max_hit = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (cap >= 0 && cap < max_hit) max_hit = cap;  /* S:867-871 */
-    if (nkeys * tpc < max_hit) max_hit = nkeys * tpc;
-    if (cap >= 0) max_hit = max_hit / tpc * tpc;  /* whole chunks under a cap (S:917-920) */
-    if (max_hit >= tpc) {
-        int n_chunks = (max_hit + tpc - 1) / tpc;
-        if (n_chunks > nkeys) n_chunks = nkeys;
-        for (int c = 0; c < n_chunks; c++) {
-            int key = chunk_key(w, r, c);
-            int8_t ref = w->s.chunk[key];
-            if (ref == CH_ABSENT) break;
-            if (ref == -1 || ((w->s.being_loaded >> key) & 1)) defer = 1;
-            found++;
+    while (todo && max_hit > 0) {
+        todo = 0;
+        for (int g = 0; g < w->b->groups; g++) {
+            if (nkeys * tpc < max_hit) max_hit = nkeys * tpc;
+            if (cap >= 0) max_hit = max_hit / tpc * tpc;  /* whole chunks under a cap (S:917-920) */
+            if (max_hit < tpc) { max_hit = 0; break; }
+            int n_chunks = (max_hit + tpc - 1) / tpc, found = 0, pending = 0;
+            if (n_chunks > nkeys) n_chunks = nkeys;
+            for (int c = 0; c < n_chunks; c++) {
+                int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
+                if (ref == CH_ABSENT) break;
+                pending |= ref == -1;
+                found++;
+            }
+            if (found == 0) { max_hit = 0; break; }
+            if (pending) defer = 1;
+            else if (tpc * found < max_hit) max_hit = tpc * found;
+            if (max_hit < tpc) { max_hit = 0; break; }
+            if (max_hit < num_hit && defer) { defer = 0; todo = 1; }
+            num_hit = max_hit;
         }
-        end = found * tpc < max_hit ? found * tpc : max_hit;
     }
+    if (max_hit == 0) defer = 0;  /* an empty hit is answered at once */
+    else end = num_hit;
+    for (int g = 0; g < w->b->groups && end > 0 && !defer; g++)  /* a hit chunk an async load still brings (S:1021-1045) */
+        for (int c = 0; c < (end + tpc - 1) / tpc; c++)
+            if ((w->s.being_loaded >> chunk_key(w, r, c, g)) & 1) defer = 1;
     if (defer) {
         fire(w, M_REQUEST, r, RT_lookup_deferred, NULL);
         return -1;
@@ -741,8 +760,9 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     kw.count = 1;
     kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
     kw.keys = keys_of(w, r, 0, kw.end_chunk);  /* the hit's chunks, its last maybe in part */
-    kw.nblocks = kv_blocks_of(w->b, hit);  /* the hit's blocks, its last maybe in part */
-    copy_blocks(kw.blocks, blocks, kw.nblocks);
+    int last = kv_blocks_of(w->b, hit), per = n / w->b->groups;  /* the hit's blocks, its last maybe in part */
+    for (int g = 0; g < w->b->groups; g++)  /* group by group */
+        for (int i = 0; i < last; i++) kw.blocks[kw.nblocks++] = blocks[g * per + i];
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
 }
@@ -750,13 +770,26 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
 static void store(World *w, int r, int scheduled);
 static void end_step(World *w);
 
+/* extend_table: a flat table (group by group) with `grown` (a block per group, NONE8 in
+ * the first: none) appended to each group's part */
+static int extend_table(World *w, uint8_t *table, int n, const uint8_t *grown) {
+    int ng = w->b->groups, per = n / ng;
+    if (grown[0] == NONE8) return n;
+    if (n + ng > MAXT) fail(w, ERR_LIMIT, "more than %d blocks", MAXT);
+    for (int g = ng - 1; g >= 0; g--) {  /* from the last group down: each part moves up by g */
+        for (int i = per - 1; i >= 0; i--) table[g * (per + 1) + i] = table[g * per + i];
+        table[g * (per + 1) + per] = grown[g];
+    }
+    return n + ng;
+}
+
 /* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
- * cached requests are `cached` (mask), in index order, each with the block its next token
- * added to its table (`grown`, NONE8: none); `sched` lists the scheduled ones in the order
- * the core scheduled them. */
+ * cached requests are `cached` (mask), in index order, each with the blocks its next token
+ * added to its table (`grown`, a block per group; NONE8 in the first: none); `sched` lists
+ * the scheduled ones in the order the core scheduled them. */
 static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblocks,
-                       uint8_t cached, const uint8_t *grown, const int *sched, int nsched,
-                       uint8_t finished, uint8_t preempted) {
+                       uint8_t cached, const uint8_t (*grown)[MAXG], const int *sched,
+                       int nsched, uint8_t finished, uint8_t preempted) {
     w->step_open = 1;
     for (int pass = 0; pass < 2; pass++)
         for (int r = 0; r < w->b->requests; r++) {
@@ -772,12 +805,9 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
                 ntable = nblocks;
             } else {
                 memcpy(table, cur->blocks, cur->nblocks);
-                ntable = cur->nblocks;
-                if (grown[r] != NONE8) {
-                    w->batch_alloc |= (uint16_t)(1u << grown[r]);
-                    if (ntable >= MAXT) fail(w, ERR_LIMIT, "more than %d blocks", MAXT);
-                    table[ntable++] = grown[r];
-                }
+                if (grown[r][0] != NONE8)
+                    for (int g = 0; g < w->b->groups; g++) w->batch_alloc |= (uint16_t)(1u << grown[r][g]);
+                ntable = extend_table(w, table, cur->nblocks, grown[r]);
             }
             if (IN(RS_SCHEDULED, cur->state)) {
                 set_blocks(cur->blocks, &cur->nblocks, table, ntable);
@@ -855,22 +885,24 @@ static void store(World *w, int r, int scheduled) {
     /* _offloadable: the request's cap, and the prompt's end under offload_prompt_only */
     if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
     if (w->b->offload_prompt_only && tokens > T) tokens = T;
+    int ng = w->b->groups, per = req->nblocks / ng;  /* each group's part of the table */
     int bpc = w->b->blocks_per_chunk, tpc = tokens_per_chunk(w);  /* its full chunks, in its table */
     int n = tokens / tpc;
     if (n > all / tpc) n = all / tpc;
-    if (n > req->nblocks / bpc) n = req->nblocks / bpc;
+    if (n > per / bpc) n = per / bpc;
     int start = req->cursor;
     if (start >= n) return;
-    uint16_t offered = 0, candidates = 0;
+    KeyMask offered = 0, candidates = 0;
     int ncand = 0;
-    for (int c = start; c < n; c++) {
-        int key = chunk_key(w, r, c);
-        offered |= (uint16_t)(1u << key);
-        if (w->s.chunk[key] == CH_ABSENT) { candidates |= (uint16_t)(1u << key); ncand++; }
-    }
+    for (int g = 0; g < ng; g++)  /* per group (S:1859-1982) */
+        for (int c = start; c < n; c++) {
+            int key = chunk_key(w, r, c, g);
+            offered |= (KeyMask)1 << key;
+            if (w->s.chunk[key] == CH_ABSENT) { candidates |= (KeyMask)1 << key; ncand++; }
+        }
     int threshold = w->b->store_threshold;
     if (threshold > 1 && offered) {  /* store admission (M:129-148, M:282-291) */
-        uint16_t counted = 0;
+        KeyMask counted = 0;
         if (w->b->per_request_admission) {  /* once per request and generation (M@0.34.0:133-159) */
             counted = req->counted;
             req->counted |= offered;
@@ -879,7 +911,7 @@ static void store(World *w, int r, int scheduled) {
             if (!((offered >> k) & 1)) continue;
             if (!((counted >> k) & 1) && w->s.offers[k] < threshold) w->s.offers[k]++;
             if (((candidates >> k) & 1) && w->s.offers[k] < threshold) {
-                candidates &= (uint16_t)~(1u << k);
+                candidates &= ~((KeyMask)1 << k);
                 ncand--;
             }
         }
@@ -909,13 +941,15 @@ static void store(World *w, int r, int scheduled) {
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
     kw.keys = candidates;
-    for (int c = start; c < n; c++) {
-        int key = chunk_key(w, r, c);
-        if ((candidates >> key) & 1) {
-            w->s.chunk[key] = -1;
-            for (int i = c * bpc; i < (c + 1) * bpc; i++) kw.blocks[kw.nblocks++] = snapshot.blocks[i];
+    for (int g = 0; g < ng; g++)
+        for (int c = start; c < n; c++) {
+            int key = chunk_key(w, r, c, g);
+            if ((candidates >> key) & 1) {
+                w->s.chunk[key] = -1;
+                for (int i = c * bpc; i < (c + 1) * bpc; i++)
+                    kw.blocks[kw.nblocks++] = snapshot.blocks[g * per + i];
+            }
         }
-    }
     kw.end_chunk = n;
     fire(w, M_REQUEST, r, RT_store, &kw);
 }
@@ -1116,8 +1150,8 @@ static void apply(World *w, uint32_t ev) {
         fire(w, M_REQUEST, r, RT_add, NULL);
     } else if (kind == EV_STEP) {
         int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
-        int need = kv_blocks_of(w->b, num_tokens(w, r));
-        uint8_t blocks[MAXT], cached = 0, grown[MAXR];
+        int ng = b->groups, need = ng * kv_blocks_of(w->b, num_tokens(w, r));
+        uint8_t blocks[MAXT], cached = 0, grown[MAXR][MAXG];
         memset(grown, NONE8, sizeof grown);
         if (EV_ADMIT(ev)) {
             Req *c = &s->req[r];
@@ -1161,12 +1195,14 @@ static void apply(World *w, uint32_t ev) {
         for (int q = 0; q < b->requests; q++) {
             Req *c = &s->req[q];
             if (c->cstatus == C_RUNNING && q != admitted && c->computed < tokens_to_compute(w, q)) {
-                if (kv_blocks_of(w->b, c->computed + 1) > c->ncblocks) {  /* _decode_blocks: its next token's block */
-                    if (!s->free_blocks) continue;  /* no room: not scheduled in this step */
-                    int blk = __builtin_ctz(s->free_blocks);
-                    s->free_blocks &= (uint16_t)~(1u << blk);
-                    c->cblocks[c->ncblocks++] = (uint8_t)blk;
-                    grown[q] = (uint8_t)blk;
+                if (kv_blocks_of(w->b, c->computed + 1) > c->ncblocks / ng) {  /* _decode_blocks: its next token's block, in each group */
+                    if (popcount16(s->free_blocks) < ng) continue;  /* no room: not scheduled in this step */
+                    for (int g = 0; g < ng; g++) {
+                        int blk = __builtin_ctz(s->free_blocks);
+                        s->free_blocks &= (uint16_t)~(1u << blk);
+                        grown[q][g] = (uint8_t)blk;
+                    }
+                    c->ncblocks = (uint8_t)extend_table(w, c->cblocks, c->ncblocks, grown[q]);
                 }
                 cached |= (uint8_t)(1u << q);
                 sched[nsched++] = q;
@@ -1320,9 +1356,9 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
         return w.err;
     }
     apply(&w, ev);
-    uint16_t present = 0;  /* World.freeze: the truth of chunks the manager no longer holds */
+    KeyMask present = 0;  /* World.freeze: the truth of chunks the manager no longer holds */
     for (int c = 0; c < MAXK; c++)
-        if (w.s.chunk[c] != CH_ABSENT) present |= (uint16_t)(1u << c);
+        if (w.s.chunk[c] != CH_ABSENT) present |= (KeyMask)1 << c;
     w.s.bad_chunks &= present;
     *out = w.s;
     if (inside_inv) *inside_inv = w.inside_found ? w.inside_inv : -1;

@@ -12,16 +12,21 @@
 #include "tables.h"
 
 #define MAXR 4          /* requests */
-#define MAXT 6          /* tokens of a request, prompt and output (at least its GPU blocks
-                         * and its chunks) */
+#define MAXTOK 6        /* tokens of a request, prompt and output (at least its GPU blocks
+                         * in a group and its chunks) */
+#define MAXG 3          /* KV cache groups (each of full attention) */
+#define MAXT 12         /* a block table's entries: a request's blocks in every group, flat,
+                         * group by group (as many blocks per group) */
 #define MAXJ 24         /* job records in a state (live and held) */
 #define MAXB 16         /* GPU blocks */
-#define MAXK 16         /* chunk keys: the prompts' (family * tokens + position), then each
-                         * request's output (kv_key) */
+#define MAXK 32         /* chunk keys: the prompts' (family * tokens + position), then each
+                         * request's output, each in every group (kv_key) */
 #define MAXID 32        /* job ids of one event stay below (masks are 32 bits) */
 
 #define NONE8 0xFF
 #define CH_ABSENT (-128)
+
+typedef uint32_t KeyMask;  /* a set of chunk keys (bit k: key index k) */
 
 enum { KIND_LOAD = 0, KIND_STORE = 1 };
 enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
@@ -49,14 +54,15 @@ enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
 
 typedef struct {
     uint8_t id, kind, owner, state, pending, unreported, age, held_slots, flags, nblocks;
-    uint16_t keys, deferred;
+    uint16_t deferred;
+    KeyMask keys;
     uint8_t blocks[MAXT];
 } Job;
 
 typedef struct {
     uint8_t state, flags, hit, cursor, kv_load, nblocks, signals, after_signal;
     uint8_t load_failed;  /* FailedLoadLookup.FOR_LIFE: no later lookup asks the manager */
-    uint16_t counted;     /* StoreAdmission.PER_REQUEST: the keys its offers counted in this
+    KeyMask counted;      /* StoreAdmission.PER_REQUEST: the keys its offers counted in this
                            * cache generation */
     uint32_t jobs;
     uint8_t blocks[MAXT];
@@ -76,7 +82,8 @@ typedef struct {
     uint8_t budget[3];
     int8_t chunk[MAXK];
     uint8_t offers[MAXK];  /* store admission: each key's offers, counted up to the threshold */
-    uint16_t being_loaded, free_blocks, bad_chunks;  /* bad_chunks: the data's truth */
+    KeyMask being_loaded, bad_chunks;  /* bad_chunks: the data's truth */
+    uint16_t free_blocks;
     uint32_t to_flush;
     uint32_t block_fence[MAXB];
 } State;
@@ -93,6 +100,7 @@ typedef struct {
     int32_t offload_prompt_only;   /* stores stop at the prompt's end */
     int32_t blocks_per_chunk;      /* GPU blocks per CPU chunk */
     int32_t tokens_per_block;      /* tokens per GPU block (and per block hash) */
+    int32_t groups;                /* KV cache groups, each of full attention */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -101,7 +109,7 @@ typedef struct {
 /* the keyword arguments a trigger carries to its row's effects (spec.model's **kw) */
 typedef struct {
     int hit_tokens, sync, count, live_jobs, job_id, end_chunk;
-    uint16_t keys;
+    KeyMask keys;
     int nblocks;
     uint8_t blocks[MAXT];
 } Kw;
@@ -166,7 +174,7 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
              State *out, uint8_t *fired, int check_inside, uint32_t without, int *inside_inv,
              int *inside_hook, char *msg);
 void kv_canonical(State *s);
-int kv_key(const Bounds *b, int req, int pos);
+int kv_key(const Bounds *b, int req, int pos, int group);
 int kv_nkeys(const Bounds *b);
 int kv_blocks_of(const Bounds *b, int tokens);
 

@@ -11,11 +11,27 @@
 
 #include "model.h"
 
-#define ENC_MAX 1024
+#define ENC_MAX 2048
 
 /* ============================================================== compact encoding */
-/* a request's blocks (prompt and output), as encoded */
-static int max_blocks(const Bounds *b) { return kv_blocks_of(b, b->tokens + b->decode_tokens); }
+/* a request's blocks (prompt and output, in every group), as encoded */
+static int max_blocks(const Bounds *b) { return b->groups * kv_blocks_of(b, b->tokens + b->decode_tokens); }
+
+/* a set of keys takes 2 bytes, or 4 beyond 16 keys (one group's bounds encode as before) */
+static int mask_bytes(const Bounds *b) { return kv_nkeys(b) > 16 ? 4 : 2; }
+
+static int put_mask(const Bounds *b, KeyMask m, uint8_t *o) {
+    int w = mask_bytes(b);
+    for (int i = 0; i < w; i++) o[i] = (uint8_t)(m >> (8 * i));
+    return w;
+}
+
+static int get_mask(const Bounds *b, KeyMask *m, const uint8_t *o) {
+    int w = mask_bytes(b);
+    *m = 0;
+    for (int i = 0; i < w; i++) *m |= (KeyMask)o[i] << (8 * i);
+    return w;
+}
 
 static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     int n = 0, T = max_blocks(b);
@@ -23,9 +39,7 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
     /* a rule's field only where the bounds can set it (0.33.0's bounds encode as before) */
     if (b->failed_load_for_life) o[n++] = q->load_failed;
-    if (b->store_threshold > 1 && b->per_request_admission) {
-        o[n++] = (uint8_t)q->counted; o[n++] = (uint8_t)(q->counted >> 8);
-    }
+    if (b->store_threshold > 1 && b->per_request_admission) n += put_mask(b, q->counted, o + n);
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
@@ -45,7 +59,7 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
         o[n++] = j->id; o[n++] = j->kind; o[n++] = j->owner; o[n++] = j->state;
         o[n++] = j->pending; o[n++] = j->unreported; o[n++] = j->age; o[n++] = j->held_slots;
         o[n++] = j->flags; o[n++] = j->nblocks;
-        o[n++] = (uint8_t)j->keys; o[n++] = (uint8_t)(j->keys >> 8);
+        n += put_mask(b, j->keys, o + n);
         o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
         for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
     }
@@ -55,9 +69,9 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
     for (int k = 0; k < K; k++) o[n++] = (uint8_t)s->chunk[k];
     if (b->store_threshold > 1)
         for (int k = 0; k < K; k++) o[n++] = s->offers[k];
-    o[n++] = (uint8_t)s->being_loaded; o[n++] = (uint8_t)(s->being_loaded >> 8);
+    n += put_mask(b, s->being_loaded, o + n);
     o[n++] = (uint8_t)s->free_blocks; o[n++] = (uint8_t)(s->free_blocks >> 8);
-    o[n++] = (uint8_t)s->bad_chunks; o[n++] = (uint8_t)(s->bad_chunks >> 8);
+    n += put_mask(b, s->bad_chunks, o + n);
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->to_flush >> (8 * i));
     for (int blk = 0; blk < b->gpu_blocks; blk++)
         for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->block_fence[blk] >> (8 * i));
@@ -69,9 +83,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
     if (b->failed_load_for_life) q->load_failed = o[n++];
-    if (b->store_threshold > 1 && b->per_request_admission) {
-        q->counted = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
-    }
+    if (b->store_threshold > 1 && b->per_request_admission) n += get_mask(b, &q->counted, o + n);
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
@@ -94,7 +106,7 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
         j->id = o[n++]; j->kind = o[n++]; j->owner = o[n++]; j->state = o[n++];
         j->pending = o[n++]; j->unreported = o[n++]; j->age = o[n++]; j->held_slots = o[n++];
         j->flags = o[n++]; j->nblocks = o[n++];
-        j->keys = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+        n += get_mask(b, &j->keys, o + n);
         j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
         for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
     }
@@ -104,9 +116,9 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     for (int k = 0; k < K; k++) s->chunk[k] = (int8_t)o[n++];
     if (b->store_threshold > 1)
         for (int k = 0; k < K; k++) s->offers[k] = o[n++];
-    s->being_loaded = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    n += get_mask(b, &s->being_loaded, o + n);
     s->free_blocks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
-    s->bad_chunks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    n += get_mask(b, &s->bad_chunks, o + n);
     s->to_flush = 0;
     for (int i = 0; i < 4; i++) s->to_flush |= (uint32_t)o[n++] << (8 * i);
     for (int blk = 0; blk < b->gpu_blocks; blk++) {
