@@ -13,6 +13,7 @@ import pytest
 
 from spec import model as M
 from spec.checker import CheckResult, canonical_event, check_model
+from spec.groups import GroupKind
 from spec.model.hooks import lookup
 from spec.progress import PROGRESS
 from spec.rules import VLLM_0_34
@@ -100,6 +101,9 @@ MULTI_TOKEN_BLOCKS = {
         requests=2, tokens=4, workers=1, cpu_chunks=2, gpu_blocks=4, resets=0, failures=0,
         preemptions=1, tokens_per_block=3, decode_tokens=2, request_settings=(
             M.RequestSettings(max_load_tokens=4, max_offload_tokens=3),)),
+    "eight-tokens": M.Bounds(
+        requests=1, tokens=6, workers=1, cpu_chunks=3, gpu_blocks=5, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, decode_tokens=2),
     "chunks-of-2-blocks-of-2": M.Bounds(
         requests=1, tokens=5, workers=1, cpu_chunks=2, gpu_blocks=3, resets=1, failures=1,
         preemptions=1, tokens_per_block=2, blocks_per_chunk=2, decode_tokens=1),
@@ -121,7 +125,7 @@ def test_the_same_reachable_states_and_transitions_beyond_one_block_prompts(name
     assert (run.states, run.edges) == (len(states), edges)
 
 
-FULL = ("full", "full")
+FULL: tuple[GroupKind, ...] = ("full", "full")
 FULL_GROUPS = {
     "two-groups-reset-failure": M.Bounds(
         requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
@@ -176,6 +180,59 @@ def test_the_same_reachable_states_and_transitions_with_several_full_groups(name
     assert (run.states, run.edges) == (len(states), edges)
 
 
+FS: tuple[GroupKind, ...] = ("full", "sliding")
+WINDOWS = {
+    "window-failure-preemption": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, groups=FS, sliding_window=2),
+    "window-two-prompts-reset": M.Bounds(
+        requests=2, tokens=2, shared_prefix=False, workers=1, cpu_chunks=4, gpu_blocks=7,
+        resets=1, failures=0, preemptions=0, groups=FS, sliding_window=1),
+    "window-eviction": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=8, resets=0, failures=1,
+        preemptions=0, groups=FS, sliding_window=1),
+    "window-first": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=0, failures=1,
+        preemptions=0, groups=("sliding", "full"), sliding_window=1),
+    "two-windows": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=9, resets=1, failures=1,
+        preemptions=1, groups=("full", "sliding", "sliding"), sliding_window=2),
+    "window-decoding": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, groups=FS, sliding_window=2),
+    "window-blocks-of-2": M.Bounds(
+        requests=1, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, groups=FS, sliding_window=3),
+    "window-sync-timeouts": M.Bounds(
+        requests=1, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=0, sync_loads=True, timeout_steps=2, groups=FS, sliding_window=2),
+    "window-seven-tokens": M.Bounds(
+        requests=1, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, decode_tokens=2, groups=FS, sliding_window=3),
+    "window-caps": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1, failures=0,
+        preemptions=0, groups=FS, sliding_window=2, request_settings=(
+            M.RequestSettings(max_load_tokens=2, max_offload_tokens=2),
+            M.RequestSettings(skip_reading_prefix_cache=True))),
+}
+"""Sliding-window groups: null positions before the window at admission (one token further
+back after a short hit), loads of the window's blocks only, the core's frees as the window
+moves, stores that skip a chunk whose block the window left and fence their window sources
+at once, a freed block handed to another request and forgotten by the old table, a reset
+that forgets the freed positions; a window group alone, first, or two of them; output
+tokens, blocks of 2 tokens, 7 tokens of prompt and output, sync loads and timeouts, caps."""
+
+
+@pytest.mark.parametrize("name", WINDOWS)
+def test_the_same_reachable_states_and_transitions_with_sliding_windows(name: str) -> None:
+    b = WINDOWS[name]
+    assert compiled.fits(b) is None
+    states, edges = _python_states(b)
+    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
+    run = compiled.search(b, liveness=False)
+    assert (run.states, run.edges) == (len(states), edges)
+
+
 def test_eviction_splits_a_chunk_between_its_groups() -> None:
     """With three CPU slots for six keys a store evicts one group's key of a chunk and keeps
     the other's, so the groups' prefix scans can answer differently (what the lookup's
@@ -189,16 +246,21 @@ def test_eviction_splits_a_chunk_between_its_groups() -> None:
     assert split
 
 
-def _lookup_state(chunks: dict[tuple[int, int], int]) -> tuple[M.Bounds, M.ModelState]:
+def _lookup_state(chunks: dict[tuple[int, int], int], groups: tuple[GroupKind, ...] = FULL,
+                  tokens: int = 3, being_loaded: frozenset[tuple[int, int]] = frozenset()
+                  ) -> tuple[M.Bounds, M.ModelState]:
     """A request waiting for its first lookup beside CPU chunks `chunks` ((position, group):
-    reference count, -1 being written), of a 3-token prompt in two full-attention groups.
-    The chunks are set directly: a store that leaves one group's chunk being written and the
-    other group's evicted needs a long eviction history the bounded search does not reach."""
-    b = M.Bounds(requests=1, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=6, resets=0,
-                 failures=0, preemptions=0, groups=FULL)
+    reference count, -1 being written) and chunks an async load brings (`being_loaded`), of
+    a `tokens`-token prompt in `groups` (a window of 2 tokens). The chunks are set directly:
+    a store that leaves one group's chunk being written and another group's evicted needs
+    a long eviction history the bounded search does not reach."""
+    b = M.Bounds(requests=1, tokens=tokens, workers=1, cpu_chunks=8, gpu_blocks=12, resets=0,
+                 failures=0, preemptions=0, groups=groups, sliding_window=2)
     s, _calls, _w = M.apply(M.initial(b), M.Event("arrive", "r0"))
-    return b, dataclasses.replace(s, chunks=tuple(sorted(
-        (M.key(0, pos, g, 2), ref) for (pos, g), ref in chunks.items())))
+    n = len(groups)
+    return b, dataclasses.replace(
+        s, chunks=tuple(sorted((M.key(0, pos, g, n), ref) for (pos, g), ref in chunks.items())),
+        being_loaded=frozenset(M.key(0, pos, g, n) for pos, g in being_loaded))
 
 
 @pytest.mark.parametrize(("chunks", "hit"), [
@@ -216,8 +278,42 @@ def test_the_lookup_converges_over_the_groups(chunks: dict[tuple[int, int], int]
     so the lookup answers the shorter hit at once (S:849-1054); both twins agree on every
     successor."""
     b, s = _lookup_state(chunks)
+    assert compiled.fits(b) is None
     w = M.World.thaw(s)
     assert lookup(w, "r0")[0] == hit
+    s = M.canonical(s)
+    assert _successors_c(b, compiled.encode(s)) == _successors_py(s)
+
+
+ALL_OF_4 = {(pos, g): 0 for pos in range(3) for g in range(3)}
+
+
+FSS: tuple[GroupKind, ...] = ("full", "sliding", "sliding")
+
+
+@pytest.mark.parametrize(("groups", "tokens", "chunks", "being_loaded", "hit"), [
+    (("sliding", "sliding"), 5, {(2, 0): 0, (3, 0): 0, (0, 1): 0, (1, 1): 0}, (), 0),
+    (FSS, 4, {**ALL_OF_4, (2, 1): None, (1, 2): None}, (), 1),
+    (FSS, 4, {**ALL_OF_4, (2, 0): -1, (2, 1): None, (2, 2): None}, (), 2),
+    (FSS, 4, {**ALL_OF_4, (2, 1): None}, ((0, 2),), None),
+    (FSS, 4, {**ALL_OF_4, (2, 1): None}, ((0, 0),), None),
+    (FSS, 4, {**ALL_OF_4, (0, 2): None}, ((0, 2),), 3),
+], ids=["a-rescanned-window-finds-no-run", "second-window-shorter-rescans-the-windows",
+        "deferral-dropped-by-a-window",
+        "window-chunk-being-loaded", "full-chunk-being-loaded", "window-needs-no-first-chunk"])
+def test_the_lookup_converges_over_full_and_window_groups(
+        groups: tuple[GroupKind, ...], tokens: int, chunks: dict[tuple[int, int], int | None],
+        being_loaded: tuple[tuple[int, int], ...], hit: int | None) -> None:
+    """Sliding windows of 2 tokens: a second window that hits less sends the windows round
+    again (two windows over a 5-token prompt: the first, rescanned up to the shorter hit,
+    finds no run of a window's hits); beside a full-attention group (4 tokens) a shorter
+    window hit drops
+    a full-attention group's deferral, a hit chunk an async load brings defers the lookup
+    (a window group's only within its window); both twins agree on every successor."""
+    b, s = _lookup_state({k: v for k, v in chunks.items() if v is not None},
+                         groups, tokens, frozenset(being_loaded))
+    assert compiled.fits(b) is None
+    assert lookup(M.World.thaw(s), "r0")[0] == hit
     s = M.canonical(s)
     assert _successors_c(b, compiled.encode(s)) == _successors_py(s)
 
@@ -333,7 +429,8 @@ def test_neither_model_preempts_a_request_that_sampled_its_last_token() -> None:
     assert dict(s.core)["r0"].generated == 2
 
 
-@pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding"])
+@pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding",
+                                  "hybrid", "two-full-groups"])
 def test_the_same_progress_predicates_and_fairness(name: str) -> None:
     b = by_name(name).bounds
     lib = compiled.library().lib

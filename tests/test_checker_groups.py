@@ -1,6 +1,6 @@
-"""The model checker beyond one full-attention group: the scenarios the compiled twin does
-not take (several KV cache groups, chunks of several blocks, blocks of several tokens,
-partial tails, store admission) conclude what they record on the Python model, the faults
+"""The model checker beyond the compiled twin: the scenarios it does not take (Mamba groups,
+partial tails, a window in chunks of several blocks or under a sparse retention, a later
+release's window rules) conclude what they record on the Python model, the faults
 of the groups' paths are found, and all the scenarios together fire every table row.
 
 A file of its own so that `make test` (one file per worker) runs these searches beside the
@@ -20,8 +20,9 @@ from statemachine.checker import check, compiled
 pytestmark = pytest.mark.exhaustive
 
 WINDOW_SCENARIOS = ("hybrid", "hybrid-reset-window", "multi-token-blocks")
-"""Pinned in `test_checker_windows.py`, so that `make test` (a file per worker) runs the two
-halves of the Python model's searches side by side; their rows are fired by the others."""
+"""The window scenarios the compiled twin takes (`test_checker.py`), also run on the Python
+model in `test_checker_windows.py`, so that `make test` (a file per worker) runs the two
+halves of the Python model's searches side by side."""
 
 PYTHON = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is not None
                and sc.name not in WINDOW_SCENARIOS)

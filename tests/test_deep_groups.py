@@ -1,13 +1,15 @@
-"""`make check-groups`: exhaustive checks of window and Mamba groups past the pinned
-scenarios, on the Python model. Not in `make test`.
+"""`make check-groups`: exhaustive checks of several KV cache groups past the pinned
+scenarios. Not in `make test`.
 
-The compiled twin has one full-attention group, so the scenarios of sliding windows and
-Mamba groups stay small enough for the Python model in `make test` (5,000 to 75,000
-states). These cases take some of them further, with faults, timeouts or output tokens
-they lack, and record what the checker concludes, as a scenario does (the verdict, the
-distinct states, the depth of the search), with every progress property held. A change to
-the model that moves a count shows here. Each is the check
-`kvspec check --engine python --scenario NAME --bounds TEXT` runs.
+The compiled twin takes full-attention and sliding-window groups (a window's chunks of one
+block, dense retention); Mamba groups, partial tails and windows in chunks of several
+blocks run on the Python model, where the scenarios stay small enough for `make test`
+(5,000 to 75,000 states). These cases take them further, with faults, timeouts, output
+tokens, more workers, a third group or a third request the scenarios lack, and record what
+the checker concludes, as a scenario does (the verdict, the distinct states, the depth of
+the search), with every progress property held. A change to the model that moves a count
+shows here. Each is the check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT`
+runs. The first case runs on both engines: they agree at half a million states.
 """
 
 from __future__ import annotations
@@ -40,14 +42,44 @@ DEEP: tuple[tuple[str, str, Expect], ...] = (
 )
 
 
+DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
+    # the first Python case again: the compiled twin finds the same states and depth
+    ("hybrid", "resets=1,timeout_steps=2,decode_tokens=1", Expect("pass", 498_248, 28)),
+    # a window beside full attention, 2 workers reporting in parts, a reset
+    ("hybrid", "workers=2,resets=1", Expect("pass", 1_102_986, 25)),
+    # two output tokens each, eight GPU blocks for two requests of two groups, a reset
+    ("hybrid", "decode_tokens=2,gpu_blocks=8,resets=1", Expect("pass", 1_078_502, 28)),
+    # blocks of two tokens, a window of 3, two output tokens (7 tokens a request), a reset
+    ("multi-token-blocks", "resets=1,decode_tokens=2", Expect("pass", 1_110_738, 32)),
+    # three requests sharing a prefix beside a window, a failure and a preemption
+    ("hybrid", "requests=3,gpu_blocks=10", Expect("pass", 17_113_878, 30)),
+    # two full-attention groups and a window (vLLM's groups of a 2:1 model), a reset
+    ("hybrid", "groups=full+full+sliding,gpu_blocks=10,cpu_chunks=4,resets=1",
+     Expect("pass", 125_037, 24)),
+    # two full-attention groups, 2 workers reporting in parts
+    ("two-full-groups", "workers=2", Expect("pass", 475_145, 23)),
+)
+
+
 @pytest.mark.parametrize(("name", "bounds", "expect"), DEEP,
                          ids=[f"{n}+{t}" for n, t, _e in DEEP])
 def test_a_deep_check_of_the_groups_concludes_what_it_records(
         name: str, bounds: str, expect: Expect) -> None:
+    _concludes(name, bounds, expect, "python")
+
+
+@pytest.mark.parametrize(("name", "bounds", "expect"), DEEP_COMPILED,
+                         ids=[f"{n}+{t}" for n, t, _e in DEEP_COMPILED])
+def test_a_deep_compiled_check_of_the_groups_concludes_what_it_records(
+        name: str, bounds: str, expect: Expect) -> None:
+    _concludes(name, bounds, expect, "compiled")
+
+
+def _concludes(name: str, bounds: str, expect: Expect, engine: str) -> None:
     b = parse_bounds(bounds, by_name(name).bounds)
     assert b != by_name(name).bounds
-    r = check(b, engine="python")
-    assert r.complete, r
+    r = check(b, engine=engine)
+    assert r.complete and r.engine == engine, r
     assert Expect(r.verdict, r.states, r.depth) == expect, (
         r.counterexample.render() if r.counterexample else r)
     assert r.liveness == tuple(p.id for p in PROGRESS)

@@ -20,6 +20,7 @@ from spec import fence as F
 from spec import job as J
 from spec import model as M
 from spec import request as R
+from spec.groups import NULL_BLOCK
 from spec.rules import VLLM_0_33, FailedLoadLookup, StaleLoadFailure, StoreAdmission
 from spec.schema import MachineSpec
 from statemachine.checker import gen
@@ -27,7 +28,7 @@ from statemachine.checker import gen
 SOURCES = Path(__file__).with_name("c")
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function",
          "-Wl,--no-undefined")
-MAXR, MAXTOK, MAXG, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 6, 3, 12, 24, 16, 32, 32
+MAXR, MAXG, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 3, 12, 24, 16, 32, 32
 NONE8 = 0xFF
 CH_ABSENT = -128
 TRACE_CAP = 4096
@@ -61,7 +62,7 @@ class CBounds(ctypes.Structure):
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
         "failed_load_for_life", "store_threshold", "per_request_admission",
         "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
-        "tokens_per_block", "groups")] + [
+        "tokens_per_block", "groups", "sliding", "sliding_window")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -79,16 +80,19 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32
 
 def fits(b: M.Bounds) -> str | None:
     """Why the compiled model cannot take these bounds (None: it can)."""
-    if any(kind != "full" for kind in b.groups):
-        return ("a sliding window or a Mamba group (the compiled model has full-attention "
-                "groups only)")
+    if any(kind not in ("full", "sliding") for kind in b.groups):
+        return ("a Mamba group (the compiled model has full-attention and sliding-window "
+                "groups)")
+    if "sliding" in b.groups and (b.blocks_per_chunk > 1 or b.retention_interval is not None):
+        return ("a sliding window in chunks of several blocks or under a sparse retention "
+                "(the compiled model stores a window group's every chunk of one block)")
     ng = len(b.groups)
-    if b.requests > MAXR or b.tokens + b.decode_tokens > MAXTOK or b.gpu_blocks > MAXB \
+    if b.requests > MAXR or b.gpu_blocks > MAXB \
             or ng > MAXG or ng * b.blocks_of(b.tokens + b.decode_tokens) > MAXT \
             or b.requests * (b.tokens + b.decode_tokens) * ng > MAXK:
-        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXTOK} tokens of "
-                f"prompt and output, {MAXG} groups, {MAXT} blocks in a request's table, "
-                f"{MAXK} chunk keys, {MAXB} GPU blocks)")
+        return (f"bounds beyond the compiled model ({MAXR} requests, {MAXG} groups, {MAXT} "
+                f"blocks in a request's table, {MAXK} chunk keys (a key per token of prompt "
+                f"and output, per request and group), {MAXB} GPU blocks)")
     if b.workers > 7:
         return "more than 7 workers (a report's count has 3 bits)"
     if b.store_threshold > 255:
@@ -118,6 +122,8 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.blocks_per_chunk = b.blocks_per_chunk
     cb.tokens_per_block = b.tokens_per_block
     cb.groups = len(b.groups)
+    cb.sliding = sum(1 << g for g, kind in enumerate(b.groups) if kind == "sliding")
+    cb.sliding_window = b.sliding_window
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -256,7 +262,8 @@ def kv_nkeys(b: M.Bounds) -> int:
 
 
 def _pad(blocks: tuple[int, ...], n: int) -> list[int]:
-    return [*blocks, *([0] * (n - len(blocks)))]
+    """A block table as kv_encode writes it: the null block as NONE8, then zeros."""
+    return [NONE8 if x == NULL_BLOCK else x for x in blocks] + [0] * (n - len(blocks))
 
 
 def encode(s: M.ModelState) -> bytes:
@@ -273,6 +280,9 @@ def encode(s: M.ModelState) -> bytes:
     jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
     cb = c_bounds(b)  # the rules' fields are encoded where the C's bounds say so
     counts_per_request = cb.store_threshold > 1 and cb.per_request_admission
+    if s.misplaced or s.partial or s.unwritten:  # the truth of INV-22 and INV-23
+        raise CompiledUnavailable("a chunk copied to another position or written in part: "
+                                  "beyond the compiled model's bounds")
     for t in b.templates():
         q = reqs.get(t.req_id)
         flags = RF_SIGENTRY if t.req_id in signals else 0
@@ -308,6 +318,8 @@ def encode(s: M.ModelState) -> bytes:
             if b.decode_tokens:
                 out.append(c.generated)
             out += _pad(c.blocks, T)
+        if cb.sliding:
+            out.append(0 if q is None else q.window_end)
     quarantined = {i for i, _ in s.quarantined_blocks}
     records = sorted([(j, False) for j in s.jobs] + [(j, True) for j in s.held],
                      key=lambda x: x[0].id)
@@ -324,6 +336,8 @@ def encode(s: M.ModelState) -> bytes:
                 j.unreported, NONE8 if j.age is None else j.age, j.held_slots, flags,
                 len(j.blocks)]
         out += _mask(b, keys) + list(deferred.to_bytes(2, "little"))
+        if cb.sliding:
+            out += list(sum(1 << blk for blk in j.fenced).to_bytes(2, "little"))
         out += _pad(j.blocks, T)
     fence = {n: i for i, n in enumerate(F.FENCE_MACHINE.state_names)}
     out += [s.counter, s.threshold, fence[s.fence_state], int(s.reset_since_step),

@@ -130,8 +130,8 @@ class Kill:
 HANDOFF_SCENARIOS = ("loaded-state-handoff", "loaded-states-of-two-groups")
 """The Python-model scenarios a mutant also runs when its row is one the compiled scenarios
 never fire: the rows only a Mamba group's hand-offs reach (`WAITING_STORING`'s), which the
-compiled twin (one full-attention group) cannot. Each takes 20-45 s, so only those mutants
-run them."""
+compiled twin (full-attention and sliding-window groups) cannot. Each takes 20-45 s, so
+only those mutants run them."""
 
 
 @functools.cache
@@ -150,8 +150,8 @@ def matrix_scenarios(full: bool = False) -> list[Scenario]:
     """The scenarios each mutant is checked against, cheapest first (a kill comes sooner)."""
     from statemachine.checker import compiled
 
-    # the hybrid scenarios run on the Python model only (the compiled twin has one
-    # full-attention group): about a thousand times slower per mutant, so not in the matrix
+    # the scenarios of Mamba groups, partial tails and windows in chunks of several blocks
+    # run on the Python model only: about a hundred times slower per mutant, so not here
     chosen = [s for s in SCENARIOS if compiled.fits(s.bounds) is None
               and (full or s.expect is None or s.expect.states <= SLOW_STATES)]
     return sorted(chosen, key=lambda s: s.expect.states if s.expect else 0)

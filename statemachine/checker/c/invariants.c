@@ -20,23 +20,36 @@ static const Job *find(const State *s, int id) {
     return NULL;
 }
 
-/* the request's gpu_blocks in the abstract state, as a mask, plus their sequence length */
-static uint16_t gpu_blocks(const State *s, int r, uint8_t *seq, int *n) {
-    const Req *q = &s->req[r];
+/* projection._held: the blocks of the request's table it still holds (no null block, no
+ * window position before the window of its computed tokens), as a mask */
+static uint16_t held_blocks(const Bounds *b, const Req *q) {
+    /* the connector's table once the core scheduled the request; until then (loading, its
+     * table empty since the lookup) the core's */
+    const uint8_t *t = q->nblocks ? q->blocks : q->cblocks;
+    int nt = q->nblocks ? q->nblocks : q->ncblocks;
     uint16_t m = 0;
+    for (int i = 0; i < nt; i++)
+        if (t[i] != NONE8 && !kv_freed_position(b, nt, i, q->window_end)) m |= (uint16_t)(1u << t[i]);
+    return m;
+}
+
+/* the request's gpu_blocks in the abstract state, as a mask, plus their sequence length */
+static uint16_t gpu_blocks(const Bounds *b, const State *s, int r, uint8_t *seq, int *n) {
+    const Req *q = &s->req[r];
+    uint16_t m = 0, still = held_blocks(b, q);
     *n = 0;
     if (IN(RS_HOLDS_GPU_BLOCKS, q->state)) {
-        /* the connector's table once the core scheduled the request; until then (loading,
-         * its table empty since the lookup) the core's */
-        const uint8_t *t = q->nblocks ? q->blocks : q->cblocks;
-        int nt = q->nblocks ? q->nblocks : q->ncblocks;
-        for (int i = 0; i < nt; i++) { seq[(*n)++] = t[i]; m |= (uint16_t)(1u << t[i]); }
+        for (int blk = 0; blk < MAXB; blk++)
+            if ((still >> blk) & 1) seq[(*n)++] = (uint8_t)blk;
+        m = still;
     } else if (q->flags & RF_FINISHED) {
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
-            /* an async load's destinations (spec.request.finished_keeps_destinations) */
+            /* an async load's destinations (spec.request.finished_keeps_destinations), but
+             * not those a sliding window left behind while the request ran */
             if (live(j) && j->owner == r && j->kind == KIND_LOAD && !(j->flags & JF_SYNC))
                 for (int k = 0; k < j->nblocks && *n < 2 * MAXT; k++) {
+                    if (!((still >> j->blocks[k]) & 1)) continue;
                     seq[(*n)++] = j->blocks[k];
                     m |= (uint16_t)(1u << j->blocks[k]);
                 }
@@ -113,16 +126,17 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
                 if (!((ids >> id) & 1)) continue;
                 const Job *j = find(s, id);
                 if (!j || !live(j) || j->kind != KIND_STORE) return 7;
-                if (!((j->deferred >> blk) & 1)) return 7;
+                if (!(((j->deferred | j->fenced) >> blk) & 1)) return 7;
             }
         }
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
             if (!live(j)) continue;
             const Req *o = &s->req[j->owner];
-            if (!(tracked(o) && (o->flags & RF_FINISHED))) continue;
+            uint16_t must = j->fenced;  /* and, once its owner finished, the deferred ones */
+            if (tracked(o) && (o->flags & RF_FINISHED)) must |= j->deferred;
             for (int blk = 0; blk < MAXB; blk++)
-                if ((j->deferred >> blk) & 1 && !((s->block_fence[blk] >> j->id) & 1)) return 7;
+                if ((must >> blk) & 1 && !((s->block_fence[blk] >> j->id) & 1)) return 7;
         }
     }
     /* INV-8 chunks-being-loaded */
@@ -186,7 +200,7 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
             if (!tracked(&s->req[r])) continue;
             uint8_t seq[2 * MAXT];
             int n;
-            gpu_blocks(s, r, seq, &n);
+            gpu_blocks(b, s, r, seq, &n);
             for (int i = 0; i < n; i++) owner_of[seq[i]] = r;
         }
         for (int i = 0; i < s->njobs; i++) {

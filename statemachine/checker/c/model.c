@@ -59,16 +59,38 @@ int kv_blocks_of(const Bounds *b, int tokens) {
     return (tokens + b->tokens_per_block - 1) / b->tokens_per_block;
 }
 
+/* sliding windows (spec.groups): whether group g is one, the leading blocks of group g the
+ * core no longer holds once `computed` tokens are computed (group_skipped_blocks), whether
+ * position i of a flat table of `length` entries is one of them (freed_positions), a
+ * window in chunks (window_chunks) and the chunks a hit ending at `end` needs
+ * (load_window_chunks) */
+static int is_sliding(const World *w, int g) { return (w->b->sliding >> g) & 1; }
+
+int kv_skipped_blocks(const Bounds *b, int group, int computed) {
+    if (!((b->sliding >> group) & 1)) return 0;
+    int skipped = computed - b->sliding_window + 1;
+    return (skipped > 0 ? skipped : 0) / b->tokens_per_block;
+}
+
+int kv_freed_position(const Bounds *b, int length, int i, int computed) {
+    if (!b->sliding || length <= 0) return 0;
+    int per = length / b->groups;
+    return i % per < kv_skipped_blocks(b, i / per, computed);
+}
+
+static int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+static int window_chunks(const World *w) { return cdiv(w->b->sliding_window, tokens_per_chunk(w)); }
+
+static int load_window_chunks(const World *w, int end) {
+    int tpc = tokens_per_chunk(w), pad = (tpc - end % tpc) % tpc;
+    int more = cdiv(w->b->sliding_window - 1 + pad, tpc), window = window_chunks(w);
+    return more > window ? more : window;
+}
+
 /* chunk `c`'s key in group `g`: the key at its last token (World.keys_of) */
 static int chunk_key(const World *w, int r, int c, int g) {
     return kv_key(w->b, r, (c + 1) * tokens_per_chunk(w) - 1, g);
-}
-
-static KeyMask keys_of(World *w, int r, int from, int to) {  /* chunks from <= c < to, every group */
-    KeyMask m = 0;
-    for (int g = 0; g < w->b->groups; g++)
-        for (int c = from; c < to; c++) m |= (KeyMask)1 << chunk_key(w, r, c, g);
-    return m;
 }
 
 static Req *tracked(World *w, int r) {
@@ -284,6 +306,7 @@ static void eff_restart_from_token_zero(World *w, int r, const Kw *kw) {
     q->cursor = 0;
     q->hit = 0;
     q->kv_load = 0;
+    q->window_end = 0;
     q->flags &= (uint8_t)~(RF_HIT | RF_KVLOAD);
 }
 
@@ -313,8 +336,11 @@ static void new_job(World *w, int kind, int owner, const Kw *kw) {
     j.keys = kw->keys;
     set_blocks(j.blocks, &j.nblocks, kw->blocks, kw->nblocks);
     if (kind == KIND_LOAD && kw->sync) j.flags |= JF_SYNC;
-    if (kind == KIND_STORE)
+    if (kind == KIND_STORE) {  /* a window source is fenced at once, the others once it finished */
         for (int i = 0; i < kw->nblocks; i++) j.deferred |= (uint16_t)(1u << kw->blocks[i]);
+        j.fenced = kw->fenced;
+        j.deferred &= (uint16_t)~kw->fenced;
+    }
     w->pending_new = j;
     w->has_new = 1;
 }
@@ -386,7 +412,7 @@ static void eff_delete_request_status(World *w, int r, const Kw *kw) {
     uint8_t keep = q->flags & RF_SIGENTRY;
     q->state = R_ABSENT;
     q->flags = keep;
-    q->hit = q->cursor = q->kv_load = q->nblocks = q->load_failed = 0;
+    q->hit = q->cursor = q->kv_load = q->nblocks = q->load_failed = q->window_end = 0;
     q->counted = 0;
     q->jobs = 0;
     memset(q->blocks, 0, MAXT);
@@ -398,6 +424,11 @@ static void eff_reset_store_cursor(World *w, int r, const Kw *kw) {
     q->cursor = 0;
     q->hit = 0;
     q->flags &= (uint8_t)~RF_HIT;
+    /* _window_blocks_forgotten: the window positions before the window of its computed
+     * tokens, which the core freed (beyond vLLM 0.33.0, which keeps them) */
+    if (!FAULT(w, FT_RESET_KEEPS_STALE_WINDOW_BLOCKS))
+        for (int i = 0; i < q->nblocks; i++)
+            if (kv_freed_position(w->b, q->nblocks, i, q->window_end)) q->blocks[i] = NONE8;
 }
 
 static void eff_drop_request_jobs(World *w, int r, const Kw *kw) {
@@ -479,6 +510,9 @@ static void eff_register_store_fences(World *w, int k, const Kw *kw) {
     int id = w->last_job;
     Job *j = live_job(w, id);
     if (!j) fail(w, ERR_MODEL, "store %d not in the table", id);
+    if (!FAULT(w, FT_SLIDING_WINDOW_SKIPS_FENCE))  /* a window source: the core may free it any step */
+        for (int b = 0; b < MAXB; b++)
+            if ((j->fenced >> b) & 1) fence_add(w, b, id);
     if (tracked(w, j->owner)->flags & RF_FINISHED) {
         for (int b = 0; b < MAXB; b++)
             if ((j->deferred >> b) & 1) fence_add(w, b, id);
@@ -554,7 +588,7 @@ static void eff_leave_job_table(World *w, int k, const Kw *kw) {
     int kept = j.state == J_STALE && FAULT(w, FT_RESET_KEEPS_TRANSFER_JOBS);
     if ((q->flags & RF_TRACKED) && !kept) q->jobs &= ~(1u << k);
     for (int b = 0; b < MAXB; b++)
-        if ((j.deferred >> b) & 1) w->s.block_fence[b] &= ~(1u << k);
+        if (((j.deferred | j.fenced) >> b) & 1) w->s.block_fence[b] &= ~(1u << k);
     lj->flags &= (uint8_t)~JF_TABLE;  /* w.jobs.pop(k) */
     if (j.state == J_STALE || j.state == J_TIMED_OUT) {
         lj->flags |= JF_HELD;
@@ -600,7 +634,8 @@ static void unquarantine(World *w, const Job *j) {
     for (int r = 0; r < MAXR; r++) {
         const Req *q = &w->s.req[r];
         if (q->cstatus == C_NONE) continue;
-        for (int k = 0; k < q->ncblocks; k++) held |= (uint16_t)(1u << q->cblocks[k]);
+        for (int k = 0; k < q->ncblocks; k++)
+            if (q->cblocks[k] != NONE8) held |= (uint16_t)(1u << q->cblocks[k]);
     }
     for (int k = 0; k < j->nblocks; k++)
         if (!((held >> j->blocks[k]) & 1)) w->s.free_blocks |= (uint16_t)(1u << j->blocks[k]);
@@ -692,42 +727,78 @@ static int lookup(World *w, int r, int *is_async) {
     }
     /* _hit: whole chunks from the start, up to the whole hash blocks before the last token;
      * the hit may end inside its last chunk (a chunk's last token the request has not
-     * reached). Every group scans its own keys (_scan, a prefix scan); a group that hits
-     * less shortens the hit, and a deferral met before a shorter answer is looked at again
-     * from the first group, until the hit converges. */
+     * reached). The full-attention groups scan a prefix, then the window groups the last
+     * run of a window's worth of hits (_scan); a group that hits less shortens the hit,
+     * which sends the groups round again until it converges: all of them after a deferral,
+     * the window groups after a window group's answer. Beside a window group vLLM 0.33.0
+     * stops the hit a token before the bound: the hit keeps the block but is short until a
+     * group's answer cuts it to a chunk edge (LastTokenCut.AFTER_CAPS). */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
     int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
-    int num_hit = 0, defer = 0, end = 0, todo = 1;
+    int shorter = w->b->sliding != 0, num_hit = 0, defer = 0, end = 0;
+    int order[MAXG], norder = 0;
+    for (int g = 0; g < w->b->groups; g++) if (!is_sliding(w, g)) order[norder++] = g;
+    for (int g = 0; g < w->b->groups; g++) if (is_sliding(w, g)) order[norder++] = g;
+    enum { NONE = 0, EVERY_GROUP, WINDOW_GROUPS } todo = EVERY_GROUP;
     if (w->b->skip_reading[r]) max_hit = 0;  /* S:1258-1259 */
     if (q->load_failed) max_hit = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (cap >= 0 && cap < max_hit) max_hit = cap;  /* S:867-871 */
-    while (todo && max_hit > 0) {
-        todo = 0;
-        for (int g = 0; g < w->b->groups; g++) {
-            if (nkeys * tpc < max_hit) max_hit = nkeys * tpc;
-            if (cap >= 0) max_hit = max_hit / tpc * tpc;  /* whole chunks under a cap (S:917-920) */
-            if (max_hit < tpc) { max_hit = 0; break; }
-            int n_chunks = (max_hit + tpc - 1) / tpc, found = 0, pending = 0;
+    while (todo != NONE) {
+        int pass = todo, looked_sliding = 0;
+        todo = NONE;
+        for (int i = 0; i < norder; i++) {
+            int g = order[i], sliding = is_sliding(w, g);
+            if (pass == WINDOW_GROUPS && !sliding) continue;
+            if (nkeys * tpc < max_hit) { max_hit = nkeys * tpc; shorter = 0; }
+            if (cap >= 0) { max_hit = (max_hit - shorter) / tpc * tpc; shorter = 0; }  /* whole chunks under a cap (S:917-920) */
+            if (max_hit < tpc + shorter) goto empty;
+            int n_chunks = cdiv(max_hit, tpc), found = 0, pending = 0;
             if (n_chunks > nkeys) n_chunks = nkeys;
-            for (int c = 0; c < n_chunks; c++) {
-                int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
-                if (ref == CH_ABSENT) break;
-                pending |= ref == -1;
-                found++;
+            if (!sliding) {  /* the prefix scan */
+                for (int c = 0; c < n_chunks; c++) {
+                    int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
+                    if (ref == CH_ABSENT) break;
+                    pending |= ref == -1;
+                    found++;
+                }
+            } else {  /* the suffix-window scan: the first run, at the right edge, may need a
+                       * chunk more (a partial rightmost chunk), later ones a window */
+                int need = load_window_chunks(w, max_hit < n_chunks * tpc ? max_hit : n_chunks * tpc);
+                int run = 0, done = 0;
+                for (int c = n_chunks - 1; c >= 0 && !done; c--) {
+                    int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
+                    if (ref == CH_ABSENT) { run = 0; pending = 0; need = window_chunks(w); continue; }
+                    pending |= ref == -1;
+                    if (++run == need) { found = c + need; done = 1; }
+                }
+                if (!done) found = run;
             }
-            if (found == 0) { max_hit = 0; break; }
+            if (!pending && found == 0) goto empty;
             if (pending) defer = 1;
-            else if (tpc * found < max_hit) max_hit = tpc * found;
-            if (max_hit < tpc) { max_hit = 0; break; }
-            if (max_hit < num_hit && defer) { defer = 0; todo = 1; }
+            else if (tpc * found < max_hit) { max_hit = tpc * found; shorter = 0; }
+            if (max_hit < tpc + shorter) goto empty;
+            if (max_hit < num_hit) {
+                if (defer) { defer = 0; todo = EVERY_GROUP; }
+                else if (looked_sliding && todo == NONE) todo = WINDOW_GROUPS;
+            }
+            looked_sliding |= sliding;
             num_hit = max_hit;
         }
     }
-    if (max_hit == 0) defer = 0;  /* an empty hit is answered at once */
-    else end = num_hit;
-    for (int g = 0; g < w->b->groups && end > 0 && !defer; g++)  /* a hit chunk an async load still brings (S:1021-1045) */
-        for (int c = 0; c < (end + tpc - 1) / tpc; c++)
+    end = num_hit;
+    w->short_hit = shorter && num_hit > 0;
+    for (int g = 0; g < w->b->groups && !defer; g++) {  /* a hit chunk an async load still brings (S:1021-1045) */
+        int to = cdiv(end, tpc), from = 0;
+        if (is_sliding(w, g) && to - load_window_chunks(w, end) > 0) from = to - load_window_chunks(w, end);
+        for (int c = from; c < to; c++)
             if ((w->s.being_loaded >> chunk_key(w, r, c, g)) & 1) defer = 1;
+    }
+    if (0) {
+empty:  /* no hit, at once */
+        defer = 0;
+        w->short_hit = 0;
+        end = 0;
+    }
     if (defer) {
         fire(w, M_REQUEST, r, RT_lookup_deferred, NULL);
         return -1;
@@ -744,9 +815,11 @@ static int lookup(World *w, int r, int *is_async) {
     return hit;
 }
 
-/* alloc: update_state_after_alloc */
+/* alloc: update_state_after_alloc: per group, the load fills the blocks from the first one
+ * allocated (a window group's window) to the hit's end, from the chunks that cover them */
 static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
-    for (int i = 0; i < n; i++) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
+    for (int i = 0; i < n; i++)
+        if (blocks[i] != NONE8) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
     if (hit == 0) {
         Req *q = tracked(w, r);
         q->flags &= (uint8_t)~RF_HIT;
@@ -759,10 +832,16 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
     kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
-    kw.keys = keys_of(w, r, 0, kw.end_chunk);  /* the hit's chunks, its last maybe in part */
     int last = kv_blocks_of(w->b, hit), per = n / w->b->groups;  /* the hit's blocks, its last maybe in part */
-    for (int g = 0; g < w->b->groups; g++)  /* group by group */
-        for (int i = 0; i < last; i++) kw.blocks[kw.nblocks++] = blocks[g * per + i];
+    int bpc = w->b->blocks_per_chunk;
+    for (int g = 0; g < w->b->groups; g++) {  /* group by group */
+        const uint8_t *table = blocks + g * per;
+        int first = 0;
+        while (first < last && table[first] == NONE8) first++;
+        if (first == last) continue;  /* none of the hit's blocks in this group */
+        for (int c = first / bpc; c < kw.end_chunk; c++) kw.keys |= (KeyMask)1 << chunk_key(w, r, c, g);
+        for (int i = first; i < last; i++) kw.blocks[kw.nblocks++] = table[i];
+    }
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
 }
@@ -783,6 +862,27 @@ static int extend_table(World *w, uint8_t *table, int n, const uint8_t *grown) {
     return n + ng;
 }
 
+/* _forget_reallocated_window_blocks: a window block the core freed and handed out again in
+ * this step is stale in its old request's table: from the store cursor to the table's end
+ * before the step extended it, it is nulled, so no store reads it (S:1533-1552); the table
+ * of the request admitted in this step (`whole`) is new */
+static void forget_reallocated_window_blocks(World *w, int whole, const uint8_t (*grown)[MAXG]) {
+    if (!w->batch_alloc) return;
+    int ng = w->b->groups, bpc = w->b->blocks_per_chunk;
+    for (int r = 0; r < w->b->requests; r++) {
+        Req *q = &w->s.req[r];
+        if (!(q->flags & RF_TRACKED) || r == whole || !q->nblocks) continue;
+        int per = q->nblocks / ng, end = per - (grown[r][0] != NONE8);
+        for (int g = 0; g < ng; g++) {
+            if (!is_sliding(w, g)) continue;
+            for (int p = q->cursor * bpc; p < end; p++) {
+                uint8_t *x = &q->blocks[g * per + p];
+                if (*x != NONE8 && ((w->batch_alloc >> *x) & 1)) *x = NONE8;
+            }
+        }
+    }
+}
+
 /* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
  * cached requests are `cached` (mask), in index order, each with the blocks its next token
  * added to its table (`grown`, a block per group; NONE8 in the first: none); `sched` lists
@@ -800,7 +900,8 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
             uint8_t table[MAXT];
             int ntable;
             if (is_new) {
-                for (int i = 0; i < nblocks; i++) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
+                for (int i = 0; i < nblocks; i++)
+                    if (blocks[i] != NONE8) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
                 memcpy(table, blocks, (size_t)nblocks);
                 ntable = nblocks;
             } else {
@@ -820,6 +921,13 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
                 fire(w, M_REQUEST, r, RT_schedule, &kw);
             }
         }
+    if (w->b->sliding) {  /* the tokens computed once this step ran */
+        for (int i = 0; i < nsched; i++) {
+            Req *q = tracked(w, sched[i]);
+            q->window_end = (uint8_t)(w->s.req[sched[i]].computed + 1);
+        }
+        forget_reallocated_window_blocks(w, admitted, grown);
+    }
     for (int r = 0; r < w->b->requests; r++) {
         if (!((preempted >> r) & 1) || ((w->preempted_early >> r) & 1)) continue;
         Req *q = &w->s.req[r];
@@ -872,6 +980,13 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
     end_step(w);
 }
 
+/* chunk_store_blocks with every block reachable: a chunk is stored only with all its blocks */
+static int chunk_whole(const Req *q, int at, int bpc) {
+    for (int i = at; i < at + bpc; i++)
+        if (q->blocks[i] == NONE8) return 0;
+    return 1;
+}
+
 /* _store: the store the request's new full chunks give, if any */
 static void store(World *w, int r, int scheduled) {
     Req *req = tracked(w, r);
@@ -894,8 +1009,10 @@ static void store(World *w, int r, int scheduled) {
     if (start >= n) return;
     KeyMask offered = 0, candidates = 0;
     int ncand = 0;
-    for (int g = 0; g < ng; g++)  /* per group (S:1859-1982) */
+    for (int g = 0; g < ng; g++)  /* per group (S:1859-1982); a chunk a window left without a
+                                   * block is not offered (storable_chunks) */
         for (int c = start; c < n; c++) {
+            if (!chunk_whole(req, g * per + c * bpc, bpc)) continue;
             int key = chunk_key(w, r, c, g);
             offered |= (KeyMask)1 << key;
             if (w->s.chunk[key] == CH_ABSENT) { candidates |= (KeyMask)1 << key; ncand++; }
@@ -944,10 +1061,12 @@ static void store(World *w, int r, int scheduled) {
     for (int g = 0; g < ng; g++)
         for (int c = start; c < n; c++) {
             int key = chunk_key(w, r, c, g);
-            if ((candidates >> key) & 1) {
-                w->s.chunk[key] = -1;
-                for (int i = c * bpc; i < (c + 1) * bpc; i++)
-                    kw.blocks[kw.nblocks++] = snapshot.blocks[g * per + i];
+            if (!chunk_whole(&snapshot, g * per + c * bpc, bpc) || !((candidates >> key) & 1)) continue;
+            w->s.chunk[key] = -1;
+            for (int i = c * bpc; i < (c + 1) * bpc; i++) {
+                uint8_t x = snapshot.blocks[g * per + i];
+                kw.blocks[kw.nblocks++] = x;
+                if (is_sliding(w, g)) kw.fenced |= (uint16_t)(1u << x);  /* the core may free it any step */
             }
         }
     kw.end_chunk = n;
@@ -1054,7 +1173,26 @@ static void core_free(World *w, const uint8_t *blocks, int n) {
             for (int k = 0; k < j->nblocks; k++) quarantined |= (uint16_t)(1u << j->blocks[k]);
     }
     for (int i = 0; i < n; i++)
-        if (!((quarantined >> blocks[i]) & 1)) w->s.free_blocks |= (uint16_t)(1u << blocks[i]);
+        if (blocks[i] != NONE8 && !((quarantined >> blocks[i]) & 1))
+            w->s.free_blocks |= (uint16_t)(1u << blocks[i]);
+}
+
+/* _free_before_window: the core frees a running request's window-group blocks that fell out
+ * of the window of its computed tokens (remove_skipped_blocks) */
+static void free_before_window(World *w) {
+    if (!w->b->sliding) return;
+    for (int r = 0; r < w->b->requests; r++) {
+        Req *c = &w->s.req[r];
+        if (c->cstatus != C_RUNNING || !c->ncblocks) continue;
+        uint8_t freed[MAXT];
+        int n = 0;
+        for (int i = 0; i < c->ncblocks; i++)
+            if (c->cblocks[i] != NONE8 && kv_freed_position(w->b, c->ncblocks, i, c->computed)) {
+                freed[n++] = c->cblocks[i];
+                c->cblocks[i] = NONE8;
+            }
+        core_free(w, freed, n);
+    }
 }
 
 static void core_reset(Req *q, int status) {  /* MCore(status) */
@@ -1150,7 +1288,7 @@ static void apply(World *w, uint32_t ev) {
         fire(w, M_REQUEST, r, RT_add, NULL);
     } else if (kind == EV_STEP) {
         int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
-        int ng = b->groups, need = ng * kv_blocks_of(w->b, num_tokens(w, r));
+        int ng = b->groups;
         uint8_t blocks[MAXT], cached = 0, grown[MAXR][MAXG];
         memset(grown, NONE8, sizeof grown);
         if (EV_ADMIT(ev)) {
@@ -1160,10 +1298,26 @@ static void apply(World *w, uint32_t ev) {
                 int is_async;
                 int hit = lookup(w, r, &is_async);
                 inside(w, 0);
+                /* _allocation: a block per tokens_per_block tokens in each group, none before
+                 * a window group's window of the first token to compute (of one token less
+                 * after a short hit) */
+                int per = kv_blocks_of(w->b, num_tokens(w, r)), need = 0;
+                int from = hit > w->short_hit ? hit - w->short_hit : 0;
+                for (int g = 0; g < ng; g++)
+                    for (int p = 0; p < per; p++) {
+                        int null = p < kv_skipped_blocks(b, g, from);
+                        blocks[nblocks++] = null ? NONE8 : 0;
+                        need += !null;
+                    }
                 if (hit >= 0 && popcount16(s->free_blocks) >= need) {
-                    for (int blk = 0; blk < MAXB && nblocks < need; blk++)
-                        if ((s->free_blocks >> blk) & 1) blocks[nblocks++] = (uint8_t)blk;
-                    for (int i = 0; i < nblocks; i++) s->free_blocks &= (uint16_t)~(1u << blocks[i]);
+                    uint16_t pool = s->free_blocks;
+                    for (int i = 0; i < nblocks; i++) {
+                        if (blocks[i] == NONE8) continue;
+                        blocks[i] = (uint8_t)__builtin_ctz(pool);
+                        pool &= (uint16_t)(pool - 1);
+                    }
+                    for (int i = 0; i < nblocks; i++)
+                        if (blocks[i] != NONE8) s->free_blocks &= (uint16_t)~(1u << blocks[i]);
                     alloc(w, r, blocks, nblocks, hit);
                     inside(w, 1);
                     c = &s->req[r];
@@ -1216,6 +1370,7 @@ static void apply(World *w, uint32_t ev) {
             c->computed = (uint8_t)(c->computed + 1 < all ? c->computed + 1 : all);
             sample(w, sched[i]);
         }
+        free_before_window(w);
         s->pending_finished = s->pending_preempted = 0;
         follow_connector(w);
     } else if (kind == EV_REPORT || kind == EV_STRAY) {

@@ -12,9 +12,7 @@
 #include "tables.h"
 
 #define MAXR 4          /* requests */
-#define MAXTOK 6        /* tokens of a request, prompt and output (at least its GPU blocks
-                         * in a group and its chunks) */
-#define MAXG 3          /* KV cache groups (each of full attention) */
+#define MAXG 3          /* KV cache groups (full attention or a sliding window) */
 #define MAXT 12         /* a block table's entries: a request's blocks in every group, flat,
                          * group by group (as many blocks per group) */
 #define MAXJ 24         /* job records in a state (live and held) */
@@ -23,7 +21,7 @@
                          * request's output, each in every group (kv_key) */
 #define MAXID 32        /* job ids of one event stay below (masks are 32 bits) */
 
-#define NONE8 0xFF
+#define NONE8 0xFF      /* also a block table's null block (spec.groups.NULL_BLOCK) */
 #define CH_ABSENT (-128)
 
 typedef uint32_t KeyMask;  /* a set of chunk keys (bit k: key index k) */
@@ -54,7 +52,8 @@ enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
 
 typedef struct {
     uint8_t id, kind, owner, state, pending, unreported, age, held_slots, flags, nblocks;
-    uint16_t deferred;
+    uint16_t deferred, fenced;  /* its source blocks fenced once its owner finished, and at
+                                 * once (a sliding window's: the core may free them) */
     KeyMask keys;
     uint8_t blocks[MAXT];
 } Job;
@@ -71,6 +70,7 @@ typedef struct {
     uint8_t cstatus, computed, loading, aborted, ncblocks, ckv_bad, cload;
     uint8_t crecv_failed; /* StaleLoadFailure.FENCE_ONLY: a worker named it in failed_recving */
     uint8_t generated;    /* output tokens sampled so far (MCore.generated); a restart keeps them */
+    uint8_t window_end;   /* the tokens computed once its last scheduled step ran (MReq.window_end) */
     uint8_t cblocks[MAXT];
 } Req;
 
@@ -100,7 +100,9 @@ typedef struct {
     int32_t offload_prompt_only;   /* stores stop at the prompt's end */
     int32_t blocks_per_chunk;      /* GPU blocks per CPU chunk */
     int32_t tokens_per_block;      /* tokens per GPU block (and per block hash) */
-    int32_t groups;                /* KV cache groups, each of full attention */
+    int32_t groups;                /* KV cache groups */
+    int32_t sliding;               /* bit g: group g is a sliding window (else full attention) */
+    int32_t sliding_window;        /* a sliding window's tokens */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -112,6 +114,7 @@ typedef struct {
     KeyMask keys;
     int nblocks;
     uint8_t blocks[MAXT];
+    uint16_t fenced;  /* fenced_block_ids */
 } Kw;
 
 typedef struct {
@@ -139,6 +142,7 @@ struct World {
     uint32_t batch_jobs, batch_loads;
     uint16_t batch_alloc;
     uint8_t preempted_early;
+    int short_hit;            /* the last lookup's hit ends a (vLLM) token short (World.short_hit) */
     int has_new, last_job;
     Job pending_new;
     jmp_buf *jb;
@@ -177,6 +181,8 @@ void kv_canonical(State *s);
 int kv_key(const Bounds *b, int req, int pos, int group);
 int kv_nkeys(const Bounds *b);
 int kv_blocks_of(const Bounds *b, int tokens);
+int kv_skipped_blocks(const Bounds *b, int group, int computed);
+int kv_freed_position(const Bounds *b, int length, int i, int computed);
 
 /* invariants.c: the first safety invariant (index 0 = INV-1) broken, or -1 */
 int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t without);

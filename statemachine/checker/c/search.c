@@ -47,6 +47,7 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
     if (b->stale_fence_only) o[n++] = q->crecv_failed;
     if (b->decode_tokens) o[n++] = q->generated;
     for (int i = 0; i < T; i++) o[n++] = q->cblocks[i];
+    if (b->sliding) o[n++] = q->window_end;
     return n;
 }
 
@@ -61,6 +62,7 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
         o[n++] = j->flags; o[n++] = j->nblocks;
         n += put_mask(b, j->keys, o + n);
         o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
+        if (b->sliding) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
         for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
     }
     o[n++] = s->counter; o[n++] = s->threshold; o[n++] = s->fence; o[n++] = s->reset_since_step;
@@ -92,6 +94,7 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
     if (b->stale_fence_only) q->crecv_failed = o[n++];
     if (b->decode_tokens) q->generated = o[n++];
     for (int i = 0; i < T; i++) q->cblocks[i] = o[n++];
+    if (b->sliding) q->window_end = o[n++];
     return n;
 }
 
@@ -108,6 +111,7 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
         j->flags = o[n++]; j->nblocks = o[n++];
         n += get_mask(b, &j->keys, o + n);
         j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+        if (b->sliding) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
         for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
     }
     s->counter = o[n++]; s->threshold = o[n++]; s->fence = o[n++]; s->reset_since_step = o[n++];
