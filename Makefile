@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider $(UNIT) -n auto --dist loadfile
-	$(BIN)/pytest -q -p no:cacheprovider -m exhaustive -n auto --dist worksteal
+	$(BIN)/pytest -q -p no:cacheprovider -m "exhaustive and not deep" -n auto --dist worksteal
 	$(BIN)/kvspec diagrams --check
 
 # the tests of `make test` but the exhaustive searches, with line coverage of spec/ and
@@ -60,10 +60,11 @@ check: $(STAMP)
 	$(BIN)/kvspec check
 	$(BIN)/kvspec check --tiering
 
-# exhaustive checks of window and Mamba groups past the pinned scenarios (tests/test_deep_groups.py),
-# on the Python model (the compiled twin has one full-attention group): each case over a core
+# exhaustive checks of several KV cache groups past the pinned scenarios (tests/test_deep_groups.py:
+# Mamba groups and partial tails on the Python model, full-attention and window groups on the
+# compiled twin), and the two models' larger whole-space comparisons (tests/test_checker_compiled.py)
 check-groups: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py
+	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py tests/test_checker_compiled.py
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
 # the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched

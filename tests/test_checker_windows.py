@@ -1,8 +1,8 @@
-"""The model checker on the sliding-window paths: the window scenarios (and the hybrid model
-at 2 tokens per block) conclude what they record on the Python model as on the compiled twin
-(which `test_checker.py` runs with the other compiled scenarios), and the faults only a
-window group has are found (the fence of a window source, vLLM's stale window ids after a
-reset: F2, vLLM's store mask: F4).
+"""The model checker on the sliding-window paths: the faults only a window group has are
+found (the fence of a window source, vLLM's stale window ids after a reset: F2, vLLM's store
+mask: F4). The window scenarios run on the compiled twin with the others
+(`test_checker.py`), and on the Python model in `make check-groups`
+(`test_deep_groups.py`).
 
 A file of its own beside `test_checker_groups.py`, so that `make test` (one file per worker)
 runs the two halves of the Python model's searches side by side."""
@@ -12,24 +12,10 @@ from __future__ import annotations
 import pytest
 
 from spec import model as M
-from spec.scenarios import Expect, by_name, hunt_bounds
-from statemachine.checker import check, compiled
-from tests.test_checker_groups import WINDOW_SCENARIOS
+from spec.scenarios import hunt_bounds
+from statemachine.checker import check
 
 pytestmark = pytest.mark.exhaustive
-
-
-@pytest.mark.parametrize("name", WINDOW_SCENARIOS)
-def test_each_window_scenario_concludes_what_it_records_on_the_python_model(name: str) -> None:
-    """The compiled twin takes these scenarios; the Python model, which states the window's
-    rules, concludes the same on each (states, depth, every progress property held)."""
-    scenario = by_name(name)
-    assert scenario.expect is not None and compiled.fits(scenario.bounds) is None
-    r = check(scenario.bounds, engine="python")
-    assert r.complete and r.engine == "python"
-    assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (
-        r.counterexample.render() if r.counterexample else r)
-    assert r.liveness == ("P-1", "P-2", "P-3", "P-4", "P-5")
 
 
 @pytest.mark.parametrize("fault", [M.Fault.SLIDING_WINDOW_SKIPS_FENCE,

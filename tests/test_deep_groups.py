@@ -9,7 +9,9 @@ tokens, more workers, a third group or a third request the scenarios lack, and r
 the checker concludes, as a scenario does (the verdict, the distinct states, the depth of
 the search), with every progress property held. A change to the model that moves a count
 shows here. Each is the check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT`
-runs. The first case runs on both engines: they agree at half a million states.
+runs. The first case runs on both engines: they agree at half a million states; so do the
+window scenarios the compiled twin takes (`hybrid`, `hybrid-reset-window`,
+`multi-token-blocks`), which run here on the Python model too.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from __future__ import annotations
 import pytest
 
 from spec.progress import PROGRESS
-from spec.scenarios import Expect, by_name, parse_bounds
-from statemachine.checker import check
+from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, parse_bounds
+from statemachine.checker import check, compiled
 
 pytestmark = pytest.mark.deep
 
@@ -73,6 +75,24 @@ def test_a_deep_check_of_the_groups_concludes_what_it_records(
 def test_a_deep_compiled_check_of_the_groups_concludes_what_it_records(
         name: str, bounds: str, expect: Expect) -> None:
     _concludes(name, bounds, expect, "compiled")
+
+
+COMPILED_WINDOWS = tuple(sc for sc in SCENARIOS if "sliding" in sc.bounds.groups
+                         and compiled.fits(sc.bounds) is None)
+"""The window scenarios the compiled twin takes (`test_checker.py` pins them there)."""
+
+
+@pytest.mark.parametrize("scenario", COMPILED_WINDOWS, ids=lambda s: s.name)
+def test_each_compiled_window_scenario_concludes_the_same_on_the_python_model(
+        scenario: Scenario) -> None:
+    """The Python model, which states the window's rules, concludes what the compiled twin
+    does on each window scenario it takes (states, depth, every progress property held)."""
+    assert scenario.expect is not None
+    r = check(scenario.bounds, engine="python")
+    assert r.complete and r.engine == "python"
+    assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (
+        r.counterexample.render() if r.counterexample else r)
+    assert r.liveness == tuple(p.id for p in PROGRESS)
 
 
 def _concludes(name: str, bounds: str, expect: Expect, engine: str) -> None:
