@@ -50,14 +50,20 @@ def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
     return seen, edges
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.deep) if n in DEEP_SCENARIOS else n for n in SMALL])
-def test_the_same_reachable_states_and_transitions(name: str) -> None:
-    b = by_name(name).bounds
+def _same_state_spaces(b: M.Bounds) -> None:
+    """The compiled twin takes `b`, and both models reach the same states (byte for byte in
+    the C encoding) over the same number of transitions."""
+    assert compiled.fits(b) is None
     states, edges = _python_states(b)
     assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
     run = compiled.search(b, liveness=False)
     assert (run.states, run.edges) == (len(states), edges)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.deep) if n in DEEP_SCENARIOS else n for n in SMALL])
+def test_the_same_reachable_states_and_transitions(name: str) -> None:
+    _same_state_spaces(by_name(name).bounds)
 
 
 DECODING = {
@@ -135,15 +141,6 @@ def _bounds(names: dict[str, M.Bounds]) -> list[object]:
     return [pytest.param(n, marks=pytest.mark.deep) if n in DEEP_BOUNDS else n for n in names]
 
 
-@pytest.mark.parametrize("name", _bounds(BEYOND_ONE_BLOCK_PROMPTS))
-def test_the_same_reachable_states_and_transitions_beyond_one_block_prompts(name: str) -> None:
-    b = BEYOND_ONE_BLOCK_PROMPTS[name]
-    states, edges = _python_states(b)
-    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
-    run = compiled.search(b, liveness=False)
-    assert (run.states, run.edges) == (len(states), edges)
-
-
 FULL: tuple[GroupKind, ...] = ("full", "full")
 FULL_GROUPS = {
     "two-groups-reset-failure": M.Bounds(
@@ -189,16 +186,6 @@ keys (the last two), whose key sets the encoding writes in 4 bytes, per-request 
 counts among them."""
 
 
-@pytest.mark.parametrize("name", _bounds(FULL_GROUPS))
-def test_the_same_reachable_states_and_transitions_with_several_full_groups(name: str) -> None:
-    b = FULL_GROUPS[name]
-    assert compiled.fits(b) is None
-    states, edges = _python_states(b)
-    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
-    run = compiled.search(b, liveness=False)
-    assert (run.states, run.edges) == (len(states), edges)
-
-
 FS: tuple[GroupKind, ...] = ("full", "sliding")
 WINDOWS = {
     "window-failure-preemption": M.Bounds(
@@ -242,14 +229,14 @@ that forgets the freed positions; a window group alone, first, or two of them; o
 tokens, blocks of 2 tokens, 7 tokens of prompt and output, sync loads and timeouts, caps."""
 
 
-@pytest.mark.parametrize("name", _bounds(WINDOWS))
-def test_the_same_reachable_states_and_transitions_with_sliding_windows(name: str) -> None:
-    b = WINDOWS[name]
-    assert compiled.fits(b) is None
-    states, edges = _python_states(b)
-    assert {compiled.encode(s) for s in states} == set(compiled.all_states(b))
-    run = compiled.search(b, liveness=False)
-    assert (run.states, run.edges) == (len(states), edges)
+BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS}
+
+
+@pytest.mark.parametrize("name", _bounds(BOUNDS))
+def test_the_same_reachable_states_and_transitions_beyond_the_scenarios(name: str) -> None:
+    """Decoding, chunks of several blocks, blocks of several tokens, several full-attention
+    groups and sliding windows, each on bounds of its own."""
+    _same_state_spaces(BOUNDS[name])
 
 
 def test_eviction_splits_a_chunk_between_its_groups() -> None:
