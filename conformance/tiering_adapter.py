@@ -41,19 +41,20 @@ and releases it only in `run_tier_io`:
   thread's ``get`` still reads the real queue), and in place of its ``_pending_results``, a
   queue that counts what the probe thread posts.
 
-`run_tier_io` releases the held work one item at a time, tier by tier in tier order, each
-tier's jobs and probe batches in the order they were handed over (one queue per tier, as the
+`run_tier_io` releases the held work one item at a time, tier by tier in tier order, each tier's
+jobs and probe batches in the order they were handed over (one queue per tier, as the
 reference's tiers run their jobs and probes as tasks of one executor, in order). A job goes to
-the pool's real enqueue method, then the adapter waits, under the pool's own condition
-variable, for the pool to be idle (the predicate of `wait_idle`, TP:138-147: the job's task ran
-and its result is in the finished queue); a probe batch goes onto the real probe queue, then
-the adapter waits for the probe thread to have posted that batch's verdicts (every non-empty
-batch gets exactly one result batch, TAL:271-290). Each wait has a timeout (`io_timeout_s`,
-default 30 s) and raises `TierIOTimeout` when it expires: nothing is waited for blindly, and
-nothing sleeps. After `run_tier_io` the results wait where vLLM leaves them (the pool's
-finished queue, the probe's result queue) for vLLM's own next poll or drain. So between two
-rules no vLLM thread has anything to do, and the projected state after each rule is a function
-of the rules so far.
+the pool's real enqueue method, then the adapter waits, under the pool's own condition variable,
+for the pool to be idle (the predicate of `wait_idle`, TP:138-147: the job's task ran and its
+result is in the finished queue); a probe batch goes onto the real probe queue, then the adapter
+waits for the probe thread to have posted a verdict for every key of the batch (the thread
+answers each key once: 0.33.0 posts a batch's verdicts as one result item, TAL:271-290; 0.34.0
+posts one item per request of the batch, as each request's probe ends, TAL@0.34.0:301-321, so
+the adapter counts verdicts, not items). Each wait has a timeout (`io_timeout_s`, default 30 s)
+and raises `TierIOTimeout` when it expires: nothing is waited for blindly, and nothing sleeps.
+After `run_tier_io` the results wait where vLLM leaves them (the pool's finished queue, the
+probe's result queue) for vLLM's own next poll or drain. So between two rules no vLLM thread has
+anything to do, and the projected state after each rule is a function of the rules so far.
 
 `reset` first releases all the held work in the same way, then calls `reset_cache`: vLLM's
 reset drains the pool itself (``drain_jobs`` = ``wait_idle``, TM:1164-1169, TF:333-336), which
@@ -272,18 +273,19 @@ class _HeldLookupQueue:
 
 
 class _CountingResults:
-    """Stands for a probe manager's ``_pending_results``: counts the batches of verdicts the
-    probe thread posts, so the adapter can wait for them."""
+    """Stands for a probe manager's ``_pending_results``: counts the verdicts the probe
+    thread posts (an item is a list of (key, generation, found)), so the adapter can wait for
+    every key of a batch it released."""
 
     def __init__(self, real: Any) -> None:
         self.real = real
-        self.posted = 0
+        self.verdicts = 0
         self.cond = threading.Condition()
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         self.real.put(item)
         with self.cond:
-            self.posted += 1
+            self.verdicts += len(item)
             self.cond.notify_all()
 
     def get_nowait(self) -> Any:
@@ -303,7 +305,8 @@ class _Tier:
     """vLLM's `FileSystemTierManager`."""
     root: str
     results: _CountingResults
-    released_probes: int = 0
+    released_keys: int = 0
+    """The keys of the probe batches released so far: each gets one verdict."""
     failures_armed: int = 0
 
 
@@ -468,16 +471,18 @@ class VllmTieringSystem:
                                     f"not finish within {self.io_timeout_s} s")
             return
         results = tier.results
-        tier.released_probes += 1
-        want = tier.released_probes
+        tier.released_keys += len(item.batch)
+        want = tier.released_keys
         lookup_queue: Any = tier.manager._lookup_manager._lookup_queue
         lookup_queue.real.put(item.batch)
         with results.cond:
-            done = results.cond.wait_for(lambda: results.posted >= want,
+            done = results.cond.wait_for(lambda: results.verdicts >= want,
                                          timeout=self.io_timeout_s)
         if not done:
-            raise TierIOTimeout(f"tier {item.tier}: the existence probe did not post its "
-                                f"verdicts within {self.io_timeout_s} s")
+            raise TierIOTimeout(f"tier {item.tier}: the existence probe posted "
+                                f"{results.verdicts - (want - len(item.batch))} of the "
+                                f"{len(item.batch)} verdicts of its batch within "
+                                f"{self.io_timeout_s} s")
 
     def _run_held(self) -> None:
         """Release the held work tier by tier (in tier order), each tier's jobs and probe

@@ -13,6 +13,7 @@ How vLLM's threads are made deterministic: `conformance.tiering_adapter`.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -356,3 +357,33 @@ def test_a_truncated_copy_fails_its_promotion_from_that_key_on(make: Any) -> Non
     assert v.probe_verdict(0, "b") is False
     assert [v.lookup("r", k) for k in "ab"] == ["HIT", "MISS"]
     v.load("r", ["a"])
+
+
+def test_a_probe_batch_of_two_requests_is_waited_for_to_its_last_verdict(make: Any) -> None:
+    """One step's probe batch holds two requests' keys. From 0.34.0 the probe thread posts a
+    result item per request, as each request's probe ends (TAL@0.34.0:301-321; 0.33.0 posts
+    one item per batch, TAL:271-290): `run_tier_io` waits for a verdict for every key of the
+    batch, not for the first item, so the second request's lookup is answered even when its
+    probe ends late (here: its `batch_lookup` is held back a little, as a loaded machine
+    does)."""
+    v = make(num_slots=2)
+    _offload_and_evict(v, ["a", "b"], ["c", "d"])
+    probe = v.s.tiers[0].manager._lookup_manager
+    real_batch_lookup = probe.batch_lookup
+    late: list[str] = []
+
+    def batch_lookup(keys: Any, req_context: Any) -> Any:
+        if req_context.req_id == "r3":
+            late.append(req_context.req_id)
+            threading.Event().wait(0.3)             # the second request's probe ends late
+        return real_batch_lookup(keys, req_context)
+
+    probe.batch_lookup = batch_lookup
+    for r, k in (("r2", "a"), ("r3", "b")):
+        v.new_request(r)
+        assert v.lookup(r, k) == "RETRY"
+    v.end_step()                                    # one batch of both requests' keys
+    v.run_tier_io()
+    assert late == ["r3"]
+    assert [v.lookup(r, k) for r, k in (("r2", "a"), ("r3", "b"))] == ["HIT_PENDING"] * 2
+    assert v.probe_verdict(0, "a") is True and v.probe_verdict(0, "b") is True
