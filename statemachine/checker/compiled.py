@@ -89,7 +89,7 @@ def fits(b: M.Bounds) -> str | None:
     ng = len(b.groups)
     if b.requests > MAXR or b.gpu_blocks > MAXB \
             or ng > MAXG or ng * b.blocks_of(b.tokens + b.decode_tokens) > MAXT \
-            or b.requests * (b.tokens + b.decode_tokens) * ng > MAXK:
+            or kv_nkeys(b) > MAXK:
         return (f"bounds beyond the compiled model ({MAXR} requests, {MAXG} groups, {MAXT} "
                 f"blocks in a request's table, {MAXK} chunk keys (a key per token of prompt "
                 f"and output, per request and group), {MAXB} GPU blocks)")
@@ -251,9 +251,14 @@ def _key_index(b: M.Bounds, key: int) -> int:
     return at * ng + group
 
 
-def _mask(b: M.Bounds, mask: int) -> list[int]:
-    """A set of keys as kv_encode writes it: 2 bytes, or 4 beyond 16 keys."""
-    return list(mask.to_bytes(4 if kv_nkeys(b) > 16 else 2, "little"))
+def _mask(width: int, mask: int) -> list[int]:
+    """A set of keys as kv_encode writes it, in `width` bytes (`_mask_width`)."""
+    return list(mask.to_bytes(width, "little"))
+
+
+def _mask_width(b: M.Bounds) -> int:
+    """The bytes of a set of keys (mask_bytes of search.c): 2, or 4 beyond 16 keys."""
+    return 4 if kv_nkeys(b) > 16 else 2
 
 
 def kv_nkeys(b: M.Bounds) -> int:
@@ -270,7 +275,7 @@ def encode(s: M.ModelState) -> bytes:
     """The C encoding of model state `s` (kv_encode in search.c)."""
     b = s.bounds
     T = len(b.groups) * b.blocks_of(b.tokens + b.decode_tokens)  # a request's table
-    K = kv_nkeys(b)
+    K, width = kv_nkeys(b), _mask_width(b)
     out: list[int] = []
     reqs = {r.id: r for r in s.reqs}
     core = dict(s.core)
@@ -304,7 +309,7 @@ def encode(s: M.ModelState) -> bytes:
             out.append(int(q is not None and q.load_failed))
         if counts_per_request:
             counted = 0 if q is None else sum(1 << _key_index(b, k) for k in q.counted)
-            out += _mask(b, counted)
+            out += _mask(width, counted)
         out += list(jobs.to_bytes(4, "little")) + blocks
         c = core.get(t.req_id)
         if c is None:
@@ -335,7 +340,7 @@ def encode(s: M.ModelState) -> bytes:
         out += [j.id, 0 if j.kind == "load" else 1, owner, jstate[j.state], j.pending,
                 j.unreported, NONE8 if j.age is None else j.age, j.held_slots, flags,
                 len(j.blocks)]
-        out += _mask(b, keys) + list(deferred.to_bytes(2, "little"))
+        out += _mask(width, keys) + list(deferred.to_bytes(2, "little"))
         if cb.sliding:
             out += list(sum(1 << blk for blk in j.fenced).to_bytes(2, "little"))
         out += _pad(j.blocks, T)
@@ -348,9 +353,9 @@ def encode(s: M.ModelState) -> bytes:
     if cb.store_threshold > 1:
         offers = {_key_index(b, k): n for k, n in s.offers}
         out += [offers.get(k, 0) for k in range(K)]
-    out += _mask(b, sum(1 << _key_index(b, k) for k in s.being_loaded))
+    out += _mask(width, sum(1 << _key_index(b, k) for k in s.being_loaded))
     out += list(sum(1 << blk for blk in s.free_blocks).to_bytes(2, "little"))
-    out += _mask(b, sum(1 << _key_index(b, k) for k in s.bad_chunks))
+    out += _mask(width, sum(1 << _key_index(b, k) for k in s.bad_chunks))
     out += list(sum(1 << i for i in s.to_flush).to_bytes(4, "little"))
     fences = dict(s.block_fence)
     for blk in range(b.gpu_blocks):

@@ -137,12 +137,19 @@ static void add_job(World *w, const Job *j) {  /* keep the records sorted by id 
     s->njobs++;
 }
 
+/* the core's allocation: the lowest free GPU block, taken from the pool (the caller has
+ * counted that there is one) */
+static uint8_t take_free_block(State *s) {
+    int blk = __builtin_ctz(s->free_blocks);
+    s->free_blocks &= (uint16_t)(s->free_blocks - 1);
+    return (uint8_t)blk;
+}
+
 static void del_job(State *s, int id) {
     int i = job_pos(s, id);
     if (i < 0) return;
     for (; i + 1 < s->njobs; i++) s->job[i] = s->job[i + 1];
     s->njobs--;
-    memset(&s->job[s->njobs], 0, sizeof(Job));
 }
 
 /* ============================================================== the data's truth (truth.py) */
@@ -1310,14 +1317,8 @@ static void apply(World *w, uint32_t ev) {
                         need += !null;
                     }
                 if (hit >= 0 && popcount16(s->free_blocks) >= need) {
-                    uint16_t pool = s->free_blocks;
-                    for (int i = 0; i < nblocks; i++) {
-                        if (blocks[i] == NONE8) continue;
-                        blocks[i] = (uint8_t)__builtin_ctz(pool);
-                        pool &= (uint16_t)(pool - 1);
-                    }
                     for (int i = 0; i < nblocks; i++)
-                        if (blocks[i] != NONE8) s->free_blocks &= (uint16_t)~(1u << blocks[i]);
+                        if (blocks[i] != NONE8) blocks[i] = take_free_block(s);
                     alloc(w, r, blocks, nblocks, hit);
                     inside(w, 1);
                     c = &s->req[r];
@@ -1351,11 +1352,7 @@ static void apply(World *w, uint32_t ev) {
             if (c->cstatus == C_RUNNING && q != admitted && c->computed < tokens_to_compute(w, q)) {
                 if (kv_blocks_of(w->b, c->computed + 1) > c->ncblocks / ng) {  /* _decode_blocks: its next token's block, in each group */
                     if (popcount16(s->free_blocks) < ng) continue;  /* no room: not scheduled in this step */
-                    for (int g = 0; g < ng; g++) {
-                        int blk = __builtin_ctz(s->free_blocks);
-                        s->free_blocks &= (uint16_t)~(1u << blk);
-                        grown[q][g] = (uint8_t)blk;
-                    }
+                    for (int g = 0; g < ng; g++) grown[q][g] = take_free_block(s);
                     c->ncblocks = (uint8_t)extend_table(w, c->cblocks, c->ncblocks, grown[q]);
                 }
                 cached |= (uint8_t)(1u << q);
@@ -1496,11 +1493,11 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
              int *inside_hook, char *msg) {
     World w;
     jmp_buf jb;
-    memset(&w, 0, sizeof w);
+    memset(&w, 0, offsetof(World, s));
     w.b = b;
     w.t = t;
     w.faults = faults;
-    w.s = *s;
+    kv_copy_state(&w.s, s);
     w.jb = &jb;
     w.fired = fired;
     w.check_inside = check_inside;
@@ -1515,7 +1512,7 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
     for (int c = 0; c < MAXK; c++)
         if (w.s.chunk[c] != CH_ABSENT) present |= (KeyMask)1 << c;
     w.s.bad_chunks &= present;
-    *out = w.s;
+    kv_copy_state(out, &w.s);
     if (inside_inv) *inside_inv = w.inside_found ? w.inside_inv : -1;
     if (inside_hook) *inside_hook = w.inside_hook;
     return ERR_NONE;

@@ -6,6 +6,7 @@
 #define KV_MODEL_H
 
 #include <setjmp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -76,7 +77,6 @@ typedef struct {
 
 typedef struct {
     Req req[MAXR];
-    Job job[MAXJ];
     uint8_t njobs, counter, threshold, fence, reset_since_step;
     uint8_t pending_finished, pending_preempted;
     uint8_t budget[3];
@@ -86,7 +86,18 @@ typedef struct {
     uint16_t free_blocks;
     uint32_t to_flush;
     uint32_t block_fence[MAXB];
+    Job job[MAXJ];  /* last: only the first njobs records are live, and only they are copied
+                     * (kv_copy_state); the records beyond are not read */
 } State;
+
+/* a state's live part: everything before the job records, and the njobs records */
+static inline size_t kv_live_bytes(const State *s) {
+    return offsetof(State, job) + (size_t)s->njobs * sizeof(Job);
+}
+
+static inline void kv_copy_state(State *dst, const State *src) {
+    memcpy(dst, src, kv_live_bytes(src));
+}
 
 typedef struct {
     int32_t requests, tokens, workers, cpu_chunks, gpu_blocks, resets, failures, preemptions;
@@ -136,7 +147,6 @@ struct World {
     const Bounds *b;
     const Tables *t;
     uint32_t faults;
-    State s;
     /* the event's scratch */
     int step_open;
     uint32_t batch_jobs, batch_loads;
@@ -152,6 +162,8 @@ struct World {
     int check_inside;         /* check the invariants after a step's lookup and allocation */
     int inside_found, inside_inv, inside_hook;
     uint32_t without;         /* invariants switched off (bit i: INV-(i+1)) */
+    State s;                  /* last: kv_apply zeroes the scratch before it, and copies in
+                               * only the state's live part */
 };
 
 /* faults: FT_* of tables.h (spec.model.faults.Fault, in its order) */

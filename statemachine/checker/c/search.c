@@ -20,26 +20,24 @@ static int max_blocks(const Bounds *b) { return b->groups * kv_blocks_of(b, b->t
 /* a set of keys takes 2 bytes, or 4 beyond 16 keys (one group's bounds encode as before) */
 static int mask_bytes(const Bounds *b) { return kv_nkeys(b) > 16 ? 4 : 2; }
 
-static int put_mask(const Bounds *b, KeyMask m, uint8_t *o) {
-    int w = mask_bytes(b);
+static int put_mask(int w, KeyMask m, uint8_t *o) {
     for (int i = 0; i < w; i++) o[i] = (uint8_t)(m >> (8 * i));
     return w;
 }
 
-static int get_mask(const Bounds *b, KeyMask *m, const uint8_t *o) {
-    int w = mask_bytes(b);
+static int get_mask(int w, KeyMask *m, const uint8_t *o) {
     *m = 0;
     for (int i = 0; i < w; i++) *m |= (KeyMask)o[i] << (8 * i);
     return w;
 }
 
-static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
+static int put_req(const Bounds *b, int mw, const Req *q, uint8_t *o) {
     int n = 0, T = max_blocks(b);
     o[n++] = q->state; o[n++] = q->flags; o[n++] = q->hit; o[n++] = q->cursor;
     o[n++] = q->kv_load; o[n++] = q->nblocks; o[n++] = q->signals; o[n++] = q->after_signal;
     /* a rule's field only where the bounds can set it (0.33.0's bounds encode as before) */
     if (b->failed_load_for_life) o[n++] = q->load_failed;
-    if (b->store_threshold > 1 && b->per_request_admission) n += put_mask(b, q->counted, o + n);
+    if (b->store_threshold > 1 && b->per_request_admission) n += put_mask(mw, q->counted, o + n);
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(q->jobs >> (8 * i));
     for (int i = 0; i < T; i++) o[n++] = q->blocks[i];
     o[n++] = q->cstatus; o[n++] = q->computed; o[n++] = q->loading; o[n++] = q->aborted;
@@ -52,15 +50,15 @@ static int put_req(const Bounds *b, const Req *q, uint8_t *o) {
 }
 
 int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
-    int n = 0, T = max_blocks(b), K = kv_nkeys(b);
-    for (int r = 0; r < b->requests; r++) n += put_req(b, &s->req[r], o + n);
+    int n = 0, T = max_blocks(b), K = kv_nkeys(b), mw = mask_bytes(b);
+    for (int r = 0; r < b->requests; r++) n += put_req(b, mw, &s->req[r], o + n);
     o[n++] = s->njobs;
     for (int i = 0; i < s->njobs; i++) {
         const Job *j = &s->job[i];
         o[n++] = j->id; o[n++] = j->kind; o[n++] = j->owner; o[n++] = j->state;
         o[n++] = j->pending; o[n++] = j->unreported; o[n++] = j->age; o[n++] = j->held_slots;
         o[n++] = j->flags; o[n++] = j->nblocks;
-        n += put_mask(b, j->keys, o + n);
+        n += put_mask(mw, j->keys, o + n);
         o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
         if (b->sliding) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
         for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
@@ -71,21 +69,21 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
     for (int k = 0; k < K; k++) o[n++] = (uint8_t)s->chunk[k];
     if (b->store_threshold > 1)
         for (int k = 0; k < K; k++) o[n++] = s->offers[k];
-    n += put_mask(b, s->being_loaded, o + n);
+    n += put_mask(mw, s->being_loaded, o + n);
     o[n++] = (uint8_t)s->free_blocks; o[n++] = (uint8_t)(s->free_blocks >> 8);
-    n += put_mask(b, s->bad_chunks, o + n);
+    n += put_mask(mw, s->bad_chunks, o + n);
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->to_flush >> (8 * i));
     for (int blk = 0; blk < b->gpu_blocks; blk++)
         for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->block_fence[blk] >> (8 * i));
     return n;
 }
 
-static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
+static int get_req(const Bounds *b, int mw, Req *q, const uint8_t *o) {
     int n = 0, T = max_blocks(b);
     q->state = o[n++]; q->flags = o[n++]; q->hit = o[n++]; q->cursor = o[n++];
     q->kv_load = o[n++]; q->nblocks = o[n++]; q->signals = o[n++]; q->after_signal = o[n++];
     if (b->failed_load_for_life) q->load_failed = o[n++];
-    if (b->store_threshold > 1 && b->per_request_admission) n += get_mask(b, &q->counted, o + n);
+    if (b->store_threshold > 1 && b->per_request_admission) n += get_mask(mw, &q->counted, o + n);
     q->jobs = 0;
     for (int i = 0; i < 4; i++) q->jobs |= (uint32_t)o[n++] << (8 * i);
     for (int i = 0; i < T; i++) q->blocks[i] = o[n++];
@@ -99,17 +97,18 @@ static int get_req(const Bounds *b, Req *q, const uint8_t *o) {
 }
 
 void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
-    int n = 0, T = max_blocks(b), K = kv_nkeys(b);
-    memset(s, 0, sizeof *s);
+    int n = 0, T = max_blocks(b), K = kv_nkeys(b), mw = mask_bytes(b);
+    memset(s, 0, offsetof(State, job));  /* the records beyond njobs are not read */
     for (int k = 0; k < MAXK; k++) s->chunk[k] = CH_ABSENT;
-    for (int r = 0; r < b->requests; r++) n += get_req(b, &s->req[r], o + n);
+    for (int r = 0; r < b->requests; r++) n += get_req(b, mw, &s->req[r], o + n);
     s->njobs = o[n++];
     for (int i = 0; i < s->njobs; i++) {
         Job *j = &s->job[i];
+        memset(j, 0, sizeof *j);
         j->id = o[n++]; j->kind = o[n++]; j->owner = o[n++]; j->state = o[n++];
         j->pending = o[n++]; j->unreported = o[n++]; j->age = o[n++]; j->held_slots = o[n++];
         j->flags = o[n++]; j->nblocks = o[n++];
-        n += get_mask(b, &j->keys, o + n);
+        n += get_mask(mw, &j->keys, o + n);
         j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
         if (b->sliding) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
         for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
@@ -120,9 +119,9 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     for (int k = 0; k < K; k++) s->chunk[k] = (int8_t)o[n++];
     if (b->store_threshold > 1)
         for (int k = 0; k < K; k++) s->offers[k] = o[n++];
-    n += get_mask(b, &s->being_loaded, o + n);
+    n += get_mask(mw, &s->being_loaded, o + n);
     s->free_blocks = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
-    n += get_mask(b, &s->bad_chunks, o + n);
+    n += get_mask(mw, &s->bad_chunks, o + n);
     s->to_flush = 0;
     for (int i = 0; i < 4; i++) s->to_flush |= (uint32_t)o[n++] << (8 * i);
     for (int blk = 0; blk < b->gpu_blocks; blk++) {
