@@ -694,8 +694,8 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),
     # vLLM's default retention: only the window tail a replay of the prompt reads; with a
-    # 4-token window and 2-block chunks vLLM's tail (3 blocks) and the spec's (4) take the
-    # same chunks
+    # 4-token window and 2-block chunks vLLM's tail (3 blocks) and the spec's (5 under
+    # 0.33.0's cut, 4 under 0.34.0's) take the same chunks of a 5-token prompt
     M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=14,
              resets=1, failures=0, preemptions=1, groups=("full", "sliding"),
              sliding_window=4, blocks_per_chunk=2, retention_interval=0),

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
+from spec.rules import LastTokenCut
+
 GroupKind = Literal["full", "sliding", "mamba"]
 GROUP_KINDS: tuple[GroupKind, ...] = ("full", "sliding", "mamba")
 
@@ -113,19 +115,28 @@ def contiguous_blocks_for_hit(sliding_window: int, tokens_per_block: int) -> int
     return cdiv(sliding_window - 1, tokens_per_block)
 
 
-def short_hit_blocks(sliding_window: int, tokens_per_block: int) -> int:
-    """The blocks before its end that a hit of a sliding-window group needs when it ends
-    one token before a block edge, as the connector's hits do with a window group (S:872-876):
-    the window then reaches one token further back, into one more block whenever the window
-    less one token is a whole number of blocks. One more than
-    `contiguous_blocks_for_hit` then, else the same: `cdiv(window, block)`."""
-    return cdiv(sliding_window, tokens_per_block)
+def hit_tail_blocks(sliding_window: int, tokens_per_block: int,
+                    last_token_cut: LastTokenCut) -> int:
+    """The blocks before a chunk's end that a sliding-window group's hit ending in that
+    chunk can read: the window of the first token computed after the hit, for the hit that
+    ends furthest before the chunk's edge. That is the hit of a request whose prompt ends on
+    the edge: it is bounded to the whole hash blocks before its last token (LAST-TOKEN-BOUND,
+    a block before the edge), and under 0.33.0's cut (`LastTokenCut.AFTER_CAPS`, S:872-876)
+    it ends one token short of that bound again; 0.34.0 takes the token off before the bound
+    (`BEFORE_CAPS`), which already leaves it out. A hit `cut` tokens before the edge computes
+    that token first, whose window needs the `window - 1` tokens before it:
+    `cdiv(window - 1 + cut, block)` blocks, with `cut = block + 1` under 0.33.0's cut and
+    `cut = block` under 0.34.0's. vLLM's mask counts a hit on the edge (cut 0,
+    `contiguous_blocks_for_hit`: finding F4)."""
+    cut = tokens_per_block + (last_token_cut is LastTokenCut.AFTER_CAPS)
+    return cdiv(sliding_window - 1 + cut, tokens_per_block)
 
 
 def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
                            blocks_per_chunk: int, retention_interval: int | None,
                            boundaries: Sequence[int], start_block: int, end_block: int,
-                           short_hits: bool = True) -> tuple[bool, ...] | None:
+                           last_token_cut: LastTokenCut | None
+                           ) -> tuple[bool, ...] | None:
     """Which of a sliding-window group's blocks `start_block <= i < end_block` the store may
     need, because some hit at a chunk-aligned length reads them; None: every block
     (`SlidingWindowManager.reachable_block_mask`, vLLM 0.33.0
@@ -142,13 +153,14 @@ def reachable_store_blocks(sliding_window: int, tokens_per_block: int,
     whole number of chunks.
 
     Different from vLLM (finding F4): vLLM sizes every tail for a hit that ends on a block
-    edge (`contiguous_blocks_for_hit`), but the connector's hits with a window group end one
-    token short of one, and such a hit reads one block more (`short_hit_blocks`). A chunk
-    stored without that block (the core had freed it) then serves a load of bytes no store
-    wrote. Here the tails count that block; `short_hits=False` is vLLM's mask (the fault
-    `Fault.STORE_MASK_IGNORES_SHORT_HITS`)."""
-    need = (short_hit_blocks if short_hits else contiguous_blocks_for_hit)(
-        sliding_window, tokens_per_block)
+    edge (`contiguous_blocks_for_hit`), but the connector's hits with a window group end
+    short of one, and such a hit reads further back (`hit_tail_blocks`, by the release's
+    `last_token_cut`). A chunk stored without those blocks (the core had freed them) then
+    serves a load of bytes no store wrote. Here the tails count them; `last_token_cut` None
+    is vLLM's mask (the fault `Fault.STORE_MASK_IGNORES_SHORT_HITS`)."""
+    need = contiguous_blocks_for_hit(sliding_window, tokens_per_block) \
+        if last_token_cut is None \
+        else hit_tail_blocks(sliding_window, tokens_per_block, last_token_cut)
     tokens_per_chunk = tokens_per_block * blocks_per_chunk
     mask = [False] * (end_block - start_block)
     segment = tokens_per_chunk if retention_interval is None else retention_interval

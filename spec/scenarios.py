@@ -228,7 +228,19 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1,
                     failures=0, preemptions=0, groups=("full", "sliding"), sliding_window=2,
                     blocks_per_chunk=2, retention_interval=0),
-             Expect("pass", 9_988, 19)),
+             Expect("pass", 11_825, 20)),
+    Scenario("window-aligned-prompt",
+             "a full-attention and a sliding-window group (window 2) with 3-block chunks, two "
+             "6-token prompts sharing a prefix (each ends on a chunk's edge), a reset: the "
+             "second prompt's hit is bounded a block before the edge and, under 0.33.0's "
+             "cut, ends a token short of that again, so its window reads the chunk's first "
+             "block; the reachable-block mask counts that block, so the store after the reset "
+             "does not write the chunk without it (INV-23; a mask that counts a hit one token "
+             "short does)",
+             Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=12, resets=1,
+                    failures=0, preemptions=0, groups=("full", "sliding"), sliding_window=2,
+                    blocks_per_chunk=3),
+             Expect("pass", 12_049, 23)),
     Scenario("hybrid-mamba",
              "a full-attention and a Mamba group (align mode), two requests of three tokens "
              "sharing a prefix, sync loads: every state the core hands off at a chunk edge "

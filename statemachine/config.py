@@ -267,7 +267,8 @@ class OffloadingConfig:
                                       self.blocks_per_chunk, self.retention_interval,
                                       reachable_boundaries(prompt_tokens,
                                                            shared_prefix_boundary),
-                                      start_block, end_block, short_hits)
+                                      start_block, end_block,
+                                      self.rules.last_token_cut if short_hits else None)
 
     def skipped_blocks(self, group: int, computed: int) -> int:
         """Blocks of `group` before the window once `computed` tokens are computed (the core

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from spec import groups
 from spec import model as M
-from spec.scenarios import hunt_bounds
+from spec.groups import cdiv
+from spec.rules import LastTokenCut
+from spec.scenarios import by_name, hunt_bounds
 from statemachine.checker import check
 
 pytestmark = pytest.mark.exhaustive
@@ -48,3 +51,26 @@ def test_vllms_store_mask_is_found_by_inv23_alone() -> None:
     assert len(r.counterexample.steps) <= 11, text
     blind = check(bounds, frozenset({fault}), without=frozenset({"INV-23"}))
     assert blind.counterexample is None and blind.states > r.states
+
+
+def test_a_mask_for_hits_one_token_short_misses_the_prompt_that_ends_on_the_edge(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose prompt ends on a chunk's edge has its hit bounded a block before the
+    edge (LAST-TOKEN-BOUND) and, under 0.33.0's cut, a token short of that again: its
+    window reads one block further back than a hit one token short of the edge. A mask
+    that counts only the latter (`cdiv(window, block)`, the spec's count until this
+    scenario) stores the chunk after a reset without that block, and the second prompt's
+    load reads it: INV-23 on the Python model. The spec's count (`hit_tail_blocks`) passes
+    (`window-aligned-prompt`, pinned on both engines)."""
+    b = by_name("window-aligned-prompt").bounds
+    assert groups.hit_tail_blocks(b.sliding_window, b.tokens_per_block,
+                                  LastTokenCut.AFTER_CAPS) == 3
+    assert groups.hit_tail_blocks(b.sliding_window, b.tokens_per_block,
+                                  LastTokenCut.BEFORE_CAPS) == 2
+    monkeypatch.setattr(groups, "hit_tail_blocks",
+                        lambda window, block, _cut: cdiv(window, block))
+    r = check(b, engine="python")
+    assert r.counterexample is not None and r.verdict == "invariant INV-23", r
+    text = r.counterexample.render()
+    assert "reset()" in text and "update_state_after_alloc('r1'" in text, text
+    assert len(r.counterexample.steps) == 12, text

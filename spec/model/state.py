@@ -301,7 +301,8 @@ class Bounds:
         return reachable_store_blocks(self.sliding_window, self.tokens_per_block,
                                       self.blocks_per_chunk, self.retention_interval,
                                       reachable_boundaries(prompt_tokens), start_block,
-                                      end_block, short_hits)
+                                      end_block,
+                                      self.rules.last_token_cut if short_hits else None)
 
     def skipped_blocks(self, g: int, computed: int) -> int:
         return group_skipped_blocks(self.groups[g], self._window(g), self.tokens_per_block,

@@ -270,8 +270,10 @@ def test_a_shared_prefix_junction_keeps_its_window_tail_in_vllm_and_the_referenc
     the shared-prefix junction the core's lookup found (`Request.shared_prefix_boundary`,
     S:1853-1857; `spec.groups.reachable_boundaries`). A prompt of six blocks and a part
     with a junction after block 3, computed in one step: vLLM's connector and the reference
-    scheduler store every full-attention chunk, and the window group's blocks 5 (the
-    replay boundary) and, with the junction, 2; the same sources in both."""
+    scheduler store every full-attention chunk, and vLLM the window group's blocks 5 (the
+    replay boundary) and, with the junction, 2. The reference keeps the block before each
+    of those too: a hit bounded a block before a tail's edge reads it under 0.33.0's cut
+    (the second form of finding F4, `spec.groups.hit_tail_blocks`)."""
     E = vllm_ready
     if E.vllm_version() < (0, 26, 0):
         pytest.skip("hybrid KV cache configurations need vLLM 0.33")
@@ -317,7 +319,7 @@ def test_a_shared_prefix_junction_keeps_its_window_tail_in_vllm_and_the_referenc
 
     want_window = {table[1][5]} | ({table[1][2]} if junction else set())
     assert vllm_window == want_window, (vllm_window, want_window)
-    assert ours_window == vllm_window
+    assert ours_window == vllm_window | {table[1][4]} | ({table[1][1]} if junction else set())
     assert vllm_full == ours_full == set(table[0][:6])
 
 
@@ -351,3 +353,93 @@ def test_d5_a_hybrid_hit_under_max_load_tokens_reaches_the_cap_from_0_34(
     hit, _ = conn.get_num_new_matched_tokens(r1, 0)
     expected = 2 * BLOCK if E.has("hybrid_hit_at_the_cap") else BLOCK
     assert hit == expected, (hit, expected)
+
+
+def test_f4_a_bounded_hit_of_a_prompt_on_a_chunk_edge_reads_an_unwritten_block(
+        vllm_ready: Any) -> None:
+    """F4 in CONFORMANCE.md, its second form: a window of one block (16 tokens), so vLLM's
+    reachable-block mask and a hit one token short of a block edge agree on one block. But
+    a hit bounded by `max_num_new_tokens` (what vLLM's `OffloadingConnector` passes when a
+    prefix-cacheable group is not offloaded, the whole hash blocks before the last token,
+    OC:164-181) ends a block before the edge of a prompt that ends on a chunk's edge, and
+    under 0.33.0's cut a token short of that again (S:862-876): its window reaches the
+    block before, which the mask does not keep. So does 0.34.0's hit, which ends on the
+    bound's edge, a block before the prompt's: its first computed token's window needs the
+    block before. The spec's count (`hit_tail_blocks`) keeps it; `window-aligned-prompt` is
+    the checker's scenario.
+
+    The steps of the F4 reproducer with this window: r0 computes four blocks, a reset puts
+    its store cursor back, r1 takes r0's freed window blocks, r0's next store writes window
+    chunk 1 from its second block alone, and r2 (r0's first four blocks), its hit bounded
+    at three blocks, hits 47 tokens (48 from 0.34.0) and loads the chunk's first
+    sub-block."""
+    E = vllm_ready
+    if E.vllm_version() < (0, 26, 0):
+        pytest.skip("hybrid KV cache configurations need vLLM 0.33")
+    setup = E.make_setup(num_gpu_blocks=32, block_size=BLOCK, blocks_per_chunk=2,
+                         sliding_window=BLOCK)
+    conn = setup.connector
+    status = E.request_status()
+    prompt = [7 + i for i in range(5 * BLOCK)]  # five blocks
+    r0 = E.make_request(setup, "r0", prompt)
+    r1 = E.make_request(setup, "r1", [9000 + i for i in range(2 * BLOCK)])
+    r2 = E.make_request(setup, "r2", prompt[:4 * BLOCK])  # r0's first four blocks
+    for r in (r0, r1, r2):
+        conn.on_new_request(r)
+
+    # step 1: r0 computes four blocks; its chunks 0 and 1 are stored (both groups)
+    table0 = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
+    conn.update_state_after_alloc(r0, E.kv_blocks(table0), 0)
+    r0.status = status.RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (r0, table0)}, num_scheduled_tokens={"r0": 4 * BLOCK}))
+    assert len(meta.store_jobs) == 1
+    r0.num_computed_tokens = 4 * BLOCK
+    # the window of token 64 starts in block 3: the core frees blocks 6, 7 and 8
+    conn.reset_cache()
+
+    # step 2: the core hands blocks 8 and 7 to r1, and vLLM zeroes them in r0's table
+    # (S:1533-1552); r0 computes its last block and stores from its cursor, now 0
+    table1 = ([11, 12], [8, 7])
+    assert conn.get_num_new_matched_tokens(r1, 0) == (0, False)
+    conn.update_state_after_alloc(r1, E.kv_blocks(table1), 0)
+    r1.status = status.RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r1": (r1, table1)}, cached={"r0": (r0, ([], []))},
+        num_scheduled_tokens={"r1": 2 * BLOCK, "r0": BLOCK}))
+    window_stores = {}
+    window_chunk = -1
+    for job_id, job in meta.store_jobs.items():
+        spec = job.src_spec
+        sizes = [int(n) for n in spec.group_sizes]
+        if job.req_id == "r0" and sizes[1]:
+            window_stores[job_id] = ([int(b) for b in spec.block_ids][sizes[0]:],
+                                     int(spec.block_indices[1]))
+            window_chunk = int(job.dst_spec.block_ids[-1])  # chunks in group order
+    # vLLM's mask keeps each chunk's last block: window chunk 1 is stored from block 9 alone
+    # (from 0.34.0, feature null_pages_in_chunk, with the null block's zeros before it)
+    expected = ([0, 9], 2) if E.has("null_pages_in_chunk") else ([9], 3)
+    assert list(window_stores.values()) == [expected], window_stores
+    conn.update_connector_output(E.connector_output(
+        setup, {j: 1 for j in meta.store_jobs}))
+
+    # step 3: r2's hit is bounded at its whole blocks before the last token (48 tokens);
+    # 0.33.0's window cut takes a token more (47), 0.34.0's came before the bound (48)
+    hit, _ = conn.connector_scheduler.get_num_new_matched_tokens(
+        r2, 0, max_num_new_tokens=3 * BLOCK)
+    assert hit == 3 * BLOCK - (0 if E.has("hybrid_hit_at_the_cap") else 1)
+    # the core skips the tokens before the window of the first token it computes (47 or
+    # 48): blocks 0 and 1 of the window
+    table2 = ([13, 14, 15, 16], [0, 0, 18, 19])
+    conn.update_state_after_alloc(r2, E.kv_blocks(table2), hit)
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r2": (r2, table2)}, num_scheduled_tokens={}))
+    [(_, load)] = list(meta.load_jobs.items())
+    dst = load.dst_spec
+    sizes = [int(n) for n in dst.group_sizes]
+    # the window group loads block 2 alone (into block 18) from the CPU chunk r0's store
+    # wrote from block 9 alone, into its second sub-block: its first was never written
+    # (from 0.34.0 it holds the null block's zeros)
+    assert sizes[1] == 1 and int(dst.block_indices[1]) == 2, (sizes, dst.block_indices)
+    assert int(load.src_spec.block_ids[-1]) == window_chunk
