@@ -29,7 +29,8 @@ larger comparisons (`DEEP_BOUNDS`)."""
 
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
          "failed-load-not-retried", "store-admission", "store-admission-per-request",
-         "orphaned-load-fails-0.34")
+         "orphaned-load-fails-0.34", "window-partial-chunk", "window-retention",
+         "window-aligned-prompt")
 
 
 def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
@@ -131,7 +132,7 @@ DEEP_BOUNDS = frozenset({
     "eight-tokens", "two-groups-eviction", "two-groups-decoding", "two-groups-settings",
     "two-groups-0.34", "three-groups-18-keys", "two-groups-admission-20-keys",
     "window-two-prompts-reset", "window-eviction", "window-first", "window-seven-tokens",
-    "window-caps"})
+    "window-caps", "window-chunks-of-2-retention-2", "window-3-chunks-of-2"})
 """Whole-space comparisons of a second or more each, left to `make check-groups` (marker
 `deep`) so that `make test` stays under ten minutes; `make test` keeps the smaller bounds
 of each kind and compares successors on sampled states of every compiled scenario."""
@@ -220,13 +221,41 @@ WINDOWS = {
         preemptions=1, groups=FS, sliding_window=2, request_settings=(
             M.RequestSettings(max_load_tokens=2, max_offload_tokens=2),
             M.RequestSettings(skip_reading_prefix_cache=True))),
+    "window-caps-0.34": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=0, failures=0,
+        preemptions=1, groups=FS, sliding_window=2, rules=VLLM_0_34, request_settings=(
+            M.RequestSettings(max_load_tokens=2), M.RequestSettings())),
+    "window-blocks-of-2-caps-0.34": M.Bounds(
+        requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1, failures=0,
+        preemptions=0, tokens_per_block=2, groups=FS, sliding_window=3, rules=VLLM_0_34,
+        request_settings=(M.RequestSettings(), M.RequestSettings(max_load_tokens=4))),
+    "window-chunks-of-2-retention-2": M.Bounds(
+        requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1, failures=1,
+        preemptions=0, groups=FS, sliding_window=2, blocks_per_chunk=2, retention_interval=2),
+    "window-chunks-of-2-retention-4": M.Bounds(
+        requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=0, failures=1,
+        preemptions=1, groups=FS, sliding_window=2, blocks_per_chunk=2, retention_interval=4),
+    "window-chunks-of-2-decoding": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1, failures=1,
+        preemptions=1, decode_tokens=2, groups=FS, sliding_window=2, blocks_per_chunk=2),
+    "window-chunks-of-2-blocks-of-2": M.Bounds(
+        requests=1, tokens=7, workers=1, cpu_chunks=3, gpu_blocks=8, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, groups=FS, sliding_window=3, blocks_per_chunk=2),
+    "window-3-chunks-of-2": M.Bounds(
+        requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1, failures=0,
+        preemptions=1, groups=FS, sliding_window=3, blocks_per_chunk=2),
 }
 """Sliding-window groups: null positions before the window at admission (one token further
 back after a short hit), loads of the window's blocks only, the core's frees as the window
 moves, stores that skip a chunk whose block the window left and fence their window sources
 at once, a freed block handed to another request and forgotten by the old table, a reset
 that forgets the freed positions; a window group alone, first, or two of them; output
-tokens, blocks of 2 tokens, 7 tokens of prompt and output, sync loads and timeouts, caps."""
+tokens, blocks of 2 tokens, 7 tokens of prompt and output, sync loads and timeouts, caps;
+0.34.0's rules, whose last-token cut comes before the caps (no hit is short), with a cap on
+blocks of one token and of 2 tokens; windows in chunks of 2 and 3 blocks, whose stores write
+a chunk the window left in part (the data's truth of INV-23), under retention intervals of a
+chunk and of two, with output tokens, blocks of 2 tokens and a window of 3 (chunks of 3
+blocks: scenario `window-aligned-prompt`)."""
 
 
 BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS}

@@ -21,7 +21,13 @@ from spec import job as J
 from spec import model as M
 from spec import request as R
 from spec.groups import NULL_BLOCK
-from spec.rules import VLLM_0_33, FailedLoadLookup, StaleLoadFailure, StoreAdmission
+from spec.rules import (
+    VLLM_0_33,
+    FailedLoadLookup,
+    LastTokenCut,
+    StaleLoadFailure,
+    StoreAdmission,
+)
 from spec.schema import MachineSpec
 from statemachine.checker import gen
 
@@ -43,9 +49,10 @@ CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 # events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
 
-RULES = ("store_admission", "failed_load_lookup", "stale_load_failure")
+RULES = ("store_admission", "failed_load_lookup", "stale_load_failure", "last_token_cut")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
-`per_request_admission`, `failed_load_for_life` and `stale_fence_only`). On the others it
+`per_request_admission`, `failed_load_for_life`, `stale_fence_only` and
+`last_token_before_caps`). On the others it
 states 0.33.0's rule, and takes a later release's rules where `Bounds.rules_in_play` says
 that rule is moot."""
 
@@ -62,7 +69,8 @@ class CBounds(ctypes.Structure):
         "preemptions", "timeout_steps", "sync_loads", "partial_reports", "stray_reports",
         "failed_load_for_life", "store_threshold", "per_request_admission",
         "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
-        "tokens_per_block", "groups", "sliding", "sliding_window")] + [
+        "tokens_per_block", "groups", "sliding", "sliding_window",
+        "last_token_before_caps", "retention")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -83,9 +91,8 @@ def fits(b: M.Bounds) -> str | None:
     if any(kind not in ("full", "sliding") for kind in b.groups):
         return ("a Mamba group (the compiled model has full-attention and sliding-window "
                 "groups)")
-    if "sliding" in b.groups and (b.blocks_per_chunk > 1 or b.retention_interval is not None):
-        return ("a sliding window in chunks of several blocks or under a sparse retention "
-                "(the compiled model stores a window group's every chunk of one block)")
+    if b.blocks_per_chunk > 8:
+        return "more than 8 blocks a chunk (a chunk's blocks written are a byte)"
     ng = len(b.groups)
     if b.requests > MAXR or b.gpu_blocks > MAXB \
             or ng > MAXG or ng * b.blocks_of(b.tokens + b.decode_tokens) > MAXT \
@@ -124,6 +131,8 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.groups = len(b.groups)
     cb.sliding = sum(1 << g for g, kind in enumerate(b.groups) if kind == "sliding")
     cb.sliding_window = b.sliding_window
+    cb.last_token_before_caps = int(b.rules.last_token_cut is LastTokenCut.BEFORE_CAPS)
+    cb.retention = -1 if b.retention_interval is None else b.retention_interval
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -285,9 +294,12 @@ def encode(s: M.ModelState) -> bytes:
     jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
     cb = c_bounds(b)  # the rules' fields are encoded where the C's bounds say so
     counts_per_request = cb.store_threshold > 1 and cb.per_request_admission
-    if s.misplaced or s.partial or s.unwritten:  # the truth of INV-22 and INV-23
-        raise CompiledUnavailable("a chunk copied to another position or written in part: "
-                                  "beyond the compiled model's bounds")
+    if s.misplaced:  # the truth of INV-22: only partial tails (a Mamba group) misplace
+        raise CompiledUnavailable("a chunk copied to another position: beyond the compiled "
+                                  "model's bounds")
+    if (s.partial or s.unwritten) and not writes_in_part(b):
+        raise CompiledUnavailable("a chunk written in part beyond a sliding window in chunks "
+                                  "of several blocks: beyond the compiled model's bounds")
     for t in b.templates():
         q = reqs.get(t.req_id)
         flags = RF_SIGENTRY if t.req_id in signals else 0
@@ -360,7 +372,18 @@ def encode(s: M.ModelState) -> bytes:
     fences = dict(s.block_fence)
     for blk in range(b.gpu_blocks):
         out += list(sum(1 << i for i in fences.get(blk, ())).to_bytes(4, "little"))
+    if writes_in_part(b):  # the truth of INV-23
+        partial = {_key_index(b, k): sum(1 << i for i in offsets) for k, offsets in s.partial}
+        out += [partial.get(k, 0) for k in range(K)]
+        out += _mask(width, sum(1 << _key_index(b, k) for k in s.unwritten))
     return bytes(out)
+
+
+def writes_in_part(b: M.Bounds) -> bool:
+    """A store may write a chunk in part (a sliding window in chunks of several blocks), so
+    the encoding holds the truth of partial chunks and unwritten reads (writes_in_part of
+    search.c)."""
+    return "sliding" in b.groups and b.blocks_per_chunk > 1
 
 
 # ==================================================================== the search

@@ -739,10 +739,12 @@ static int lookup(World *w, int r, int *is_async) {
      * which sends the groups round again until it converges: all of them after a deferral,
      * the window groups after a window group's answer. Beside a window group vLLM 0.33.0
      * stops the hit a token before the bound: the hit keeps the block but is short until a
-     * group's answer cuts it to a chunk edge (LastTokenCut.AFTER_CAPS). */
+     * group's answer cuts it to a chunk edge (LastTokenCut.AFTER_CAPS). 0.34.0 takes that
+     * token off before the caps, which the bound already leaves out: no hit is short
+     * (LastTokenCut.BEFORE_CAPS). */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
     int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
-    int shorter = w->b->sliding != 0, num_hit = 0, defer = 0, end = 0;
+    int shorter = w->b->sliding != 0 && !w->b->last_token_before_caps, num_hit = 0, defer = 0, end = 0;
     int order[MAXG], norder = 0;
     for (int g = 0; g < w->b->groups; g++) if (!is_sliding(w, g)) order[norder++] = g;
     for (int g = 0; g < w->b->groups; g++) if (is_sliding(w, g)) order[norder++] = g;
@@ -841,16 +843,26 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
     int last = kv_blocks_of(w->b, hit), per = n / w->b->groups;  /* the hit's blocks, its last maybe in part */
     int bpc = w->b->blocks_per_chunk;
+    uint8_t reads[MAXK];   /* each key's blocks (offsets) the load reads */
     for (int g = 0; g < w->b->groups; g++) {  /* group by group */
         const uint8_t *table = blocks + g * per;
         int first = 0;
         while (first < last && table[first] == NONE8) first++;
         if (first == last) continue;  /* none of the hit's blocks in this group */
-        for (int c = first / bpc; c < kw.end_chunk; c++) kw.keys |= (KeyMask)1 << chunk_key(w, r, c, g);
+        for (int c = first / bpc; c < kw.end_chunk; c++) {
+            int key = chunk_key(w, r, c, g), read = 0;
+            kw.keys |= (KeyMask)1 << key;
+            for (int i = c * bpc; i < (c + 1) * bpc; i++)  /* the blocks of the chunk it reads */
+                if (i >= first && i < last) read |= 1 << (i - c * bpc);
+            reads[key] = (uint8_t)read;
+        }
         for (int i = first; i < last; i++) kw.blocks[kw.nblocks++] = table[i];
     }
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
+    for (int k = 0; k < MAXK; k++)  /* truth.read: a block no store wrote (INV-23) */
+        if (((kw.keys >> k) & 1) && w->s.partial[k] && (reads[k] & ~w->s.partial[k]))
+            w->s.unwritten |= (KeyMask)1 << k;
 }
 
 static void store(World *w, int r, int scheduled);
@@ -988,10 +1000,48 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
 }
 
 /* chunk_store_blocks with every block reachable: a chunk is stored only with all its blocks */
-static int chunk_whole(const Req *q, int at, int bpc) {
-    for (int i = at; i < at + bpc; i++)
-        if (q->blocks[i] == NONE8) return 0;
-    return 1;
+/* reachable_store_blocks: which of window group g's blocks start <= i < end a store may
+ * need (bit i - start), because a hit at a chunk-aligned length reads them; -1: every block.
+ * A window's tail per chunk (retention None), per retention interval, and (retention given)
+ * at the replay boundary, the prompt's tokens less one. A tail counts the blocks the hit
+ * that ends furthest before the chunk's edge reads (hit_tail_blocks: a block and, under
+ * 0.33.0's cut, a token before it), unless the fault keeps vLLM's mask (finding F4). */
+static int32_t reachable_store_blocks(const World *w, int g, int start, int end) {
+    const Bounds *b = w->b;
+    if (!is_sliding(w, g)) return -1;
+    int tpb = b->tokens_per_block, tpc = tokens_per_chunk(w);
+    int cut = tpb + !b->last_token_before_caps;
+    int need = FAULT(w, FT_STORE_MASK_IGNORES_SHORT_HITS) ? cdiv(b->sliding_window - 1, tpb)
+                                                         : cdiv(b->sliding_window - 1 + cut, tpb);
+    int segment = b->retention < 0 ? tpc : b->retention;
+    int32_t mask = 0;
+    if (segment) {
+        int per = segment / tpb;
+        if (need >= per) return -1;
+        for (int i = start; i < end; i++)
+            if (i % per >= per - need) mask |= 1 << (i - start);
+    }
+    if (b->retention >= 0) {  /* reachable_boundaries: the replay boundary */
+        int edge = (b->tokens - 1) / tpc * tpc / tpb;
+        for (int i = start > edge - need ? start : edge - need; i < end && i < edge; i++)
+            mask |= 1 << (i - start);
+    }
+    return mask;
+}
+
+/* chunk_store_blocks: the blocks a store copies of the chunk at `at` of a table, as offsets
+ * within it (bit i: its i-th block), given which of them are reachable (-1: all); 0: the
+ * chunk is not stored (its last block is null, none of it is reachable, or a reachable block
+ * is null). A stored chunk copies every block it holds, so one whose leading blocks the core
+ * freed is stored in part. */
+static int chunk_store_blocks(const uint8_t *at, int bpc, int32_t reachable) {
+    int full = (1 << bpc) - 1, held = 0;
+    for (int i = 0; i < bpc; i++) held |= (at[i] != NONE8) << i;
+    if (at[bpc - 1] == NONE8) return 0;
+    if (reachable < 0) return held == full ? full : 0;
+    reachable &= full;
+    if (!reachable || (reachable & ~held)) return 0;
+    return held;
 }
 
 /* _store: the store the request's new full chunks give, if any */
@@ -1016,14 +1066,19 @@ static void store(World *w, int r, int scheduled) {
     if (start >= n) return;
     KeyMask offered = 0, candidates = 0;
     int ncand = 0;
-    for (int g = 0; g < ng; g++)  /* per group (S:1859-1982); a chunk a window left without a
-                                   * block is not offered (storable_chunks) */
+    uint8_t copied[MAXG][MAXT];  /* each chunk's blocks the store copies (offsets; 0: none) */
+    for (int g = 0; g < ng; g++) {  /* per group (S:1859-1982); a chunk a window left without
+                                     * a block it needs is not offered (storable_chunks) */
+        int32_t reach = reachable_store_blocks(w, g, start * bpc, n * bpc);
         for (int c = start; c < n; c++) {
-            if (!chunk_whole(req, g * per + c * bpc, bpc)) continue;
+            int32_t mask = reach < 0 ? -1 : (reach >> ((c - start) * bpc));
+            copied[g][c] = (uint8_t)chunk_store_blocks(&req->blocks[g * per + c * bpc], bpc, mask);
+            if (!copied[g][c]) continue;
             int key = chunk_key(w, r, c, g);
             offered |= (KeyMask)1 << key;
             if (w->s.chunk[key] == CH_ABSENT) { candidates |= (KeyMask)1 << key; ncand++; }
         }
+    }
     int threshold = w->b->store_threshold;
     if (threshold > 1 && offered) {  /* store admission (M:129-148, M:282-291) */
         KeyMask counted = 0;
@@ -1068,16 +1123,23 @@ static void store(World *w, int r, int scheduled) {
     for (int g = 0; g < ng; g++)
         for (int c = start; c < n; c++) {
             int key = chunk_key(w, r, c, g);
-            if (!chunk_whole(&snapshot, g * per + c * bpc, bpc) || !((candidates >> key) & 1)) continue;
+            if (!copied[g][c] || !((candidates >> key) & 1)) continue;
             w->s.chunk[key] = -1;
-            for (int i = c * bpc; i < (c + 1) * bpc; i++) {
-                uint8_t x = snapshot.blocks[g * per + i];
+            for (int i = 0; i < bpc; i++) {
+                if (!((copied[g][c] >> i) & 1)) continue;
+                uint8_t x = snapshot.blocks[g * per + c * bpc + i];
                 kw.blocks[kw.nblocks++] = x;
                 if (is_sliding(w, g)) kw.fenced |= (uint16_t)(1u << x);  /* the core may free it any step */
             }
         }
     kw.end_chunk = n;
     fire(w, M_REQUEST, r, RT_store, &kw);
+    for (int g = 0; g < ng; g++)  /* truth.written: whole, or the blocks it held */
+        for (int c = start; c < n; c++) {
+            int key = chunk_key(w, r, c, g);
+            if (copied[g][c] && ((candidates >> key) & 1))
+                w->s.partial[key] = copied[g][c] == (1 << bpc) - 1 ? 0 : copied[g][c];
+        }
 }
 
 static void end_step(World *w) {
@@ -1512,6 +1574,8 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
     for (int c = 0; c < MAXK; c++)
         if (w.s.chunk[c] != CH_ABSENT) present |= (KeyMask)1 << c;
     w.s.bad_chunks &= present;
+    for (int c = 0; c < MAXK; c++)
+        if (!((present >> c) & 1)) w.s.partial[c] = 0;
     kv_copy_state(out, &w.s);
     if (inside_inv) *inside_inv = w.inside_found ? w.inside_inv : -1;
     if (inside_hook) *inside_hook = w.inside_hook;

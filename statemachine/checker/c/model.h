@@ -83,6 +83,10 @@ typedef struct {
     int8_t chunk[MAXK];
     uint8_t offers[MAXK];  /* store admission: each key's offers, counted up to the threshold */
     KeyMask being_loaded, bad_chunks;  /* bad_chunks: the data's truth */
+    KeyMask unwritten;     /* the data's truth: chunks a load read a block of that no store
+                            * wrote (ModelState.unwritten, INV-23) */
+    uint8_t partial[MAXK]; /* the data's truth: the blocks (bit i: the chunk's i-th) a store
+                            * wrote of a chunk it wrote in part; 0: whole (ModelState.partial) */
     uint16_t free_blocks;
     uint32_t to_flush;
     uint32_t block_fence[MAXB];
@@ -114,6 +118,8 @@ typedef struct {
     int32_t groups;                /* KV cache groups */
     int32_t sliding;               /* bit g: group g is a sliding window (else full attention) */
     int32_t sliding_window;        /* a sliding window's tokens */
+    int32_t last_token_before_caps;/* rules.last_token_cut is BEFORE_CAPS (vLLM 0.34) */
+    int32_t retention;             /* a window's retention interval in tokens, -1: None */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];

@@ -20,6 +20,10 @@ static int max_blocks(const Bounds *b) { return b->groups * kv_blocks_of(b, b->t
 /* a set of keys takes 2 bytes, or 4 beyond 16 keys (one group's bounds encode as before) */
 static int mask_bytes(const Bounds *b) { return kv_nkeys(b) > 16 ? 4 : 2; }
 
+/* a store may write a chunk in part (a sliding window in chunks of several blocks): the
+ * data's truth of partial chunks and unwritten reads is encoded (other bounds as before) */
+static int writes_in_part(const Bounds *b) { return b->sliding && b->blocks_per_chunk > 1; }
+
 static int put_mask(int w, KeyMask m, uint8_t *o) {
     for (int i = 0; i < w; i++) o[i] = (uint8_t)(m >> (8 * i));
     return w;
@@ -75,6 +79,10 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
     for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->to_flush >> (8 * i));
     for (int blk = 0; blk < b->gpu_blocks; blk++)
         for (int i = 0; i < 4; i++) o[n++] = (uint8_t)(s->block_fence[blk] >> (8 * i));
+    if (writes_in_part(b)) {
+        for (int k = 0; k < K; k++) o[n++] = s->partial[k];
+        n += put_mask(mw, s->unwritten, o + n);
+    }
     return n;
 }
 
@@ -127,6 +135,10 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     for (int blk = 0; blk < b->gpu_blocks; blk++) {
         s->block_fence[blk] = 0;
         for (int i = 0; i < 4; i++) s->block_fence[blk] |= (uint32_t)o[n++] << (8 * i);
+    }
+    if (writes_in_part(b)) {
+        for (int k = 0; k < K; k++) s->partial[k] = o[n++];
+        n += get_mask(mw, &s->unwritten, o + n);
     }
 }
 
