@@ -1,17 +1,18 @@
 """`make check-groups`: exhaustive checks of several KV cache groups past the pinned
 scenarios. Not in `make test`.
 
-The compiled twin takes full-attention and sliding-window groups (a window's chunks of one
-block, dense retention); Mamba groups, partial tails and windows in chunks of several
-blocks run on the Python model, where the scenarios stay small enough for `make test`
-(5,000 to 75,000 states). These cases take them further, with faults, timeouts, output
+The compiled twin takes full-attention and sliding-window groups (windows in chunks of one
+block or several, dense or sparse retention); Mamba groups and partial tails run on the
+Python model, where the scenarios stay small enough for `make test` (5,000 to 75,000
+states). These cases take them further, with faults, timeouts, output
 tokens, more workers, a third group or a third request the scenarios lack, and record what
 the checker concludes, as a scenario does (the verdict, the distinct states, the depth of
 the search), with every progress property held. A change to the model that moves a count
 shows here. Each is the check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT`
-runs. The first case runs on both engines: they agree at half a million states; so do the
-window scenarios the compiled twin takes (`hybrid`, `hybrid-reset-window`,
-`multi-token-blocks`), which run here on the Python model too.
+runs. The first two cases run on both engines: they agree at half a million and at
+233,621 states; so do the window scenarios the compiled twin takes (`hybrid`,
+`hybrid-reset-window`, `multi-token-blocks`, `window-partial-chunk`, `window-retention`,
+`window-aligned-prompt`, `hybrid-load-cap-0.34`), which run here on the Python model too.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
      Expect("pass", 125_037, 24)),
     # two full-attention groups, 2 workers reporting in parts
     ("two-full-groups", "workers=2", Expect("pass", 475_145, 23)),
+    # the second Python case again: windows in chunks of 2 blocks, stored in part
+    ("window-partial-chunk", "failures=1,preemptions=1", Expect("pass", 233_621, 28)),
+    # chunks of 2 blocks, 2 workers reporting in parts, a failure
+    ("window-partial-chunk", "workers=2,failures=1", Expect("pass", 225_219, 21)),
+    # chunks of 3 blocks, prompts that end on a chunk's edge, a failure and a preemption
+    ("window-aligned-prompt", "failures=1,preemptions=1", Expect("pass", 215_426, 30)),
+    # vLLM's default retention, three requests sharing a prefix
+    ("window-retention", "requests=3,gpu_blocks=15,cpu_chunks=6", Expect("pass", 303_308, 25)),
 )
 
 
