@@ -175,24 +175,20 @@ def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_do
 
 
 # ============================================================================ finding F4
-def test_f4_a_window_chunk_stored_without_a_block_serves_a_short_hit(vllm_ready: Any) -> None:
-    """F4 in CONFORMANCE.md. A 17-token window (one block and a token) with 2-block chunks:
-    vLLM's reachable-block mask keeps each chunk's last block only, the tail a hit ending
-    on a chunk edge reads. A chunk whose first block the core freed and handed out again is
-    then stored with its last block alone. But with a window group the connector's hits end
-    one token before a block edge (S:872-876), and such a hit's window reaches one block
-    further back: the load reads the chunk's first sub-block, which no store wrote.
-
-    The checker's counterexample (`kvspec check --scenario window-partial-chunk --mutant
-    store-mask-ignores-short-hits`, INV-23) replayed on vLLM: r0 computes 4 blocks, a reset
-    puts its store cursor back, r1 takes r0's freed window blocks (vLLM zeroes them in r0's
-    table), r0's next store writes chunk 1's window sub-block 1 only, and r2 (r0's prompt)
-    (r0's first four blocks) loads both sub-blocks of that chunk."""
-    E = vllm_ready
+def _window_chunk_stored_in_part(E: Any, sliding_window: int, max_num_new_tokens: int | None
+                                 ) -> tuple[int, list[int], list[int], int]:
+    """F4's steps on vLLM with 2-block chunks and a window of `sliding_window` tokens that
+    vLLM's reachable-block mask keeps one block of per chunk: r0 computes four blocks, a
+    reset puts its store cursor back, r1 takes r0's freed window blocks (vLLM zeroes them in
+    r0's table), r0's next store writes window chunk 1 from its second block alone, and r2
+    (r0's first four blocks, its hit bounded by `max_num_new_tokens` if given) looks up and
+    is allocated. Returns r2's hit, its load's group sizes and block indices (the first
+    block each group loads), and whether that load's source is the chunk r0 stored in part
+    (1 if so)."""
     if E.vllm_version() < (0, 26, 0):
         pytest.skip("hybrid KV cache configurations need vLLM 0.33")
     setup = E.make_setup(num_gpu_blocks=32, block_size=BLOCK, blocks_per_chunk=2,
-                         sliding_window=BLOCK + 1)
+                         sliding_window=sliding_window)
     conn = setup.connector
     status = E.request_status()
     prompt = [7 + i for i in range(5 * BLOCK)]  # five blocks
@@ -244,22 +240,39 @@ def test_f4_a_window_chunk_stored_without_a_block_serves_a_short_hit(vllm_ready:
     conn.update_connector_output(E.connector_output(
         setup, {j: 1 for j in meta.store_jobs}))
 
-    # step 3: r2 (r0's first 64 tokens) hits 63 tokens, one short of a block edge: its last
-    # token is recomputed, with a window group from below the block edge (S:872-876)
-    hit, _ = conn.get_num_new_matched_tokens(r2, 0)
-    assert hit == 4 * BLOCK - 1
-    # the core skips the tokens before the window of token 63: blocks 0 and 1 of the window
+    # step 3: r2 looks up; the core skips the tokens before the window of the first token
+    # it computes (63 for F4's hit, 47 or 48 for a bounded one): blocks 0 and 1 of the window
+    hit, _ = conn.connector_scheduler.get_num_new_matched_tokens(
+        r2, 0, max_num_new_tokens=max_num_new_tokens)
     table2 = ([13, 14, 15, 16], [0, 0, 18, 19])
     conn.update_state_after_alloc(r2, E.kv_blocks(table2), hit)
     meta = conn.build_connector_meta(E.scheduler_output(
         setup, new={"r2": (r2, table2)}, num_scheduled_tokens={}))
     [(_, load)] = list(meta.load_jobs.items())
     dst = load.dst_spec
-    sizes = [int(n) for n in dst.group_sizes]
+    return (hit, [int(n) for n in dst.group_sizes], [int(i) for i in dst.block_indices],
+            int(int(load.src_spec.block_ids[-1]) == window_chunk))
+
+
+def test_f4_a_window_chunk_stored_without_a_block_serves_a_short_hit(vllm_ready: Any) -> None:
+    """F4 in CONFORMANCE.md. A 17-token window (one block and a token) with 2-block chunks:
+    vLLM's reachable-block mask keeps each chunk's last block only, the tail a hit ending
+    on a chunk edge reads. A chunk whose first block the core freed and handed out again is
+    then stored with its last block alone. But with a window group the connector's hits end
+    one token before a block edge (S:872-876), and such a hit's window reaches one block
+    further back: the load reads the chunk's first sub-block, which no store wrote.
+
+    The checker's counterexample (`kvspec check --scenario window-partial-chunk --mutant
+    store-mask-ignores-short-hits`, INV-23) replayed on vLLM (`_window_chunk_stored_in_part`):
+    r2 (r0's first four blocks) hits 63 tokens and loads both sub-blocks of that chunk."""
+    hit, sizes, first, from_the_chunk = _window_chunk_stored_in_part(
+        vllm_ready, BLOCK + 1, None)
+    # 63 tokens, one short of a block edge: the last token is recomputed, with a window
+    # group from below the block edge (S:872-876)
+    assert hit == 4 * BLOCK - 1
     # the window group loads blocks 2 and 3 from the CPU chunk r0's store wrote from block 9
     # alone: sub-block 0 was never written (from 0.34.0: it holds the null block's zeros)
-    assert sizes[1] == 2 and int(dst.block_indices[1]) == 2, (sizes, dst.block_indices)
-    assert int(load.src_spec.block_ids[-1]) == window_chunk
+    assert sizes[1] == 2 and first[1] == 2 and from_the_chunk, (sizes, first)
 
 
 @pytest.mark.parametrize("junction", [0, 3 * BLOCK], ids=["no-junction", "junction"])
@@ -374,72 +387,11 @@ def test_f4_a_bounded_hit_of_a_prompt_on_a_chunk_edge_reads_an_unwritten_block(
     at three blocks, hits 47 tokens (48 from 0.34.0) and loads the chunk's first
     sub-block."""
     E = vllm_ready
-    if E.vllm_version() < (0, 26, 0):
-        pytest.skip("hybrid KV cache configurations need vLLM 0.33")
-    setup = E.make_setup(num_gpu_blocks=32, block_size=BLOCK, blocks_per_chunk=2,
-                         sliding_window=BLOCK)
-    conn = setup.connector
-    status = E.request_status()
-    prompt = [7 + i for i in range(5 * BLOCK)]  # five blocks
-    r0 = E.make_request(setup, "r0", prompt)
-    r1 = E.make_request(setup, "r1", [9000 + i for i in range(2 * BLOCK)])
-    r2 = E.make_request(setup, "r2", prompt[:4 * BLOCK])  # r0's first four blocks
-    for r in (r0, r1, r2):
-        conn.on_new_request(r)
-
-    # step 1: r0 computes four blocks; its chunks 0 and 1 are stored (both groups)
-    table0 = ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
-    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
-    conn.update_state_after_alloc(r0, E.kv_blocks(table0), 0)
-    r0.status = status.RUNNING
-    meta = conn.build_connector_meta(E.scheduler_output(
-        setup, new={"r0": (r0, table0)}, num_scheduled_tokens={"r0": 4 * BLOCK}))
-    assert len(meta.store_jobs) == 1
-    r0.num_computed_tokens = 4 * BLOCK
-    # the window of token 64 starts in block 3: the core frees blocks 6, 7 and 8
-    conn.reset_cache()
-
-    # step 2: the core hands blocks 8 and 7 to r1, and vLLM zeroes them in r0's table
-    # (S:1533-1552); r0 computes its last block and stores from its cursor, now 0
-    table1 = ([11, 12], [8, 7])
-    assert conn.get_num_new_matched_tokens(r1, 0) == (0, False)
-    conn.update_state_after_alloc(r1, E.kv_blocks(table1), 0)
-    r1.status = status.RUNNING
-    meta = conn.build_connector_meta(E.scheduler_output(
-        setup, new={"r1": (r1, table1)}, cached={"r0": (r0, ([], []))},
-        num_scheduled_tokens={"r1": 2 * BLOCK, "r0": BLOCK}))
-    window_stores = {}
-    window_chunk = -1
-    for job_id, job in meta.store_jobs.items():
-        spec = job.src_spec
-        sizes = [int(n) for n in spec.group_sizes]
-        if job.req_id == "r0" and sizes[1]:
-            window_stores[job_id] = ([int(b) for b in spec.block_ids][sizes[0]:],
-                                     int(spec.block_indices[1]))
-            window_chunk = int(job.dst_spec.block_ids[-1])  # chunks in group order
-    # vLLM's mask keeps each chunk's last block: window chunk 1 is stored from block 9 alone
-    # (from 0.34.0, feature null_pages_in_chunk, with the null block's zeros before it)
-    expected = ([0, 9], 2) if E.has("null_pages_in_chunk") else ([9], 3)
-    assert list(window_stores.values()) == [expected], window_stores
-    conn.update_connector_output(E.connector_output(
-        setup, {j: 1 for j in meta.store_jobs}))
-
-    # step 3: r2's hit is bounded at its whole blocks before the last token (48 tokens);
-    # 0.33.0's window cut takes a token more (47), 0.34.0's came before the bound (48)
-    hit, _ = conn.connector_scheduler.get_num_new_matched_tokens(
-        r2, 0, max_num_new_tokens=3 * BLOCK)
+    hit, sizes, first, from_the_chunk = _window_chunk_stored_in_part(E, BLOCK, 3 * BLOCK)
+    # r2's hit is bounded at its whole blocks before the last token (48 tokens); 0.33.0's
+    # window cut takes a token more (47), 0.34.0's came before the bound (48)
     assert hit == 3 * BLOCK - (0 if E.has("hybrid_hit_at_the_cap") else 1)
-    # the core skips the tokens before the window of the first token it computes (47 or
-    # 48): blocks 0 and 1 of the window
-    table2 = ([13, 14, 15, 16], [0, 0, 18, 19])
-    conn.update_state_after_alloc(r2, E.kv_blocks(table2), hit)
-    meta = conn.build_connector_meta(E.scheduler_output(
-        setup, new={"r2": (r2, table2)}, num_scheduled_tokens={}))
-    [(_, load)] = list(meta.load_jobs.items())
-    dst = load.dst_spec
-    sizes = [int(n) for n in dst.group_sizes]
     # the window group loads block 2 alone (into block 18) from the CPU chunk r0's store
     # wrote from block 9 alone, into its second sub-block: its first was never written
     # (from 0.34.0 it holds the null block's zeros)
-    assert sizes[1] == 1 and int(dst.block_indices[1]) == 2, (sizes, dst.block_indices)
-    assert int(load.src_spec.block_ids[-1]) == window_chunk
+    assert sizes[1] == 1 and first[1] == 2 and from_the_chunk, (sizes, first)
