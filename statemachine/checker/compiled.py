@@ -52,9 +52,8 @@ EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STR
 RULES = ("store_admission", "failed_load_lookup", "stale_load_failure", "last_token_cut")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
 `per_request_admission`, `failed_load_for_life`, `stale_fence_only` and
-`last_token_before_caps`). On the others it
-states 0.33.0's rule, and takes a later release's rules where `Bounds.rules_in_play` says
-that rule is moot."""
+`last_token_before_caps`). On the others it states 0.33.0's rule, and takes a later
+release's rules where `Bounds.rules_in_play` says that rule is moot."""
 
 VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
 

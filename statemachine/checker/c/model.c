@@ -999,7 +999,6 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
     end_step(w);
 }
 
-/* chunk_store_blocks with every block reachable: a chunk is stored only with all its blocks */
 /* reachable_store_blocks: which of window group g's blocks start <= i < end a store may
  * need (bit i - start), because a hit at a chunk-aligned length reads them; -1: every block.
  * A window's tail per chunk (retention None), per retention interval, and (retention given)
