@@ -843,7 +843,6 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
     int last = kv_blocks_of(w->b, hit), per = n / w->b->groups;  /* the hit's blocks, its last maybe in part */
     int bpc = w->b->blocks_per_chunk;
-    uint8_t reads[MAXK];   /* each key's blocks (offsets) the load reads */
     for (int g = 0; g < w->b->groups; g++) {  /* group by group */
         const uint8_t *table = blocks + g * per;
         int first = 0;
@@ -854,15 +853,15 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
             kw.keys |= (KeyMask)1 << key;
             for (int i = c * bpc; i < (c + 1) * bpc; i++)  /* the blocks of the chunk it reads */
                 if (i >= first && i < last) read |= 1 << (i - c * bpc);
-            reads[key] = (uint8_t)read;
+            /* truth.read: a block no store wrote (INV-23; the load's row changes no chunk's
+             * written blocks, so this may come before it fires) */
+            if (w->s.partial[key] && (read & ~w->s.partial[key]))
+                w->s.unwritten |= (KeyMask)1 << key;
         }
         for (int i = first; i < last; i++) kw.blocks[kw.nblocks++] = table[i];
     }
     kw.sync = sync;
     fire(w, M_REQUEST, r, sync ? RT_load_sync : RT_load_async, &kw);
-    for (int k = 0; k < MAXK; k++)  /* truth.read: a block no store wrote (INV-23) */
-        if (((kw.keys >> k) & 1) && w->s.partial[k] && (reads[k] & ~w->s.partial[k]))
-            w->s.unwritten |= (KeyMask)1 << k;
 }
 
 static void store(World *w, int r, int scheduled);
@@ -1124,6 +1123,9 @@ static void store(World *w, int r, int scheduled) {
             int key = chunk_key(w, r, c, g);
             if (!copied[g][c] || !((candidates >> key) & 1)) continue;
             w->s.chunk[key] = -1;
+            /* truth.written: whole, or the blocks it held (the store's row changes no chunk's
+             * written blocks, so this may come before it fires) */
+            w->s.partial[key] = copied[g][c] == (1 << bpc) - 1 ? 0 : copied[g][c];
             for (int i = 0; i < bpc; i++) {
                 if (!((copied[g][c] >> i) & 1)) continue;
                 uint8_t x = snapshot.blocks[g * per + c * bpc + i];
@@ -1133,12 +1135,6 @@ static void store(World *w, int r, int scheduled) {
         }
     kw.end_chunk = n;
     fire(w, M_REQUEST, r, RT_store, &kw);
-    for (int g = 0; g < ng; g++)  /* truth.written: whole, or the blocks it held */
-        for (int c = start; c < n; c++) {
-            int key = chunk_key(w, r, c, g);
-            if (copied[g][c] && ((candidates >> key) & 1))
-                w->s.partial[key] = copied[g][c] == (1 << bpc) - 1 ? 0 : copied[g][c];
-        }
 }
 
 static void end_step(World *w) {
@@ -1570,11 +1566,11 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
     }
     apply(&w, ev);
     KeyMask present = 0;  /* World.freeze: the truth of chunks the manager no longer holds */
-    for (int c = 0; c < MAXK; c++)
+    for (int c = 0; c < MAXK; c++) {
         if (w.s.chunk[c] != CH_ABSENT) present |= (KeyMask)1 << c;
+        else w.s.partial[c] = 0;
+    }
     w.s.bad_chunks &= present;
-    for (int c = 0; c < MAXK; c++)
-        if (!((present >> c) & 1)) w.s.partial[c] = 0;
     kv_copy_state(out, &w.s);
     if (inside_inv) *inside_inv = w.inside_found ? w.inside_inv : -1;
     if (inside_hook) *inside_hook = w.inside_hook;
