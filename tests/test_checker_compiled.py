@@ -23,14 +23,16 @@ from statemachine.checker.compiled import CompiledUnavailable
 
 pytestmark = pytest.mark.exhaustive
 
-DEEP_SCENARIOS = ("orphaned-load-fails-0.34", "sync-load-fails-after-reset")
-"""The two largest of these (20 s and more each), left to `make check-groups` with the other
-larger comparisons (`DEEP_BOUNDS`)."""
+DEEP_SCENARIOS = ("orphaned-load-fails-0.34", "sync-load-fails-after-reset",
+                  "loaded-states-of-two-groups")
+"""The three largest of these (20 s and more each), left to `make check-groups` with the
+other larger comparisons (`DEEP_BOUNDS`)."""
 
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
          "failed-load-not-retried", "store-admission", "store-admission-per-request",
          "orphaned-load-fails-0.34", "window-partial-chunk", "window-retention",
-         "window-aligned-prompt")
+         "window-aligned-prompt", "hybrid-mamba", "loaded-state-handoff",
+         "loaded-states-of-two-groups")
 
 
 def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
@@ -132,7 +134,9 @@ DEEP_BOUNDS = frozenset({
     "eight-tokens", "two-groups-eviction", "two-groups-decoding", "two-groups-settings",
     "two-groups-0.34", "three-groups-18-keys", "two-groups-admission-20-keys",
     "window-two-prompts-reset", "window-eviction", "window-first", "window-seven-tokens",
-    "window-caps", "window-chunks-of-2-retention-2", "window-3-chunks-of-2"})
+    "window-caps", "window-chunks-of-2-retention-2", "window-3-chunks-of-2",
+    "mamba-decoding", "mamba-chunks-of-2", "mamba-retention-0", "mamba-caps", "mamba-0.34",
+    "mamba-alone", "mamba-blocks-of-2"})
 """Whole-space comparisons of a second or more each, left to `make check-groups` (marker
 `deep`) so that `make test` stays under ten minutes; `make test` keeps the smaller bounds
 of each kind and compares successors on sampled states of every compiled scenario."""
@@ -258,13 +262,67 @@ chunk and of two, with output tokens, blocks of 2 tokens and a window of 3 (chun
 blocks: scenario `window-aligned-prompt`)."""
 
 
-BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS}
+FM: tuple[GroupKind, ...] = ("full", "mamba")
+MAMBA = {
+    "mamba-failure-preemption": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=0, failures=1,
+        preemptions=1, groups=FM),
+    "mamba-reset-failure": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=0, groups=FM),
+    "mamba-sync-timeouts": M.Bounds(
+        requests=1, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=0, failures=1,
+        preemptions=0, sync_loads=True, timeout_steps=2, groups=FM),
+    "mamba-retention-2": M.Bounds(
+        requests=1, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1, failures=0,
+        preemptions=0, retention_interval=2, groups=FM),
+    "three-kinds": M.Bounds(
+        requests=1, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=9, resets=1, failures=0,
+        preemptions=1, groups=("full", "sliding", "mamba"), sliding_window=2),
+    "mamba-admission-0.34": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=0,
+        preemptions=0, store_threshold=2, groups=FM, rules=VLLM_0_34),
+    "mamba-decoding": M.Bounds(
+        requests=1, tokens=2, workers=1, cpu_chunks=4, gpu_blocks=6, resets=1, failures=0,
+        preemptions=1, decode_tokens=2, groups=FM),
+    "mamba-chunks-of-2": M.Bounds(
+        requests=2, tokens=4, workers=1, cpu_chunks=4, gpu_blocks=8, resets=1, failures=0,
+        preemptions=0, blocks_per_chunk=2, groups=FM),
+    "mamba-retention-0": M.Bounds(
+        requests=2, tokens=4, workers=1, cpu_chunks=4, gpu_blocks=8, resets=0, failures=0,
+        preemptions=0, retention_interval=0, groups=FM),
+    "mamba-caps": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=4, gpu_blocks=8, resets=0, failures=0,
+        preemptions=0, groups=FM, request_settings=(
+            M.RequestSettings(max_load_tokens=2, max_offload_tokens=2),
+            M.RequestSettings(skip_reading_prefix_cache=True))),
+    "mamba-0.34": M.Bounds(
+        requests=2, tokens=2, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=0,
+        preemptions=0, groups=FM, rules=VLLM_0_34),
+    "mamba-alone": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=2, gpu_blocks=4, resets=0, failures=1,
+        preemptions=1, groups=("mamba",)),
+    "mamba-blocks-of-2": M.Bounds(
+        requests=1, tokens=5, workers=1, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=1, tokens_per_block=2, groups=FM),
+}
+"""Mamba groups in align mode (without partial tails): a table of null positions but the
+state's at admission, a state block freed a step after the next is committed, a lookup that
+wants the state at the hit's end and cuts the hit to a chunk at once, stores of the core's
+hand-offs only (one block each, fenced at once), promotions and WAITING_STORING; beside a
+failure, a preemption, a reset, sync loads and timeouts, a sliding window, store admission,
+caps, output tokens, 0.34.0's rules, blocks of 2 tokens, a Mamba group alone, chunks of 2
+blocks (a hand-off writes only its chunk's last block: the data's truth of INV-23), and
+retention intervals of 0 (the replay boundary's state only) and of 2 tokens."""
+
+
+BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS, **MAMBA}
 
 
 @pytest.mark.parametrize("name", _bounds(BOUNDS))
 def test_the_same_reachable_states_and_transitions_beyond_the_scenarios(name: str) -> None:
     """Decoding, chunks of several blocks, blocks of several tokens, several full-attention
-    groups and sliding windows, each on bounds of its own."""
+    groups, sliding windows and Mamba groups, each on bounds of its own."""
     _same_state_spaces(BOUNDS[name])
 
 
@@ -439,10 +497,31 @@ DECODING_SAMPLED = {
 too), too large for a whole state space in Python: compared state by state on random
 walks."""
 
+MAMBA_SAMPLED = {
+    "mamba-0.34-failures": M.Bounds(
+        requests=2, tokens=2, workers=2, cpu_chunks=3, gpu_blocks=6, resets=1, failures=1,
+        preemptions=0, groups=FM, rules=VLLM_0_34),
+    "mamba-alone-resets-failures": M.Bounds(
+        requests=2, tokens=3, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1, failures=1,
+        preemptions=1, groups=("mamba",)),
+    "mamba-chunks-of-2-failures-decoding": M.Bounds(
+        requests=2, tokens=4, workers=1, cpu_chunks=4, gpu_blocks=10, resets=1, failures=1,
+        preemptions=1, blocks_per_chunk=2, decode_tokens=2, groups=FM),
+    "mamba-retention-2-two-requests": M.Bounds(
+        requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=12, resets=1, failures=1,
+        preemptions=0, retention_interval=2, groups=FM),
+    "three-kinds-decoding-timeouts": M.Bounds(
+        requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=12, resets=1, failures=1,
+        preemptions=1, decode_tokens=1, timeout_steps=1, groups=("full", "sliding", "mamba"),
+        sliding_window=2),
+}
+"""Mamba groups beside failures, resets and decoding, too large for a whole state space in
+Python: compared state by state on random walks."""
 
-@pytest.mark.parametrize("name", DECODING_SAMPLED)
+
+@pytest.mark.parametrize("name", [*DECODING_SAMPLED, *MAMBA_SAMPLED])
 def test_the_same_successors_of_sampled_decoding_states(name: str) -> None:
-    b = DECODING_SAMPLED[name]
+    b = {**DECODING_SAMPLED, **MAMBA_SAMPLED}[name]
     assert compiled.fits(b) is None
     for s in _sample(b, 40, seed=len(name)):
         assert _successors_c(b, compiled.encode(s)) == _successors_py(s), s
@@ -465,7 +544,8 @@ def test_neither_model_preempts_a_request_that_sampled_its_last_token() -> None:
 
 
 @pytest.mark.parametrize("name", ["sync-timeouts", "reset-during-transfers", "decoding",
-                                  "hybrid", "two-full-groups"])
+                                  "hybrid", "two-full-groups", "hybrid-mamba",
+                                  "loaded-state-handoff"])
 def test_the_same_progress_predicates_and_fairness(name: str) -> None:
     b = by_name(name).bounds
     lib = compiled.library().lib
@@ -524,6 +604,37 @@ def test_bounds_beyond_the_compiled_model_fall_back_to_the_reference() -> None:
         check(b, engine="compiled", max_states=10)
     r = check(b, max_states=200)
     assert r.engine.startswith("python (") and not r.complete
+
+
+def test_partial_tails_stay_with_the_reference() -> None:
+    """Partial tails (tail keys, copies on write, the truth of misplaced chunks) are beyond
+    the compiled model: the checker says so and runs the reference."""
+    b = by_name("partial-tails").bounds
+    assert "partial tails" in (compiled.fits(b) or "")
+    assert compiled.fits(dataclasses.replace(b, partial_tails=False)) is None
+    with pytest.raises(CompiledUnavailable, match="partial tails"):
+        check(b, engine="compiled", max_states=10)
+
+
+def test_a_promotion_is_the_environments_choice_in_both_twins() -> None:
+    """The core's waiting loop promoting a loaded request without scheduling it is no
+    fairness class (spec.progress.UNFAIR), in C as in Python; its label is its own."""
+    b = by_name("loaded-state-handoff").bounds
+    s = M.canonical(M.initial(b))
+    queue, seen = deque([s]), {s}
+    while not any(ev.kind == "promote" for ev in M.events(s)):  # the first loaded request
+        s = queue.popleft()
+        for _ev, nxt, _calls, _w in M.successors(s):
+            if not isinstance(nxt, M.ModelError) and M.canonical(nxt) not in seen:
+                seen.add(M.canonical(nxt))
+                queue.append(M.canonical(nxt))
+    r = next(ev.req for ev in M.events(s) if ev.kind == "promote")
+    promote = M.Event("promote", r)
+    assert M.fair_class(promote, s) is None
+    label = compiled.event_label(promote)
+    assert compiled.label_event(label, b) == promote
+    assert compiled.library().lib.kv_fair_class(label) == 0
+    assert label in {lab for lab, _nxt in _successors_c(b, compiled.encode(M.canonical(s)))}
 
 
 def test_a_name_the_c_model_lacks_fails_the_build(monkeypatch: pytest.MonkeyPatch) -> None:

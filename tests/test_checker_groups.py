@@ -1,7 +1,6 @@
-"""The model checker beyond the compiled twin: the scenarios it does not take (Mamba groups,
-partial tails, a window in chunks of several blocks or under a sparse retention, a later
-release's window rules) conclude what they record on the Python model, the faults
-of the groups' paths are found, and all the scenarios together fire every table row.
+"""The model checker beyond the compiled twin: the scenarios it does not take (partial
+tails) conclude what they record on the Python model, the faults of their paths are found,
+and the compiled scenarios fire every table row.
 
 A file of its own so that `make test` (one file per worker) runs these searches beside the
 compiled ones of `test_checker.py`."""
@@ -16,16 +15,11 @@ from spec import model as M
 from spec.checker import CheckResult
 from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds
 from statemachine.checker import check, compiled
-from statemachine.checker.mutation import HANDOFF_SCENARIOS
 
 pytestmark = pytest.mark.exhaustive
 
 PYTHON = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is not None)
-"""The scenarios of the groups' paths: the Python model runs them."""
-
-HANDOFFS = tuple(sc for sc in PYTHON if sc.name in HANDOFF_SCENARIOS)
-"""The two that fire the rows no compiled scenario reaches (`WAITING_STORING`'s): checked
-in the coverage test, which needs their rows, so that no worker searches them twice."""
+"""The scenarios of partial tails: the Python model runs them."""
 
 
 @functools.cache
@@ -35,8 +29,7 @@ def _check(name: str) -> CheckResult:
     return check(by_name(name).bounds)
 
 
-@pytest.mark.parametrize("scenario", [sc for sc in PYTHON if sc not in HANDOFFS],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", PYTHON, ids=lambda s: s.name)
 def test_each_scenario_of_the_groups_concludes_what_it_records(scenario: Scenario) -> None:
     _concludes(scenario)
 
@@ -51,13 +44,12 @@ def _concludes(scenario: Scenario) -> CheckResult:
     return r
 
 
-def test_the_handoff_scenarios_conclude_and_the_scenarios_fire_every_transition() -> None:
-    """The hand-off scenarios conclude what they record, and with the compiled scenarios
-    under a million states (seconds each; the rows of the larger ones are theirs too) they
-    fire every row of every table. The other Python scenarios fire none of their own."""
+def test_the_compiled_scenarios_fire_every_transition() -> None:
+    """The compiled scenarios under a million states (seconds each; the rows of the larger
+    ones are theirs too) fire every row of every table, `WAITING_STORING`'s among them (a
+    Mamba group's hand-offs): the Python scenarios fire none of their own, so the mutation
+    matrix, which runs the compiled ones, reaches every row."""
     covered: set[tuple[str, int]] = set()
-    for sc in HANDOFFS:
-        covered |= _concludes(sc).covered
     for sc in SCENARIOS:
         if compiled.fits(sc.bounds) is None and sc.expect is not None \
                 and sc.expect.states < 1_000_000:

@@ -1,18 +1,20 @@
 """`make check-groups`: exhaustive checks of several KV cache groups past the pinned
 scenarios. Not in `make test`.
 
-The compiled twin takes full-attention and sliding-window groups (windows in chunks of one
-block or several, dense or sparse retention); Mamba groups and partial tails run on the
-Python model, where the scenarios stay small enough for `make test` (5,000 to 75,000
-states). These cases take them further, with faults, timeouts, output
-tokens, more workers, a third group or a third request the scenarios lack, and record what
-the checker concludes, as a scenario does (the verdict, the distinct states, the depth of
-the search), with every progress property held. A change to the model that moves a count
-shows here. Each is the check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT`
-runs. The first two cases run on both engines: they agree at half a million and at
-233,621 states; so do the window scenarios the compiled twin takes (`hybrid`,
-`hybrid-reset-window`, `multi-token-blocks`, `window-partial-chunk`, `window-retention`,
-`window-aligned-prompt`, `hybrid-load-cap-0.34`), which run here on the Python model too.
+The compiled twin takes full-attention, sliding-window and Mamba groups (windows in chunks
+of one block or several, dense or sparse retention); partial tails run on the Python model,
+where the scenarios stay small enough for `make test` (10,000 to 30,000 states). These
+cases take them further, with faults, timeouts, output tokens, more workers, a third group
+or a third request the scenarios lack, and record what the checker concludes, as a scenario
+does (the verdict, the distinct states, the depth of the search), with every progress
+property held. A change to the model that moves a count shows here. Each is the check
+`kvspec check --engine ENGINE --scenario NAME --bounds TEXT` runs. The first three Python
+cases and the first of three groups run on both engines: they agree at half a million, at
+233,621, at 130,687 and at 168,857 states; so do the window scenarios the compiled twin
+takes (`hybrid`, `hybrid-reset-window`, `multi-token-blocks`, `window-partial-chunk`,
+`window-retention`, `window-aligned-prompt`, `hybrid-load-cap-0.34`, and the Mamba
+scenarios `hybrid-mamba`, `loaded-state-handoff`, `loaded-states-of-two-groups`), which run
+here on the Python model too.
 """
 
 from __future__ import annotations
@@ -32,16 +34,11 @@ DEEP: tuple[tuple[str, str, Expect], ...] = (
     ("window-partial-chunk", "failures=1,preemptions=1", Expect("pass", 233_621, 28)),
     # a Mamba group beside full attention, async loads, a failure and a preemption
     ("hybrid-mamba", "sync_loads=false,failures=1,preemptions=1", Expect("pass", 130_687, 21)),
-    # a Mamba group alone, the state a load ended on handed off; a preemption, decoding
-    ("loaded-state-handoff", "preemptions=1,decode_tokens=1", Expect("pass", 153_003, 20)),
     # partial tails with a failure and a preemption
     ("partial-tails", "failures=1,preemptions=1", Expect("pass", 324_517, 22)),
     # three groups: full attention, a sliding window and a Mamba group, with a failure
     ("hybrid", "groups=full+sliding+mamba,gpu_blocks=9,cpu_chunks=4,preemptions=0",
      Expect("pass", 168_857, 21)),
-    # the same with a preemption in place of the failure
-    ("hybrid", "groups=full+sliding+mamba,gpu_blocks=9,cpu_chunks=4,failures=0",
-     Expect("pass", 377_788, 31)),
 )
 
 
@@ -69,6 +66,30 @@ DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
     ("window-aligned-prompt", "failures=1,preemptions=1", Expect("pass", 215_426, 30)),
     # vLLM's default retention, three requests sharing a prefix
     ("window-retention", "requests=3,gpu_blocks=15,cpu_chunks=6", Expect("pass", 303_308, 25)),
+    # the third and fourth Python cases again: a Mamba group and three groups
+    ("hybrid-mamba", "sync_loads=false,failures=1,preemptions=1", Expect("pass", 130_687, 21)),
+    ("hybrid", "groups=full+sliding+mamba,gpu_blocks=9,cpu_chunks=4,preemptions=0",
+     Expect("pass", 168_857, 21)),
+    # three groups with a preemption in place of the failure
+    ("hybrid", "groups=full+sliding+mamba,gpu_blocks=9,cpu_chunks=4,failures=0",
+     Expect("pass", 377_788, 31)),
+    # a Mamba group alone, the state a load ended on handed off; a preemption, decoding
+    ("loaded-state-handoff", "preemptions=1,decode_tokens=1", Expect("pass", 153_003, 20)),
+    # the same with a failure
+    ("loaded-state-handoff", "failures=1,preemptions=1,decode_tokens=1",
+     Expect("pass", 319_845, 20)),
+    # two Mamba groups, a failure and a preemption
+    ("loaded-states-of-two-groups", "failures=1,preemptions=1", Expect("pass", 1_695_121, 25)),
+    # three requests sharing a prefix beside a Mamba group, async loads
+    ("hybrid-mamba", "sync_loads=false,requests=3,gpu_blocks=12,cpu_chunks=6",
+     Expect("pass", 411_260, 23)),
+    # a Mamba group in chunks of 2 blocks (a hand-off writes its chunk's last block), a
+    # reset and a failure
+    ("hybrid-mamba", "sync_loads=false,blocks_per_chunk=2,tokens=4,gpu_blocks=8,resets=1,"
+     "failures=1", Expect("pass", 142_739, 22)),
+    # vLLM's default retention (only the replay boundary's state), 5-token prompts
+    ("hybrid-mamba", "sync_loads=false,tokens=5,retention_interval=0,gpu_blocks=10,resets=1,"
+     "failures=1", Expect("pass", 2_125_428, 27)),
 )
 
 
@@ -86,16 +107,18 @@ def test_a_deep_compiled_check_of_the_groups_concludes_what_it_records(
     _concludes(name, bounds, expect, "compiled")
 
 
-COMPILED_WINDOWS = tuple(sc for sc in SCENARIOS if "sliding" in sc.bounds.groups
+COMPILED_WINDOWS = tuple(sc for sc in SCENARIOS if sc.bounds.window_groups()
                          and compiled.fits(sc.bounds) is None)
-"""The window scenarios the compiled twin takes (`test_checker.py` pins them there)."""
+"""The scenarios of window groups (sliding or Mamba) the compiled twin takes
+(`test_checker.py` pins them there)."""
 
 
 @pytest.mark.parametrize("scenario", COMPILED_WINDOWS, ids=lambda s: s.name)
 def test_each_compiled_window_scenario_concludes_the_same_on_the_python_model(
         scenario: Scenario) -> None:
-    """The Python model, which states the window's rules, concludes what the compiled twin
-    does on each window scenario it takes (states, depth, every progress property held)."""
+    """The Python model, which states the window groups' rules, concludes what the compiled
+    twin does on each window scenario it takes (states, depth, every progress property
+    held)."""
     assert scenario.expect is not None
     r = check(scenario.bounds, engine="python")
     assert r.complete and r.engine == "python"

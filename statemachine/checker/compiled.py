@@ -46,8 +46,10 @@ JF_SYNC, JF_FAILED, JF_FLUSH_REQ, JF_FLUSH_SHIPPED, JF_HELD, JF_QUAR, JF_TABLE, 
     1, 2, 4, 8, 16, 32, 64, 128)
 CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 
-# events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15
+# events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15 |
+# promote << 16 (a step that only promotes request req)
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
+EV_PROMOTE = 1 << 16
 
 RULES = ("store_admission", "failed_load_lookup", "stale_load_failure", "last_token_cut")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
@@ -69,7 +71,7 @@ class CBounds(ctypes.Structure):
         "failed_load_for_life", "store_threshold", "per_request_admission",
         "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
         "tokens_per_block", "groups", "sliding", "sliding_window",
-        "last_token_before_caps", "retention")] + [
+        "last_token_before_caps", "retention", "mamba")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -87,9 +89,9 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32
 
 def fits(b: M.Bounds) -> str | None:
     """Why the compiled model cannot take these bounds (None: it can)."""
-    if any(kind not in ("full", "sliding") for kind in b.groups):
-        return ("a Mamba group (the compiled model has full-attention and sliding-window "
-                "groups)")
+    if b.partial_tails:
+        return ("partial tails (the compiled model has no tail keys, copies on write or "
+                "misplaced chunks)")
     if b.blocks_per_chunk > 8:
         return "more than 8 blocks a chunk (a chunk's blocks written are a byte)"
     ng = len(b.groups)
@@ -132,6 +134,7 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.sliding_window = b.sliding_window
     cb.last_token_before_caps = int(b.rules.last_token_cut is LastTokenCut.BEFORE_CAPS)
     cb.retention = -1 if b.retention_interval is None else b.retention_interval
+    cb.mamba = sum(1 << g for g in b.handoff_groups())
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -223,6 +226,8 @@ def label_event(label: int, b: M.Bounds, ids: list[int] | None = None) -> M.Even
         return M.Event("arrive", rid)
     if kind == EV_ABORT:
         return M.Event("abort", rid)
+    if kind == EV_STEP and label & EV_PROMOTE:
+        return M.Event("promote", rid)
     if kind == EV_STEP:
         return M.Event("step", rid if admit else None)
     if kind == EV_FINISH:
@@ -237,10 +242,12 @@ def label_event(label: int, b: M.Bounds, ids: list[int] | None = None) -> M.Even
 def event_label(ev: M.Event) -> int:
     """The C label of a model event (job ids as they are: canonical in canonical states)."""
     req = int(ev.req[1:]) if ev.req else 0
-    kind = {"arrive": EV_ARRIVE, "abort": EV_ABORT, "step": EV_STEP, "finish": EV_FINISH,
-            "preempt": EV_PREEMPT, "report": EV_REPORT, "reset": EV_RESET}[ev.kind]
+    kind = {"arrive": EV_ARRIVE, "abort": EV_ABORT, "step": EV_STEP, "promote": EV_STEP,
+            "finish": EV_FINISH, "preempt": EV_PREEMPT, "report": EV_REPORT,
+            "reset": EV_RESET}[ev.kind]
     return (kind | req << 3 | (ev.job or 0) << 6 | ev.count << 11 | int(ev.failed) << 14
-            | int(ev.kind == "step" and ev.req is not None) << 15)
+            | int(ev.kind == "step" and ev.req is not None) << 15
+            | (EV_PROMOTE if ev.kind == "promote" else 0))
 
 
 # ==================================================================== the encoding
@@ -293,12 +300,13 @@ def encode(s: M.ModelState) -> bytes:
     jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
     cb = c_bounds(b)  # the rules' fields are encoded where the C's bounds say so
     counts_per_request = cb.store_threshold > 1 and cb.per_request_admission
-    if s.misplaced:  # the truth of INV-22: only partial tails (a Mamba group) misplace
+    if s.misplaced:  # the truth of INV-22: only partial tails misplace
         raise CompiledUnavailable("a chunk copied to another position: beyond the compiled "
                                   "model's bounds")
     if (s.partial or s.unwritten) and not writes_in_part(b):
-        raise CompiledUnavailable("a chunk written in part beyond a sliding window in chunks "
+        raise CompiledUnavailable("a chunk written in part beyond a window group in chunks "
                                   "of several blocks: beyond the compiled model's bounds")
+    windows = bool(b.window_groups())
     for t in b.templates():
         q = reqs.get(t.req_id)
         flags = RF_SIGENTRY if t.req_id in signals else 0
@@ -334,8 +342,10 @@ def encode(s: M.ModelState) -> bytes:
             if b.decode_tokens:
                 out.append(c.generated)
             out += _pad(c.blocks, T)
-        if cb.sliding:
+        if windows:
             out.append(0 if q is None else q.window_end)
+        if cb.mamba:
+            out.append(int(c is not None and c.promoted))
     quarantined = {i for i, _ in s.quarantined_blocks}
     records = sorted([(j, False) for j in s.jobs] + [(j, True) for j in s.held],
                      key=lambda x: x[0].id)
@@ -352,7 +362,7 @@ def encode(s: M.ModelState) -> bytes:
                 j.unreported, NONE8 if j.age is None else j.age, j.held_slots, flags,
                 len(j.blocks)]
         out += _mask(width, keys) + list(deferred.to_bytes(2, "little"))
-        if cb.sliding:
+        if windows:
             out += list(sum(1 << blk for blk in j.fenced).to_bytes(2, "little"))
         out += _pad(j.blocks, T)
     fence = {n: i for i, n in enumerate(F.FENCE_MACHINE.state_names)}
@@ -379,10 +389,10 @@ def encode(s: M.ModelState) -> bytes:
 
 
 def writes_in_part(b: M.Bounds) -> bool:
-    """A store may write a chunk in part (a sliding window in chunks of several blocks), so
-    the encoding holds the truth of partial chunks and unwritten reads (writes_in_part of
-    search.c)."""
-    return "sliding" in b.groups and b.blocks_per_chunk > 1
+    """A store may write a chunk in part (a window group in chunks of several blocks: a
+    sliding window's freed leading blocks, a Mamba state's one block), so the encoding holds
+    the truth of partial chunks and unwritten reads (writes_in_part of search.c)."""
+    return bool(b.window_groups()) and b.blocks_per_chunk > 1
 
 
 # ==================================================================== the search

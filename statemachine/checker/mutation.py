@@ -127,13 +127,6 @@ class Kill:
         return self.by != "survived"
 
 
-HANDOFF_SCENARIOS = ("loaded-state-handoff", "loaded-states-of-two-groups")
-"""The Python-model scenarios a mutant also runs when its row is one the compiled scenarios
-never fire: the rows only a Mamba group's hand-offs reach (`WAITING_STORING`'s), which the
-compiled twin (full-attention and sliding-window groups) cannot. Each takes 20-45 s, so
-only those mutants run them."""
-
-
 @functools.cache
 def _fired(names: tuple[str, ...]) -> frozenset[tuple[str, int]]:
     """The rows the spec's own tables fire over the named scenarios."""
@@ -150,8 +143,8 @@ def matrix_scenarios(full: bool = False) -> list[Scenario]:
     """The scenarios each mutant is checked against, cheapest first (a kill comes sooner)."""
     from statemachine.checker import compiled
 
-    # the scenarios of Mamba groups, partial tails and windows in chunks of several blocks
-    # run on the Python model only: about a hundred times slower per mutant, so not here
+    # the scenarios of partial tails run on the Python model only: about a hundred times
+    # slower per mutant, so not here (the others fire every row they fire)
     chosen = [s for s in SCENARIOS if compiled.fits(s.bounds) is None
               and (full or s.expect is None or s.expect.states <= SLOW_STATES)]
     return sorted(chosen, key=lambda s: s.expect.states if s.expect else 0)
@@ -213,9 +206,8 @@ def _program_kill(m: SpecMutant, tables: M.Tables, states: int) -> Kill | None:
 
 def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
     """Cheapest first: the (compiled) `scenarios`, then the directed programs (one path
-    each, milliseconds), then, for a row only hand-offs reach, the Python model's hand-off
-    scenarios (tens of seconds each); a mutant none of them kills must still fire every row
-    the spec fires there, or it is killed by coverage."""
+    each, milliseconds); a mutant none of them kills must still fire every row the spec
+    fires there, or it is killed by coverage."""
     from statemachine.checker import CheckerDisagreement, check
 
     tables = m.tables()
@@ -223,8 +215,6 @@ def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
     states = 0
     scenarios = list(scenarios)
     baseline = _fired(tuple(sc.name for sc in scenarios))
-    slow = [] if (m.machine, m.row) in baseline else [
-        sc for sc in SCENARIOS if sc.name in HANDOFF_SCENARIOS]
 
     def search(chosen: list[Scenario]) -> Kill | None:
         nonlocal states
@@ -240,7 +230,7 @@ def run_mutant(m: SpecMutant, scenarios: Iterable[Scenario]) -> Kill:
                 return Kill(m.name, r.verdict, sc.name, len(ce), states, detail=ce.summary)
         return None
 
-    kill = search(scenarios) or _program_kill(m, tables, states) or search(slow)
+    kill = search(scenarios) or _program_kill(m, tables, states)
     if kill is not None:
         return kill
     missing = (baseline | {(m.machine, m.row)}) - covered

@@ -59,32 +59,41 @@ int kv_blocks_of(const Bounds *b, int tokens) {
     return (tokens + b->tokens_per_block - 1) / b->tokens_per_block;
 }
 
-/* sliding windows (spec.groups): whether group g is one, the leading blocks of group g the
- * core no longer holds once `computed` tokens are computed (group_skipped_blocks), whether
- * position i of a flat table of `length` entries is one of them (freed_positions), a
- * window in chunks (window_chunks) and the chunks a hit ending at `end` needs
- * (load_window_chunks) */
+/* window groups (spec.groups): whether group g is a sliding window, a Mamba group, either
+ * (WINDOW_KINDS); the leading blocks of group g the core no longer holds once `computed`
+ * tokens are computed (group_skipped_blocks), whether position i of a flat table of `length`
+ * entries is one of them (freed_positions), a window group's window in chunks
+ * (group_window_chunks) and the chunks its hit ending at `end` needs
+ * (group_load_window_chunks): a Mamba group's state is one chunk */
+static int windows(const Bounds *b) { return b->sliding | b->mamba; }
 static int is_sliding(const World *w, int g) { return (w->b->sliding >> g) & 1; }
+static int is_mamba(const World *w, int g) { return (w->b->mamba >> g) & 1; }
+static int is_window(const World *w, int g) { return (windows(w->b) >> g) & 1; }
 
 int kv_skipped_blocks(const Bounds *b, int group, int computed) {
+    if ((b->mamba >> group) & 1)  /* every block before that of token computed - 1 */
+        return (computed > 1 ? computed - 1 : 0) / b->tokens_per_block;
     if (!((b->sliding >> group) & 1)) return 0;
     int skipped = computed - b->sliding_window + 1;
     return (skipped > 0 ? skipped : 0) / b->tokens_per_block;
 }
 
 int kv_freed_position(const Bounds *b, int length, int i, int computed) {
-    if (!b->sliding || length <= 0) return 0;
+    if (!windows(b) || length <= 0) return 0;
     int per = length / b->groups;
     return i % per < kv_skipped_blocks(b, i / per, computed);
 }
 
 static int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-static int window_chunks(const World *w) { return cdiv(w->b->sliding_window, tokens_per_chunk(w)); }
+static int window_chunks(const World *w, int g) {
+    return is_mamba(w, g) ? 1 : cdiv(w->b->sliding_window, tokens_per_chunk(w));
+}
 
-static int load_window_chunks(const World *w, int end) {
+static int load_window_chunks(const World *w, int g, int end) {
+    if (is_mamba(w, g)) return 1;
     int tpc = tokens_per_chunk(w), pad = (tpc - end % tpc) % tpc;
-    int more = cdiv(w->b->sliding_window - 1 + pad, tpc), window = window_chunks(w);
+    int more = cdiv(w->b->sliding_window - 1 + pad, tpc), window = window_chunks(w, g);
     return more > window ? more : window;
 }
 
@@ -744,19 +753,23 @@ static int lookup(World *w, int r, int *is_async) {
      * (LastTokenCut.BEFORE_CAPS). */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
     int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
-    int shorter = w->b->sliding != 0 && !w->b->last_token_before_caps, num_hit = 0, defer = 0, end = 0;
+    int shorter = windows(w->b) != 0 && !w->b->last_token_before_caps, num_hit = 0, defer = 0, end = 0;
     int order[MAXG], norder = 0;
-    for (int g = 0; g < w->b->groups; g++) if (!is_sliding(w, g)) order[norder++] = g;
-    for (int g = 0; g < w->b->groups; g++) if (is_sliding(w, g)) order[norder++] = g;
+    for (int g = 0; g < w->b->groups; g++) if (!is_window(w, g)) order[norder++] = g;
+    for (int g = 0; g < w->b->groups; g++) if (is_window(w, g)) order[norder++] = g;
     enum { NONE = 0, EVERY_GROUP, WINDOW_GROUPS } todo = EVERY_GROUP;
     if (w->b->skip_reading[r]) max_hit = 0;  /* S:1258-1259 */
     if (q->load_failed) max_hit = 0;  /* a faulting load is not retried (S@0.34.0:1411) */
     if (cap >= 0 && cap < max_hit) max_hit = cap;  /* S:867-871 */
+    if (w->b->mamba) {  /* a Mamba state exists only at chunk edges: whole chunks at once (S:877-881) */
+        max_hit = max_hit - shorter >= 0 ? (max_hit - shorter) / tpc * tpc : -tpc;
+        shorter = 0;
+    }
     while (todo != NONE) {
         int pass = todo, looked_sliding = 0;
         todo = NONE;
         for (int i = 0; i < norder; i++) {
-            int g = order[i], sliding = is_sliding(w, g);
+            int g = order[i], sliding = is_window(w, g);
             if (pass == WINDOW_GROUPS && !sliding) continue;
             if (nkeys * tpc < max_hit) { max_hit = nkeys * tpc; shorter = 0; }
             if (cap >= 0) { max_hit = (max_hit - shorter) / tpc * tpc; shorter = 0; }  /* whole chunks under a cap (S:917-920) */
@@ -772,11 +785,11 @@ static int lookup(World *w, int r, int *is_async) {
                 }
             } else {  /* the suffix-window scan: the first run, at the right edge, may need a
                        * chunk more (a partial rightmost chunk), later ones a window */
-                int need = load_window_chunks(w, max_hit < n_chunks * tpc ? max_hit : n_chunks * tpc);
+                int need = load_window_chunks(w, g, max_hit < n_chunks * tpc ? max_hit : n_chunks * tpc);
                 int run = 0, done = 0;
                 for (int c = n_chunks - 1; c >= 0 && !done; c--) {
                     int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
-                    if (ref == CH_ABSENT) { run = 0; pending = 0; need = window_chunks(w); continue; }
+                    if (ref == CH_ABSENT) { run = 0; pending = 0; need = window_chunks(w, g); continue; }
                     pending |= ref == -1;
                     if (++run == need) { found = c + need; done = 1; }
                 }
@@ -798,7 +811,7 @@ static int lookup(World *w, int r, int *is_async) {
     w->short_hit = shorter && num_hit > 0;
     for (int g = 0; g < w->b->groups && !defer; g++) {  /* a hit chunk an async load still brings (S:1021-1045) */
         int to = cdiv(end, tpc), from = 0;
-        if (is_sliding(w, g) && to - load_window_chunks(w, end) > 0) from = to - load_window_chunks(w, end);
+        if (is_window(w, g) && to - load_window_chunks(w, g, end) > 0) from = to - load_window_chunks(w, g, end);
         for (int c = from; c < to; c++)
             if ((w->s.being_loaded >> chunk_key(w, r, c, g)) & 1) defer = 1;
     }
@@ -865,6 +878,7 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
 }
 
 static void store(World *w, int r, int scheduled);
+static void store_boundaries(World *w, uint8_t sched, uint8_t resumed);
 static void end_step(World *w);
 
 /* extend_table: a flat table (group by group) with `grown` (a block per group, NONE8 in
@@ -892,7 +906,7 @@ static void forget_reallocated_window_blocks(World *w, int whole, const uint8_t 
         if (!(q->flags & RF_TRACKED) || r == whole || !q->nblocks) continue;
         int per = q->nblocks / ng, end = per - (grown[r][0] != NONE8);
         for (int g = 0; g < ng; g++) {
-            if (!is_sliding(w, g)) continue;
+            if (!is_window(w, g)) continue;
             for (int p = q->cursor * bpc; p < end; p++) {
                 uint8_t *x = &q->blocks[g * per + p];
                 if (*x != NONE8 && ((w->batch_alloc >> *x) & 1)) *x = NONE8;
@@ -904,10 +918,11 @@ static void forget_reallocated_window_blocks(World *w, int whole, const uint8_t 
 /* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
  * cached requests are `cached` (mask), in index order, each with the blocks its next token
  * added to its table (`grown`, a block per group; NONE8 in the first: none); `sched` lists
- * the scheduled ones in the order the core scheduled them. */
+ * the scheduled ones in the order the core scheduled them; `resumed` (a mask) those whose
+ * async load ended that the core's waiting loop reaches in this step (handoffs). */
 static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblocks,
                        uint8_t cached, const uint8_t (*grown)[MAXG], const int *sched,
-                       int nsched, uint8_t finished, uint8_t preempted) {
+                       int nsched, uint8_t finished, uint8_t preempted, uint8_t resumed) {
     w->step_open = 1;
     for (int pass = 0; pass < 2; pass++)
         for (int r = 0; r < w->b->requests; r++) {
@@ -939,7 +954,7 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
                 fire(w, M_REQUEST, r, RT_schedule, &kw);
             }
         }
-    if (w->b->sliding) {  /* the tokens computed once this step ran */
+    if (windows(w->b)) {  /* the tokens computed once this step ran */
         for (int i = 0; i < nsched; i++) {
             Req *q = tracked(w, sched[i]);
             q->window_end = (uint8_t)(w->s.req[sched[i]].computed + 1);
@@ -971,6 +986,9 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
             }
         }
     }
+    uint8_t scheduled = 0;
+    for (int i = 0; i < nsched; i++) scheduled |= (uint8_t)(1u << sched[i]);
+    store_boundaries(w, scheduled, resumed);
     for (int i = 0; i < nsched; i++) {
         int r = sched[i];
         Req *q = &w->s.req[r];
@@ -1042,41 +1060,23 @@ static int chunk_store_blocks(const uint8_t *at, int bpc, int32_t reachable) {
     return held;
 }
 
-/* _store: the store the request's new full chunks give, if any */
-static void store(World *w, int r, int scheduled) {
-    Req *req = tracked(w, r);
-    if (req->flags & RF_LOAD_INVALID) return;
-    Req snapshot = *req;
-    const Req *core = &w->s.req[r];
-    int T = w->b->tokens, all = num_tokens(w, r), tokens;
-    /* a finished request's last sampled token is never computed */
-    if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : (T > all - 1 ? T : all - 1);
-    else tokens = core->computed + scheduled;
-    /* _offloadable: the request's cap, and the prompt's end under offload_prompt_only */
+/* _offloadable: `tokens` under the request's max_offload_tokens and, with
+ * offload_prompt_only, its prompt's end (S:762-771) */
+static int offloadable(const World *w, int r, int tokens) {
     if (w->b->max_offload[r] >= 0 && w->b->max_offload[r] < tokens) tokens = w->b->max_offload[r];
-    if (w->b->offload_prompt_only && tokens > T) tokens = T;
-    int ng = w->b->groups, per = req->nblocks / ng;  /* each group's part of the table */
-    int bpc = w->b->blocks_per_chunk, tpc = tokens_per_chunk(w);  /* its full chunks, in its table */
-    int n = tokens / tpc;
-    if (n > all / tpc) n = all / tpc;
-    if (n > per / bpc) n = per / bpc;
-    int start = req->cursor;
-    if (start >= n) return;
-    KeyMask offered = 0, candidates = 0;
-    int ncand = 0;
-    uint8_t copied[MAXG][MAXT];  /* each chunk's blocks the store copies (offsets; 0: none) */
-    for (int g = 0; g < ng; g++) {  /* per group (S:1859-1982); a chunk a window left without
-                                     * a block it needs is not offered (storable_chunks) */
-        int32_t reach = reachable_store_blocks(w, g, start * bpc, n * bpc);
-        for (int c = start; c < n; c++) {
-            int32_t mask = reach < 0 ? -1 : (reach >> ((c - start) * bpc));
-            copied[g][c] = (uint8_t)chunk_store_blocks(&req->blocks[g * per + c * bpc], bpc, mask);
-            if (!copied[g][c]) continue;
-            int key = chunk_key(w, r, c, g);
-            offered |= (KeyMask)1 << key;
-            if (w->s.chunk[key] == CH_ABSENT) { candidates |= (KeyMask)1 << key; ncand++; }
-        }
-    }
+    if (w->b->offload_prompt_only && tokens > w->b->tokens) tokens = w->b->tokens;
+    return tokens;
+}
+
+/* _prepare_store: the manager's prepare_store of the keys `offered` (M:254-336): those not
+ * yet stored and admitted, marked write-pending, with room made by evicting unpinned chunks.
+ * Returns 0 with them in *stored (none: 0), or -1: no room (store_alloc_failed fired). */
+static int prepare_store(World *w, int r, KeyMask offered, KeyMask *stored) {
+    Req *req = tracked(w, r);
+    KeyMask candidates = 0;
+    *stored = 0;
+    for (int k = 0; k < MAXK; k++)
+        if ((offered >> k) & 1 && w->s.chunk[k] == CH_ABSENT) candidates |= (KeyMask)1 << k;
     int threshold = w->b->store_threshold;
     if (threshold > 1 && offered) {  /* store admission (M:129-148, M:282-291) */
         KeyMask counted = 0;
@@ -1087,19 +1087,16 @@ static void store(World *w, int r, int scheduled) {
         for (int k = 0; k < MAXK; k++) {
             if (!((offered >> k) & 1)) continue;
             if (!((counted >> k) & 1) && w->s.offers[k] < threshold) w->s.offers[k]++;
-            if (((candidates >> k) & 1) && w->s.offers[k] < threshold) {
-                candidates &= ~((KeyMask)1 << k);
-                ncand--;
-            }
+            if (w->s.offers[k] < threshold) candidates &= ~((KeyMask)1 << k);
         }
     }
-    if (!ncand) { req->cursor = (uint8_t)n; return; }
+    if (!candidates) return 0;
     if (req->flags & RF_SIGNALED) req->after_signal++;
     int present = 0, held = 0;
     for (int c = 0; c < MAXK; c++) present += w->s.chunk[c] != CH_ABSENT;
     for (int i = 0; i < w->s.njobs; i++)
         if (w->s.job[i].flags & JF_HELD) held += w->s.job[i].held_slots;
-    int need = ncand - (w->b->cpu_chunks - present - held);
+    int need = popcount16(candidates) - (w->b->cpu_chunks - present - held);
     if (need > 0) {
         int pinned_ok = FAULT(w, FT_EVICT_PINNED_CHUNKS) != 0;
         int evictable[MAXK], ne = 0;
@@ -1110,19 +1107,59 @@ static void store(World *w, int r, int scheduled) {
         }
         if (need > ne) {
             fire(w, M_REQUEST, r, RT_store_alloc_failed, NULL);
-            return;
+            return -1;
         }
         for (int i = 0; i < need; i++) w->s.chunk[evictable[i]] = CH_ABSENT;
     }
+    for (int k = 0; k < MAXK; k++)
+        if ((candidates >> k) & 1) w->s.chunk[k] = -1;
+    *stored = candidates;
+    return 0;
+}
+
+/* _store: the store the request's new full chunks give, if any */
+static void store(World *w, int r, int scheduled) {
+    Req *req = tracked(w, r);
+    if (req->flags & RF_LOAD_INVALID) return;
+    Req snapshot = *req;
+    const Req *core = &w->s.req[r];
+    int T = w->b->tokens, all = num_tokens(w, r), tokens;
+    /* a finished request's last sampled token is never computed */
+    if (req->flags & RF_FINISHED) tokens = core->aborted ? core->computed : (T > all - 1 ? T : all - 1);
+    else tokens = core->computed + scheduled;
+    tokens = offloadable(w, r, tokens);
+    int ng = w->b->groups, per = req->nblocks / ng;  /* each group's part of the table */
+    int bpc = w->b->blocks_per_chunk, tpc = tokens_per_chunk(w);  /* its full chunks, in its table */
+    int n = tokens / tpc;
+    if (n > all / tpc) n = all / tpc;
+    if (n > per / bpc) n = per / bpc;
+    int start = req->cursor;
+    if (start >= n) return;
+    KeyMask offered = 0, stored;
+    uint8_t copied[MAXG][MAXT];  /* each chunk's blocks the store copies (offsets; 0: none) */
+    memset(copied, 0, sizeof copied);
+    for (int g = 0; g < ng; g++) {  /* per group (S:1859-1982); a chunk a window left without
+                                     * a block it needs is not offered (storable_chunks); a
+                                     * Mamba group's table is not positional: it is stored
+                                     * from the core's hand-offs (S:1904-1905) */
+        if (is_mamba(w, g)) continue;
+        int32_t reach = reachable_store_blocks(w, g, start * bpc, n * bpc);
+        for (int c = start; c < n; c++) {
+            int32_t mask = reach < 0 ? -1 : (reach >> ((c - start) * bpc));
+            copied[g][c] = (uint8_t)chunk_store_blocks(&req->blocks[g * per + c * bpc], bpc, mask);
+            if (copied[g][c]) offered |= (KeyMask)1 << chunk_key(w, r, c, g);
+        }
+    }
+    if (prepare_store(w, r, offered, &stored) < 0) return;
+    if (!stored) { req->cursor = (uint8_t)n; return; }
     Kw kw;
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
-    kw.keys = candidates;
+    kw.keys = stored;
     for (int g = 0; g < ng; g++)
         for (int c = start; c < n; c++) {
             int key = chunk_key(w, r, c, g);
-            if (!copied[g][c] || !((candidates >> key) & 1)) continue;
-            w->s.chunk[key] = -1;
+            if (!copied[g][c] || !((stored >> key) & 1)) continue;
             /* truth.written: whole, or the blocks it held (the store's row changes no chunk's
              * written blocks, so this may come before it fires) */
             w->s.partial[key] = copied[g][c] == (1 << bpc) - 1 ? 0 : copied[g][c];
@@ -1130,11 +1167,77 @@ static void store(World *w, int r, int scheduled) {
                 if (!((copied[g][c] >> i) & 1)) continue;
                 uint8_t x = snapshot.blocks[g * per + c * bpc + i];
                 kw.blocks[kw.nblocks++] = x;
-                if (is_sliding(w, g)) kw.fenced |= (uint16_t)(1u << x);  /* the core may free it any step */
+                if (is_window(w, g)) kw.fenced |= (uint16_t)(1u << x);  /* the core may free it any step */
             }
         }
     kw.end_chunk = n;
     fire(w, M_REQUEST, r, RT_store, &kw);
+}
+
+/* stores_handoffs: whether the connector stores a hand-off of a request in `state`: the
+ * table has a store row from there */
+static int stores_handoffs(const World *w, int state) {
+    const Tables *t = w->t;
+    return t->index[t->start[M_REQUEST][RT_store * t->nstate[M_REQUEST] + state]] >= 0;
+}
+
+/* spec.groups.handoff_position: the block position of the Mamba state the core hands off
+ * after a step that ends at `boundary` computed tokens (committed_state_position, if
+ * state_retained at the replay boundary); -1: no hand-off */
+static int handoff_position(const World *w, int boundary) {
+    int tpb = w->b->tokens_per_block, retention = w->b->retention;
+    if (boundary <= 0 || boundary % tpb) return -1;  /* no state committed inside a block */
+    int position = (boundary - 1) / tpb;
+    if (retention < 0) return position;
+    int per = retention / tpb;
+    if (retention && (per <= 1 || (position + 1) % per == 0)) return position;
+    return position == (w->b->tokens - 1) / tpb - 1 ? position : -1;
+}
+
+/* handoffs and _store_boundaries: the Mamba states the core hands off in this step, for
+ * each request it schedules (`sched`, a mask: the state after the step) or resumes after an
+ * async load (`resumed`: the state the load ended on, first), in request order, each group
+ * in order; one at a chunk boundary within the offloadable tokens becomes a store of its one
+ * block into the chunk that ends there, fenced from the job's creation (S:1554-1624); the
+ * store cursor stays */
+static void store_boundaries(World *w, uint8_t sched, uint8_t resumed) {
+    if (!w->b->mamba) return;
+    int tpc = tokens_per_chunk(w), bpc = w->b->blocks_per_chunk, ng = w->b->groups;
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!(((sched | resumed) >> r) & 1)) continue;
+        const Req *core = &w->s.req[r];
+        int computed = core->computed, per = core->ncblocks / ng, ends[2], nends = 0;
+        if ((resumed >> r) & 1) ends[nends++] = computed;
+        if ((sched >> r) & 1) ends[nends++] = computed + 1;
+        for (int e = 0; e < nends; e++) {
+            int boundary = ends[e], position = handoff_position(w, boundary);
+            if (position < 0) continue;
+            for (int g = 0; g < ng; g++) {
+                if (!is_mamba(w, g)) continue;
+                uint8_t block = w->s.req[r].cblocks[g * per + position];
+                if (block == NONE8) continue;
+                Req *req = &w->s.req[r];
+                if (!(req->flags & RF_TRACKED) || !stores_handoffs(w, req->state) ||
+                    (req->flags & RF_LOAD_INVALID))
+                    continue;
+                if (boundary % tpc || boundary > offloadable(w, r, num_tokens(w, r))) continue;
+                int key = chunk_key(w, r, boundary / tpc - 1, g);
+                KeyMask stored;
+                if (prepare_store(w, r, (KeyMask)1 << key, &stored) < 0 || !stored) continue;
+                Kw kw;
+                memset(&kw, 0, sizeof kw);
+                kw.count = 1;
+                kw.keys = stored;
+                kw.nblocks = 1;
+                kw.blocks[0] = block;
+                if (!FAULT(w, FT_HANDOFF_STORE_SKIPS_FENCE)) kw.fenced = (uint16_t)(1u << block);
+                kw.end_chunk = req->cursor;
+                /* truth.written: the state fills its chunk's last block */
+                w->s.partial[key] = bpc == 1 ? 0 : (uint8_t)(1u << (bpc - 1));
+                fire(w, M_REQUEST, r, RT_store, &kw);
+            }
+        }
+    }
 }
 
 static void end_step(World *w) {
@@ -1244,7 +1347,7 @@ static void core_free(World *w, const uint8_t *blocks, int n) {
 /* _free_before_window: the core frees a running request's window-group blocks that fell out
  * of the window of its computed tokens (remove_skipped_blocks) */
 static void free_before_window(World *w) {
-    if (!w->b->sliding) return;
+    if (!windows(w->b)) return;
     for (int r = 0; r < w->b->requests; r++) {
         Req *c = &w->s.req[r];
         if (c->cstatus != C_RUNNING || !c->ncblocks) continue;
@@ -1262,6 +1365,7 @@ static void free_before_window(World *w) {
 static void core_reset(Req *q, int status) {  /* MCore(status) */
     q->cstatus = (uint8_t)status;
     q->computed = q->loading = q->aborted = q->ncblocks = q->ckv_bad = q->crecv_failed = 0;
+    q->cpromoted = 0;
     q->cload = NONE8;
     memset(q->cblocks, 0, MAXT);
 }
@@ -1353,9 +1457,19 @@ static void apply(World *w, uint32_t ev) {
     } else if (kind == EV_STEP) {
         int admitted = -1, sched[MAXR], nsched = 0, nblocks = 0;
         int ng = b->groups;
-        uint8_t blocks[MAXT], cached = 0, grown[MAXR][MAXG];
+        uint8_t blocks[MAXT], cached = 0, grown[MAXR][MAXG], resumed = 0;
         memset(grown, NONE8, sizeof grown);
-        if (EV_ADMIT(ev)) {
+        if (EV_PROMOTE(ev)) {
+            /* the core's waiting loop reaches a request whose async load ended, caches the
+             * loaded blocks (handing off their state) but does not schedule it in this step
+             * (no budget, no room); it admits no one else */
+            Req *c = &s->req[r];
+            if (!b->mamba) fail(w, ERR_NOT_ENABLED, "no hand-off groups");
+            if (c->cstatus != C_WAITING || !c->ncblocks || c->cpromoted)
+                fail(w, ERR_NOT_ENABLED, "no loaded request to promote");
+            c->cpromoted = 1;
+            resumed = (uint8_t)(1u << r);
+        } else if (EV_ADMIT(ev)) {
             Req *c = &s->req[r];
             if (c->cstatus != C_WAITING) fail(w, ERR_NOT_ENABLED, "not waiting");
             if (!c->ncblocks) {
@@ -1398,6 +1512,8 @@ static void apply(World *w, uint32_t ev) {
                 }
             } else {  /* an async load ended: it runs now, without a lookup */
                 c->cstatus = C_RUNNING;
+                if (!c->cpromoted) resumed = (uint8_t)(1u << r);  /* the core caches the loaded blocks now */
+                c->cpromoted = 0;
                 memcpy(blocks, c->cblocks, c->ncblocks);
                 nblocks = c->ncblocks;
                 admitted = r;
@@ -1417,7 +1533,7 @@ static void apply(World *w, uint32_t ev) {
             }
         }
         build_meta(w, admitted, blocks, nblocks, cached, grown, sched, nsched,
-                   s->pending_finished, s->pending_preempted);
+                   s->pending_finished, s->pending_preempted, resumed);
         for (int i = 0; i < nsched; i++) {
             Req *c = &s->req[sched[i]];
             int all = num_tokens(w, sched[i]);
@@ -1474,13 +1590,14 @@ static void apply(World *w, uint32_t ev) {
         if (kind == EV_FINISH && !may_finish(w, r)) fail(w, ERR_NOT_ENABLED, "not done");
         int keep = c->cstatus == C_REMOTE;
         uint8_t computed = c->computed, blocks2[MAXT], n2 = c->ncblocks;
-        uint8_t kv_bad = c->ckv_bad, loader = c->cload;
+        uint8_t kv_bad = c->ckv_bad, loader = c->cload, promoted = c->cpromoted;
         memcpy(blocks2, c->cblocks, MAXT);
         if (!keep) core_free(w, blocks2, n2);
         core_reset(c, C_FINISHED);
         c->computed = computed;
         c->ckv_bad = kv_bad;
         c->cload = loader;
+        c->cpromoted = promoted;
         if (keep) { memcpy(c->cblocks, blocks2, MAXT); c->ncblocks = n2; }
         c->aborted = kind == EV_ABORT;
         finish(w, r);
@@ -1514,7 +1631,10 @@ int kv_events(const Bounds *b, const State *s, uint32_t *out) {
     for (int r = 0; r < b->requests; r++) {
         const Req *c = &s->req[r];
         if (c->cstatus == C_NONE) continue;
-        if (c->cstatus == C_WAITING) out[n++] = EV(EV_STEP, r, 0, 0, 0, 1);
+        if (c->cstatus == C_WAITING) {
+            out[n++] = EV(EV_STEP, r, 0, 0, 0, 1);
+            if (c->ncblocks && !c->cpromoted && b->mamba) out[n++] = EV_PROMOTING(r);
+        }
         if (c->cstatus == C_RUNNING) {
             if (c->computed >= b->tokens) out[n++] = EV(EV_FINISH, r, 0, 0, 0, 0);
             out[n++] = EV(EV_PREEMPT, r, 0, 0, 0, 0);

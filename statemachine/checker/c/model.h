@@ -13,7 +13,7 @@
 #include "tables.h"
 
 #define MAXR 4          /* requests */
-#define MAXG 3          /* KV cache groups (full attention or a sliding window) */
+#define MAXG 3          /* KV cache groups (full attention, a sliding window or Mamba) */
 #define MAXT 12         /* a block table's entries: a request's blocks in every group, flat,
                          * group by group (as many blocks per group) */
 #define MAXJ 24         /* job records in a state (live and held) */
@@ -54,7 +54,7 @@ enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
 typedef struct {
     uint8_t id, kind, owner, state, pending, unreported, age, held_slots, flags, nblocks;
     uint16_t deferred, fenced;  /* its source blocks fenced once its owner finished, and at
-                                 * once (a sliding window's: the core may free them) */
+                                 * once (a window group's: the core may free them) */
     KeyMask keys;
     uint8_t blocks[MAXT];
 } Job;
@@ -72,6 +72,8 @@ typedef struct {
     uint8_t crecv_failed; /* StaleLoadFailure.FENCE_ONLY: a worker named it in failed_recving */
     uint8_t generated;    /* output tokens sampled so far (MCore.generated); a restart keeps them */
     uint8_t window_end;   /* the tokens computed once its last scheduled step ran (MReq.window_end) */
+    uint8_t cpromoted;    /* the core's waiting loop reached it after its async load ended and
+                           * handed off the loaded state (MCore.promoted) */
     uint8_t cblocks[MAXT];
 } Req;
 
@@ -116,10 +118,12 @@ typedef struct {
     int32_t blocks_per_chunk;      /* GPU blocks per CPU chunk */
     int32_t tokens_per_block;      /* tokens per GPU block (and per block hash) */
     int32_t groups;                /* KV cache groups */
-    int32_t sliding;               /* bit g: group g is a sliding window (else full attention) */
+    int32_t sliding;               /* bit g: group g is a sliding window */
     int32_t sliding_window;        /* a sliding window's tokens */
     int32_t last_token_before_caps;/* rules.last_token_cut is BEFORE_CAPS (vLLM 0.34) */
     int32_t retention;             /* a window's retention interval in tokens, -1: None */
+    int32_t mamba;                 /* bit g: group g is a Mamba group in align mode, stored only
+                                    * from the core's hand-offs (spec.groups.HANDOFF_KINDS) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -175,7 +179,8 @@ struct World {
 /* faults: FT_* of tables.h (spec.model.faults.Fault, in its order) */
 #define FAULT(w, f) ((w)->faults & (1u << (f)))
 
-/* events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15 */
+/* events: kind | req << 3 | job << 6 | count << 11 | failed << 14 | admit << 15 |
+ * promote << 16 (a step in which the core's waiting loop only promotes request req) */
 enum { EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY };
 #define EV(kind, req, job, count, failed, admit) \
     ((uint32_t)(kind) | ((uint32_t)(req) << 3) | ((uint32_t)(job) << 6) | \
@@ -186,6 +191,8 @@ enum { EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET,
 #define EV_COUNT(e) (((e) >> 11) & 7)
 #define EV_FAILED(e) (((e) >> 14) & 1)
 #define EV_ADMIT(e) (((e) >> 15) & 1)
+#define EV_PROMOTE(e) (((e) >> 16) & 1)
+#define EV_PROMOTING(req) (EV(EV_STEP, req, 0, 0, 0, 0) | (1u << 16))
 
 /* model.c */
 int kv_tables_init(Tables *t, const int32_t *rows, int nrows);

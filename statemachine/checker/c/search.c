@@ -20,9 +20,14 @@ static int max_blocks(const Bounds *b) { return b->groups * kv_blocks_of(b, b->t
 /* a set of keys takes 2 bytes, or 4 beyond 16 keys (one group's bounds encode as before) */
 static int mask_bytes(const Bounds *b) { return kv_nkeys(b) > 16 ? 4 : 2; }
 
-/* a store may write a chunk in part (a sliding window in chunks of several blocks): the
- * data's truth of partial chunks and unwritten reads is encoded (other bounds as before) */
-static int writes_in_part(const Bounds *b) { return b->sliding && b->blocks_per_chunk > 1; }
+/* a window group (sliding or Mamba): requests keep the tokens their last step computed
+ * and stores fence their sources at once (other bounds encode as before) */
+static int has_windows(const Bounds *b) { return (b->sliding | b->mamba) != 0; }
+
+/* a store may write a chunk in part (a window group in chunks of several blocks: a sliding
+ * window's freed leading blocks, a Mamba state's one block): the data's truth of partial
+ * chunks and unwritten reads is encoded (other bounds as before) */
+static int writes_in_part(const Bounds *b) { return has_windows(b) && b->blocks_per_chunk > 1; }
 
 static int put_mask(int w, KeyMask m, uint8_t *o) {
     for (int i = 0; i < w; i++) o[i] = (uint8_t)(m >> (8 * i));
@@ -49,7 +54,8 @@ static int put_req(const Bounds *b, int mw, const Req *q, uint8_t *o) {
     if (b->stale_fence_only) o[n++] = q->crecv_failed;
     if (b->decode_tokens) o[n++] = q->generated;
     for (int i = 0; i < T; i++) o[n++] = q->cblocks[i];
-    if (b->sliding) o[n++] = q->window_end;
+    if (has_windows(b)) o[n++] = q->window_end;
+    if (b->mamba) o[n++] = q->cpromoted;
     return n;
 }
 
@@ -64,7 +70,7 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
         o[n++] = j->flags; o[n++] = j->nblocks;
         n += put_mask(mw, j->keys, o + n);
         o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
-        if (b->sliding) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
+        if (has_windows(b)) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
         for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
     }
     o[n++] = s->counter; o[n++] = s->threshold; o[n++] = s->fence; o[n++] = s->reset_since_step;
@@ -100,7 +106,8 @@ static int get_req(const Bounds *b, int mw, Req *q, const uint8_t *o) {
     if (b->stale_fence_only) q->crecv_failed = o[n++];
     if (b->decode_tokens) q->generated = o[n++];
     for (int i = 0; i < T; i++) q->cblocks[i] = o[n++];
-    if (b->sliding) q->window_end = o[n++];
+    if (has_windows(b)) q->window_end = o[n++];
+    if (b->mamba) q->cpromoted = o[n++];
     return n;
 }
 
@@ -118,7 +125,7 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
         j->flags = o[n++]; j->nblocks = o[n++];
         n += get_mask(mw, &j->keys, o + n);
         j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
-        if (b->sliding) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
+        if (has_windows(b)) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
         for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
     }
     s->counter = o[n++]; s->threshold = o[n++]; s->fence = o[n++]; s->reset_since_step = o[n++];
@@ -282,7 +289,7 @@ static int add_edge(Graph *g, int64_t dst, uint32_t label) {
 /* the weakly fair classes of spec/progress.py FAIRNESS, one bit each: an engine step, the
  * admission of request r, the finishing of request r, a worker's report of job j (an ack or
  * a failure; canonical ids). The environment's choices (arrivals, aborts, preemptions,
- * resets, stray reports of drained stale ids) carry none. */
+ * resets, promotions, stray reports of drained stale ids) carry none. */
 #define FAIR_BIT_STEP 0
 #define FAIR_BIT_ADMIT(r) (1 + (r))
 #define FAIR_BIT_FINISH(r) (1 + MAXR + (r))
@@ -293,7 +300,9 @@ _Static_assert(N_FAIR == 4 && FAIR_step == 0 && FAIR_admit == 1 && FAIR_finish =
 
 static uint64_t fair_class(uint32_t ev) {
     switch (EV_KIND(ev)) {
-    case EV_STEP: return 1ull << (EV_ADMIT(ev) ? FAIR_BIT_ADMIT(EV_REQ(ev)) : FAIR_BIT_STEP);
+    case EV_STEP:
+        if (EV_PROMOTE(ev)) return 0;
+        return 1ull << (EV_ADMIT(ev) ? FAIR_BIT_ADMIT(EV_REQ(ev)) : FAIR_BIT_STEP);
     case EV_FINISH: return 1ull << FAIR_BIT_FINISH(EV_REQ(ev));
     case EV_REPORT: return 1ull << FAIR_BIT_REPORT(EV_JOB(ev));
     default: return 0;
