@@ -194,8 +194,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=3, gpu_blocks=10, resets=1,
                     failures=1, preemptions=1, decode_tokens=1, groups=("full", "full")),
              Expect("pass", 119_125, 22)),
-    # -- window and Mamba groups (the compiled twin takes the windows; the Mamba groups
-    #    and partial tails run on the Python model) ----------------------------------------
+    # -- window and Mamba groups, partial tails ---------------------------------------------
     Scenario("hybrid",
              "a full-attention and a sliding-window group (window 2): the suffix-window "
              "lookup beside the prefix scan, converging; the core frees blocks before the "

@@ -24,15 +24,15 @@ from statemachine.checker.compiled import CompiledUnavailable
 pytestmark = pytest.mark.exhaustive
 
 DEEP_SCENARIOS = ("orphaned-load-fails-0.34", "sync-load-fails-after-reset",
-                  "loaded-states-of-two-groups")
-"""The three largest of these (20 s and more each), left to `make check-groups` with the
+                  "loaded-states-of-two-groups", "partial-tails-0.34")
+"""The four largest of these (20 s and more each), left to `make check-groups` with the
 other larger comparisons (`DEEP_BOUNDS`)."""
 
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
          "failed-load-not-retried", "store-admission", "store-admission-per-request",
          "orphaned-load-fails-0.34", "window-partial-chunk", "window-retention",
          "window-aligned-prompt", "hybrid-mamba", "loaded-state-handoff",
-         "loaded-states-of-two-groups")
+         "loaded-states-of-two-groups", "partial-tails", "partial-tails-0.34")
 
 
 def _python_states(b: M.Bounds) -> tuple[set[M.ModelState], int]:
@@ -136,7 +136,7 @@ DEEP_BOUNDS = frozenset({
     "window-two-prompts-reset", "window-eviction", "window-first", "window-seven-tokens",
     "window-caps", "window-chunks-of-2-retention-2", "window-3-chunks-of-2",
     "mamba-decoding", "mamba-chunks-of-2", "mamba-retention-0", "mamba-caps", "mamba-0.34",
-    "mamba-alone", "mamba-blocks-of-2"})
+    "mamba-alone", "mamba-blocks-of-2", "tails-decoding", "tails-mamba-alone"})
 """Whole-space comparisons of a second or more each, left to `make check-groups` (marker
 `deep`) so that `make test` stays under ten minutes; `make test` keeps the smaller bounds
 of each kind and compares successors on sampled states of every compiled scenario."""
@@ -316,13 +316,40 @@ blocks (a hand-off writes only its chunk's last block: the data's truth of INV-2
 retention intervals of 0 (the replay boundary's state only) and of 2 tokens."""
 
 
-BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS, **MAMBA}
+TAILS = M.Bounds(requests=2, tokens=4, workers=1, cpu_chunks=6, gpu_blocks=8, resets=0,
+                 failures=0, preemptions=0, groups=FM, tokens_per_block=2, partial_tails=True)
+PARTIAL_TAILS = {
+    "tails-failure-preemption": dataclasses.replace(
+        TAILS, requests=1, tokens=5, cpu_chunks=4, resets=1, failures=1, preemptions=1),
+    "tails-caps": dataclasses.replace(TAILS, request_settings=(
+        M.RequestSettings(max_load_tokens=2, max_offload_tokens=2),
+        M.RequestSettings(max_load_tokens=3))),
+    "tails-blocks-of-3": dataclasses.replace(TAILS, tokens=5, tokens_per_block=3),
+    "tails-mamba-first": dataclasses.replace(TAILS, groups=("mamba", "full")),
+    "tails-sync": dataclasses.replace(TAILS, sync_loads=True),
+    "tails-no-room": dataclasses.replace(TAILS, gpu_blocks=5, preemptions=1),
+    "tails-decoding": dataclasses.replace(
+        TAILS, requests=1, resets=1, preemptions=1, decode_tokens=2),
+    "tails-mamba-alone": dataclasses.replace(
+        TAILS, cpu_chunks=3, gpu_blocks=6, resets=1, groups=("mamba",)),
+}
+"""Partial tails (a hash per token): a hit bounded at the last token rather than its block,
+the search of the boundaries inside the next block for every group's tail key, a load that
+reads the boundary's key into the block it falls in (the truth of INV-22), the core's
+copy-on-write hand-off of the state at the prompt's tail boundary (a block from the free
+pool, back after the step; none when no block is free) and its store under the tail keys
+beside the full-attention block; with a failure, a preemption and a reset, caps that stop a
+tail's search and its store, blocks of 3 tokens, the Mamba group first or alone, sync loads
+and output tokens."""
+
+
+BOUNDS = {**BEYOND_ONE_BLOCK_PROMPTS, **FULL_GROUPS, **WINDOWS, **MAMBA, **PARTIAL_TAILS}
 
 
 @pytest.mark.parametrize("name", _bounds(BOUNDS))
 def test_the_same_reachable_states_and_transitions_beyond_the_scenarios(name: str) -> None:
     """Decoding, chunks of several blocks, blocks of several tokens, several full-attention
-    groups, sliding windows and Mamba groups, each on bounds of its own."""
+    groups, sliding windows, Mamba groups and partial tails, each on bounds of its own."""
     _same_state_spaces(BOUNDS[name])
 
 
@@ -510,13 +537,16 @@ MAMBA_SAMPLED = {
     "mamba-retention-2-two-requests": M.Bounds(
         requests=2, tokens=5, workers=1, cpu_chunks=4, gpu_blocks=12, resets=1, failures=1,
         preemptions=0, retention_interval=2, groups=FM),
+    "tails-0.34-reset": dataclasses.replace(TAILS, resets=1, rules=VLLM_0_34),
+    "tails-sync-failure": dataclasses.replace(
+        TAILS, workers=2, resets=1, failures=1, sync_loads=True),
     "three-kinds-decoding-timeouts": M.Bounds(
         requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=12, resets=1, failures=1,
         preemptions=1, decode_tokens=1, timeout_steps=1, groups=("full", "sliding", "mamba"),
         sliding_window=2),
 }
-"""Mamba groups beside failures, resets and decoding, too large for a whole state space in
-Python: compared state by state on random walks."""
+"""Mamba groups and partial tails beside failures, resets and decoding, too large for a
+whole state space in Python: compared state by state on random walks."""
 
 
 @pytest.mark.parametrize("name", [*DECODING_SAMPLED, *MAMBA_SAMPLED])
@@ -604,16 +634,6 @@ def test_bounds_beyond_the_compiled_model_fall_back_to_the_reference() -> None:
         check(b, engine="compiled", max_states=10)
     r = check(b, max_states=200)
     assert r.engine.startswith("python (") and not r.complete
-
-
-def test_partial_tails_stay_with_the_reference() -> None:
-    """Partial tails (tail keys, copies on write, the truth of misplaced chunks) are beyond
-    the compiled model: the checker says so and runs the reference."""
-    b = by_name("partial-tails").bounds
-    assert "partial tails" in (compiled.fits(b) or "")
-    assert compiled.fits(dataclasses.replace(b, partial_tails=False)) is None
-    with pytest.raises(CompiledUnavailable, match="partial tails"):
-        check(b, engine="compiled", max_states=10)
 
 
 def test_a_promotion_is_the_environments_choice_in_both_twins() -> None:

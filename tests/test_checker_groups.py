@@ -1,58 +1,36 @@
-"""The model checker beyond the compiled twin: the scenarios it does not take (partial
-tails) conclude what they record on the Python model, the faults of their paths are found,
-and the compiled scenarios fire every table row.
+"""The model checker over the groups' paths: every scenario runs on the compiled twin (the
+Python model, its reference, checks each again in `make check-groups` and state by state in
+`test_checker_compiled.py`), the scenarios fire every table row, and a partial tail loaded
+into the wrong block is found by INV-22 alone.
 
 A file of its own so that `make test` (one file per worker) runs these searches beside the
 compiled ones of `test_checker.py`."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from spec import model as M
-from spec.checker import CheckResult
-from spec.scenarios import SCENARIOS, Expect, Scenario, by_name, hunt_bounds
+from spec.scenarios import SCENARIOS, hunt_bounds
 from statemachine.checker import check, compiled
 
 pytestmark = pytest.mark.exhaustive
 
-PYTHON = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is not None)
-"""The scenarios of partial tails: the Python model runs them."""
 
-
-@functools.cache
-def _check(name: str) -> CheckResult:
-    """A scenario's check, once per worker, in the first test that asks (the workers of
-    `make test` take these tests one by one, so each search runs where its test does)."""
-    return check(by_name(name).bounds)
-
-
-@pytest.mark.parametrize("scenario", PYTHON, ids=lambda s: s.name)
-def test_each_scenario_of_the_groups_concludes_what_it_records(scenario: Scenario) -> None:
-    _concludes(scenario)
-
-
-def _concludes(scenario: Scenario) -> CheckResult:
-    assert scenario.expect is not None
-    r = _check(scenario.name)
-    assert r.complete and r.engine == f"python ({compiled.fits(scenario.bounds)})"
-    assert Expect(r.verdict, r.states, r.depth) == scenario.expect, (
-        r.counterexample.render() if r.counterexample else r)
-    assert r.liveness == ("P-1", "P-2", "P-3", "P-4", "P-5")
-    return r
+def test_the_compiled_twin_takes_every_scenario() -> None:
+    """Full attention, sliding windows, Mamba groups and partial tails: no scenario is left
+    to the Python model, so the mutation matrix runs them all."""
+    assert {sc.name: compiled.fits(sc.bounds) for sc in SCENARIOS
+            if compiled.fits(sc.bounds) is not None} == {}
 
 
 def test_the_compiled_scenarios_fire_every_transition() -> None:
-    """The compiled scenarios under a million states (seconds each; the rows of the larger
-    ones are theirs too) fire every row of every table, `WAITING_STORING`'s among them (a
-    Mamba group's hand-offs): the Python scenarios fire none of their own, so the mutation
-    matrix, which runs the compiled ones, reaches every row."""
+    """The scenarios under a million states (seconds each; the rows of the larger ones are
+    theirs too) fire every row of every table, `WAITING_STORING`'s among them (a Mamba
+    group's hand-offs)."""
     covered: set[tuple[str, int]] = set()
     for sc in SCENARIOS:
-        if compiled.fits(sc.bounds) is None and sc.expect is not None \
-                and sc.expect.states < 1_000_000:
+        if sc.expect is not None and sc.expect.states < 1_000_000:
             covered |= check(sc.bounds).covered
     missing = [(m, M.MACHINES[m].transitions[i].trigger, M.MACHINES[m].transitions[i].sources)
                for m, i in sorted(M.coverage_universe() - covered)]
@@ -69,6 +47,7 @@ def test_a_partial_tail_loaded_into_the_wrong_block_is_found_by_inv22_alone() ->
     assert r.counterexample is not None and r.verdict == "invariant INV-22", r
     text = r.counterexample.render()
     assert "update_state_after_alloc" in text and len(r.counterexample.steps) <= 10, text
+    assert r.engine == "compiled"
     # the same bounds pass without the fault: scenario `partial-tails`
     blind = check(bounds, frozenset({fault}), without=frozenset({"INV-22"}))
     assert blind.counterexample is None and blind.states > r.states

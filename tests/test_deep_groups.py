@@ -1,20 +1,19 @@
 """`make check-groups`: exhaustive checks of several KV cache groups past the pinned
 scenarios. Not in `make test`.
 
-The compiled twin takes full-attention, sliding-window and Mamba groups (windows in chunks
-of one block or several, dense or sparse retention); partial tails run on the Python model,
-where the scenarios stay small enough for `make test` (10,000 to 30,000 states). These
-cases take them further, with faults, timeouts, output tokens, more workers, a third group
-or a third request the scenarios lack, and record what the checker concludes, as a scenario
-does (the verdict, the distinct states, the depth of the search), with every progress
-property held. A change to the model that moves a count shows here. Each is the check
-`kvspec check --engine ENGINE --scenario NAME --bounds TEXT` runs. The first three Python
-cases and the first of three groups run on both engines: they agree at half a million, at
-233,621, at 130,687 and at 168,857 states; so do the window scenarios the compiled twin
-takes (`hybrid`, `hybrid-reset-window`, `multi-token-blocks`, `window-partial-chunk`,
-`window-retention`, `window-aligned-prompt`, `hybrid-load-cap-0.34`, and the Mamba
-scenarios `hybrid-mamba`, `loaded-state-handoff`, `loaded-states-of-two-groups`), which run
-here on the Python model too.
+The compiled twin takes every kind of group (full attention, sliding windows in chunks of
+one block or several under dense or sparse retention, Mamba groups, partial tails). These
+cases take the scenarios further, with faults, timeouts, output tokens, more workers, a
+third group or a third request the scenarios lack, and record what the checker concludes,
+as a scenario does (the verdict, the distinct states, the depth of the search), with every
+progress property held. A change to the model that moves a count shows here. Each is the
+check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT` runs. Every Python case
+runs on both engines: they agree at 498,248, 233,621, 130,687, 324,517 and 168,857 states;
+so do the scenarios of window groups (`hybrid`, `hybrid-reset-window`, `multi-token-blocks`,
+`window-partial-chunk`, `window-retention`, `window-aligned-prompt`,
+`hybrid-load-cap-0.34`, `hybrid-mamba`, `partial-tails`, `loaded-state-handoff`,
+`loaded-states-of-two-groups`, `partial-tails-0.34`), which run here on the Python model
+too.
 """
 
 from __future__ import annotations
@@ -66,8 +65,9 @@ DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
     ("window-aligned-prompt", "failures=1,preemptions=1", Expect("pass", 215_426, 30)),
     # vLLM's default retention, three requests sharing a prefix
     ("window-retention", "requests=3,gpu_blocks=15,cpu_chunks=6", Expect("pass", 303_308, 25)),
-    # the third and fourth Python cases again: a Mamba group and three groups
+    # the last three Python cases again: a Mamba group, partial tails and three groups
     ("hybrid-mamba", "sync_loads=false,failures=1,preemptions=1", Expect("pass", 130_687, 21)),
+    ("partial-tails", "failures=1,preemptions=1", Expect("pass", 324_517, 22)),
     ("hybrid", "groups=full+sliding+mamba,gpu_blocks=9,cpu_chunks=4,preemptions=0",
      Expect("pass", 168_857, 21)),
     # three groups with a preemption in place of the failure
@@ -90,6 +90,14 @@ DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
     # vLLM's default retention (only the replay boundary's state), 5-token prompts
     ("hybrid-mamba", "sync_loads=false,tokens=5,retention_interval=0,gpu_blocks=10,resets=1,"
      "failures=1", Expect("pass", 2_125_428, 27)),
+    # partial tails under 0.34.0's search, with a reset
+    ("partial-tails-0.34", "resets=1", Expect("pass", 2_202_387, 24)),
+    # partial tails, a reset, a failure and an output token
+    ("partial-tails", "resets=1,failures=1,decode_tokens=1", Expect("pass", 2_099_397, 23)),
+    # three requests sharing a prefix and its tail
+    ("partial-tails", "requests=3,gpu_blocks=12", Expect("pass", 578_529, 22)),
+    # 2 workers reporting in parts, a failure
+    ("partial-tails", "workers=2,failures=1", Expect("pass", 498_761, 19)),
 )
 
 

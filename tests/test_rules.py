@@ -113,7 +113,8 @@ def test_a_rule_not_in_play_changes_nothing(rule: str, i: int) -> None:
     ("failed-load-not-retried", "failed_load_lookup"),
     ("store-admission-per-request", "store_admission"),
     ("orphaned-load-fails-0.34", "stale_load_failure"),
-    ("hybrid-load-cap-0.34", "last_token_cut")])
+    ("hybrid-load-cap-0.34", "last_token_cut"),
+    ("partial-tails-0.34", "partial_tail_search")])
 def test_the_compiled_twin_states_both_values_of_its_rules(scenario: str, rule: str) -> None:
     """The compiled model takes 0.34.0's rules where only the rules it states are in play,
     and each value of a rule gives its own state space (each equal to the Python model's:

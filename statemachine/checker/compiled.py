@@ -25,6 +25,7 @@ from spec.rules import (
     VLLM_0_33,
     FailedLoadLookup,
     LastTokenCut,
+    PartialTailSearch,
     StaleLoadFailure,
     StoreAdmission,
 )
@@ -51,11 +52,13 @@ CORE_STATUS = {None: 0, "waiting": 1, "remote": 2, "running": 3, "finished": 4}
 EV_ARRIVE, EV_ABORT, EV_STEP, EV_FINISH, EV_PREEMPT, EV_REPORT, EV_RESET, EV_STRAY = range(8)
 EV_PROMOTE = 1 << 16
 
-RULES = ("store_admission", "failed_load_lookup", "stale_load_failure", "last_token_cut")
+RULES = ("store_admission", "failed_load_lookup", "stale_load_failure", "last_token_cut",
+         "partial_tail_search")
 """The `spec.rules.Rules` fields the compiled model states both ways (its bounds'
-`per_request_admission`, `failed_load_for_life`, `stale_fence_only` and
-`last_token_before_caps`). On the others it states 0.33.0's rule, and takes a later
-release's rules where `Bounds.rules_in_play` says that rule is moot."""
+`per_request_admission`, `failed_load_for_life`, `stale_fence_only`,
+`last_token_before_caps` and `partial_tail_from_prefix`). On any other it states 0.33.0's
+rule, and takes a later release's rules where `Bounds.rules_in_play` says that rule is
+moot."""
 
 VERDICTS = ("ok", "invariant", "illegal", "liveness", "stuck", "limit", "memory")
 
@@ -71,7 +74,8 @@ class CBounds(ctypes.Structure):
         "failed_load_for_life", "store_threshold", "per_request_admission",
         "stale_fence_only", "decode_tokens", "offload_prompt_only", "blocks_per_chunk",
         "tokens_per_block", "groups", "sliding", "sliding_window",
-        "last_token_before_caps", "retention", "mamba")] + [
+        "last_token_before_caps", "retention", "mamba", "partial_tails",
+        "partial_tail_from_prefix")] + [
         ("family", ctypes.c_int32 * MAXR), ("max_load", ctypes.c_int32 * MAXR),
         ("max_offload", ctypes.c_int32 * MAXR), ("skip_reading", ctypes.c_int32 * MAXR)]
 
@@ -89,9 +93,6 @@ PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32
 
 def fits(b: M.Bounds) -> str | None:
     """Why the compiled model cannot take these bounds (None: it can)."""
-    if b.partial_tails:
-        return ("partial tails (the compiled model has no tail keys, copies on write or "
-                "misplaced chunks)")
     if b.blocks_per_chunk > 8:
         return "more than 8 blocks a chunk (a chunk's blocks written are a byte)"
     ng = len(b.groups)
@@ -135,6 +136,9 @@ def c_bounds(b: M.Bounds) -> CBounds:
     cb.last_token_before_caps = int(b.rules.last_token_cut is LastTokenCut.BEFORE_CAPS)
     cb.retention = -1 if b.retention_interval is None else b.retention_interval
     cb.mamba = sum(1 << g for g in b.handoff_groups())
+    cb.partial_tails = int(b.partial_tails)
+    cb.partial_tail_from_prefix = int(
+        b.rules.partial_tail_search is PartialTailSearch.FROM_FULL_ATTENTION_PREFIX)
     for i, t in enumerate(b.templates()):
         cb.family[i] = t.family
         cap = t.settings.max_load_tokens
@@ -300,9 +304,9 @@ def encode(s: M.ModelState) -> bytes:
     jstate = {n: i for i, n in enumerate(J.JOB_MACHINE.state_names)}
     cb = c_bounds(b)  # the rules' fields are encoded where the C's bounds say so
     counts_per_request = cb.store_threshold > 1 and cb.per_request_admission
-    if s.misplaced:  # the truth of INV-22: only partial tails misplace
-        raise CompiledUnavailable("a chunk copied to another position: beyond the compiled "
-                                  "model's bounds")
+    if s.misplaced and not b.partial_tails:  # the truth of INV-22: only partial tails misplace
+        raise CompiledUnavailable("a chunk copied to another position without partial tails: "
+                                  "beyond the compiled model's bounds")
     if (s.partial or s.unwritten) and not writes_in_part(b):
         raise CompiledUnavailable("a chunk written in part beyond a window group in chunks "
                                   "of several blocks: beyond the compiled model's bounds")
@@ -385,6 +389,8 @@ def encode(s: M.ModelState) -> bytes:
         partial = {_key_index(b, k): sum(1 << i for i in offsets) for k, offsets in s.partial}
         out += [partial.get(k, 0) for k in range(K)]
         out += _mask(width, sum(1 << _key_index(b, k) for k in s.unwritten))
+    if b.partial_tails:  # the truth of INV-22
+        out += _mask(width, sum(1 << _key_index(b, k) for k in s.misplaced))
     return bytes(out)
 
 

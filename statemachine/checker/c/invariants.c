@@ -2,7 +2,7 @@
  * the requests are the tracked ones; the job table is the records not held; the reset fence
  * the held STALE ones, the quarantine the held TIMED_OUT ones. Returns the number of the
  * first invariant broken (in spec.invariants.SAFETY order: INV-1 .. INV-12, INV-15 ..
- * INV-24; INV-22 only spec.model can break), or -1. The Python checker states the violation
+ * INV-24), or -1. The Python checker states the violation
  * in words when it replays. */
 #include "model.h"
 
@@ -280,8 +280,8 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
     if (ON(21) && s->reset_since_step && !step_open)
         for (int r = 0; r < R; r++)
             if (tracked(&s->req[r]) && s->req[r].cursor != 0) return 21;
-    /* INV-22 copy-placement: the compiled model places every chunk at its own position
-     * (its bounds have no partial tails), so only spec.model can break it */
+    /* INV-22 copy-placement */
+    if (ON(22) && s->misplaced) return 22;
     /* INV-23 loads-read-written-blocks */
     if (ON(23) && s->unwritten) return 23;
     /* INV-24 state-holds-jobs */

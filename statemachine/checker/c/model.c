@@ -723,6 +723,43 @@ static void inside(World *w, int hook) {
 /* ============================================================== hooks (hooks.py) */
 #define IN(group, state) (((group) >> (state)) & 1)
 
+/* _tail_hit: the partial-tail refinement of a complete hit of `complete` tokens (S:1068-1152):
+ * from the furthest hash boundary the hit may reach inside the next block down to the
+ * complete hit's end, the first boundary whose keys every group holds ready extends the hit
+ * to it; a write-pending key met before a miss defers the lookup (*defer) if the complete hit
+ * is empty. The next block is the one after the complete hit, or, under 0.34.0's search
+ * (partial_tail_from_prefix), the one after the full-attention groups' hit `fa`, unless a
+ * chunk of theirs between the two is being loaded. */
+static int tail_hit(World *w, int r, int complete, int fa, int *defer) {
+    const Bounds *b = w->b;
+    int tpb = b->tokens_per_block, edge = complete, anchor = complete, pending = 0;
+    int prefix = b->partial_tail_from_prefix;
+    if (prefix && fa > edge) {
+        for (int g = 0; g < b->groups; g++)
+            if (!is_window(w, g))
+                for (int c = edge / tpb; c < fa / tpb; c++)
+                    pending |= (w->s.being_loaded >> chunk_key(w, r, c, g)) & 1;
+        if (!pending) anchor = fa;
+    }
+    int furthest = b->tokens - 1 < anchor + tpb - 1 ? b->tokens - 1 : anchor + tpb - 1;
+    if (b->max_load[r] >= 0 && b->max_load[r] < furthest) furthest = b->max_load[r];
+    if (furthest <= edge) return complete;  /* no boundary to search (S@0.34.0:1210-1211) */
+    for (int boundary = furthest; boundary > edge; boundary--) {
+        if (boundary <= anchor && boundary % tpb == 0) continue;  /* a complete chunk */
+        int missing = b->groups, here = 0;
+        for (int g = 0; g < b->groups; g++)
+            if (w->s.chunk[kv_key(b, r, boundary - 1, g)] == CH_ABSENT) { missing = g; break; }
+        for (int g = 0; g < missing; g++) here |= w->s.chunk[kv_key(b, r, boundary - 1, g)] == -1;
+        if (prefix)  /* a key another load still brings (S@0.34.0:1303-1309) */
+            for (int g = 0; g <= missing && g < b->groups; g++)
+                here |= (w->s.being_loaded >> kv_key(b, r, boundary - 1, g)) & 1;
+        if (missing == b->groups && !here) return boundary;
+        pending |= here;
+    }
+    if (pending && complete == 0) *defer = 1;
+    return complete;
+}
+
 /* lookup: get_num_new_matched_tokens; returns the hit (-1: None) and whether async */
 static int lookup(World *w, int r, int *is_async) {
     Req *q = tracked(w, r);
@@ -752,7 +789,10 @@ static int lookup(World *w, int r, int *is_async) {
      * token off before the caps, which the bound already leaves out: no hit is short
      * (LastTokenCut.BEFORE_CAPS). */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
-    int nkeys = all / tpc, max_hit = (all - 1) / tpb * tpb, cap = w->b->max_load[r];
+    int unit = w->b->partial_tails ? 1 : tpb;  /* Bounds.tokens_per_hash */
+    int nkeys = all / tpc, max_hit = (all - 1) / unit * unit, cap = w->b->max_load[r];
+    int fa_hit = -1;  /* the full-attention groups' hit as the first window group saw it
+                       * (World.full_attention_hit; -1: None) */
     int shorter = windows(w->b) != 0 && !w->b->last_token_before_caps, num_hit = 0, defer = 0, end = 0;
     int order[MAXG], norder = 0;
     for (int g = 0; g < w->b->groups; g++) if (!is_window(w, g)) order[norder++] = g;
@@ -774,6 +814,8 @@ static int lookup(World *w, int r, int *is_async) {
             if (nkeys * tpc < max_hit) { max_hit = nkeys * tpc; shorter = 0; }
             if (cap >= 0) { max_hit = (max_hit - shorter) / tpc * tpc; shorter = 0; }  /* whole chunks under a cap (S:917-920) */
             if (max_hit < tpc + shorter) goto empty;
+            if (sliding && fa_hit < 0)  /* S@0.34.0:992-1001 */
+                fa_hit = norder > popcount16((uint32_t)windows(w->b)) && !defer ? max_hit : 0;
             int n_chunks = cdiv(max_hit, tpc), found = 0, pending = 0;
             if (n_chunks > nkeys) n_chunks = nkeys;
             if (!sliding) {  /* the prefix scan */
@@ -821,6 +863,8 @@ empty:  /* no hit, at once */
         w->short_hit = 0;
         end = 0;
     }
+    if (!defer && w->b->partial_tails && !q->load_failed && !w->b->skip_reading[r])
+        end = tail_hit(w, r, end, fa_hit < 0 ? 0 : fa_hit, &defer);
     if (defer) {
         fire(w, M_REQUEST, r, RT_lookup_deferred, NULL);
         return -1;
@@ -838,7 +882,11 @@ empty:  /* no hit, at once */
 }
 
 /* alloc: update_state_after_alloc: per group, the load fills the blocks from the first one
- * allocated (a window group's window) to the hit's end, from the chunks that cover them */
+ * allocated (a window group's window) to the hit's end, from the chunks that cover them; a
+ * partial-tail hit (ending inside a chunk, with partial tails) reads its last block from the
+ * boundary's key (S:1374-1377, S:1428-1442). The data's truth: a read of a block no store
+ * wrote (INV-23), a chunk copied to another position than its own (INV-22). Neither is
+ * changed by the load's row, so both may come before it fires. */
 static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
     for (int i = 0; i < n; i++)
         if (blocks[i] != NONE8) w->batch_alloc |= (uint16_t)(1u << blocks[i]);
@@ -849,27 +897,35 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
         return;
     }
     Req *q = tracked(w, r);
-    int sync = (q->flags & RF_SYNC_RES) != 0;
+    int sync = (q->flags & RF_SYNC_RES) != 0, tpc = tokens_per_chunk(w);
     Kw kw;
     memset(&kw, 0, sizeof kw);
     kw.count = 1;
-    kw.end_chunk = (hit + tokens_per_chunk(w) - 1) / tokens_per_chunk(w);
+    kw.end_chunk = cdiv(hit, tpc);
     int last = kv_blocks_of(w->b, hit), per = n / w->b->groups;  /* the hit's blocks, its last maybe in part */
-    int bpc = w->b->blocks_per_chunk;
+    int bpc = w->b->blocks_per_chunk, tail = w->b->partial_tails && hit % tpc != 0;
+    if (FAULT(w, FT_TAIL_LOAD_ROUNDS_DOWN) && tail) last = kw.end_chunk = hit / tpc;
     for (int g = 0; g < w->b->groups; g++) {  /* group by group */
         const uint8_t *table = blocks + g * per;
         int first = 0;
         while (first < last && table[first] == NONE8) first++;
         if (first == last) continue;  /* none of the hit's blocks in this group */
-        for (int c = first / bpc; c < kw.end_chunk; c++) {
+        int c = first / bpc;
+        for (; c < kw.end_chunk - tail; c++) {
             int key = chunk_key(w, r, c, g), read = 0;
             kw.keys |= (KeyMask)1 << key;
             for (int i = c * bpc; i < (c + 1) * bpc; i++)  /* the blocks of the chunk it reads */
                 if (i >= first && i < last) read |= 1 << (i - c * bpc);
-            /* truth.read: a block no store wrote (INV-23; the load's row changes no chunk's
-             * written blocks, so this may come before it fires) */
             if (w->s.partial[key] && (read & ~w->s.partial[key]))
                 w->s.unwritten |= (KeyMask)1 << key;
+            if ((last < (c + 1) * bpc ? last : (c + 1) * bpc) - 1 < c * bpc)  /* truth.placed */
+                w->s.misplaced |= (KeyMask)1 << key;
+        }
+        if (tail) {  /* the boundary's key, last, into the block the boundary falls in */
+            int key = kv_key(w->b, r, hit - 1, g);
+            int position = (last < (c + 1) * bpc ? last : (c + 1) * bpc) - 1;
+            kw.keys |= (KeyMask)1 << key;
+            if (position / bpc != (hit - 1) / tpc) w->s.misplaced |= (KeyMask)1 << key;
         }
         for (int i = first; i < last; i++) kw.blocks[kw.nblocks++] = table[i];
     }
@@ -879,6 +935,7 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
 
 static void store(World *w, int r, int scheduled);
 static void store_boundaries(World *w, uint8_t sched, uint8_t resumed);
+static void store_tails(World *w);
 static void end_step(World *w);
 
 /* extend_table: a flat table (group by group) with `grown` (a block per group, NONE8 in
@@ -989,6 +1046,7 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
     uint8_t scheduled = 0;
     for (int i = 0; i < nsched; i++) scheduled |= (uint8_t)(1u << sched[i]);
     store_boundaries(w, scheduled, resumed);
+    store_tails(w);
     for (int i = 0; i < nsched; i++) {
         int r = sched[i];
         Req *q = &w->s.req[r];
@@ -1237,6 +1295,77 @@ static void store_boundaries(World *w, uint8_t sched, uint8_t resumed) {
                 fire(w, M_REQUEST, r, RT_store, &kw);
             }
         }
+    }
+}
+
+/* Bounds.tail_boundary: the prompt's last hash boundary before its last token, when partial
+ * tails are on and it falls inside a block; -1: none */
+static int tail_boundary(const World *w) {
+    int boundary = w->b->tokens - 1;
+    if (!w->b->partial_tails || boundary <= 0 || boundary % w->b->tokens_per_block == 0) return -1;
+    return boundary;
+}
+
+/* tail_handoffs: the partial tails the core hands off in this step. A request scheduled on
+ * (`sched`, a mask; not the one admitted in this step, which loaded its tail or has none
+ * computed) whose own steps reached its prompt's tail boundary committed its Mamba states
+ * there; the core copies each on write into a fresh block from the free pool (a copy's
+ * destination is allocated in the step) and hands that block off (w->tails, w->tail_copy);
+ * with too few free blocks, none. Returns the copies' blocks (a mask), which go back to the
+ * pool once the step is built. */
+static uint16_t tail_handoffs(World *w, uint8_t sched, int admitted) {
+    int boundary = tail_boundary(w), need = popcount16((uint32_t)w->b->mamba);
+    uint16_t copies = 0;
+    if (boundary < 0) return 0;
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((sched >> r) & 1) || r == admitted || w->s.req[r].computed != boundary) continue;
+        if (popcount16(w->s.free_blocks) < need) continue;
+        for (int g = 0; g < w->b->groups; g++) {
+            if (!is_mamba(w, g)) continue;
+            uint8_t copy = take_free_block(&w->s);
+            w->tail_copy[r][g] = copy;
+            w->batch_alloc |= (uint16_t)(1u << copy);
+            copies |= (uint16_t)(1u << copy);
+        }
+        w->tails |= (uint8_t)(1u << r);
+    }
+    return copies;
+}
+
+/* _store_tails: a partial tail handed off becomes one store of every group's block the
+ * boundary falls in (a Mamba group's copy, the others' table block), under the boundary's
+ * keys, all fenced from the job's creation (S:1626-1760); none if a group's block is null or
+ * the boundary is past the request's offloadable prompt tokens; the store cursor stays */
+static void store_tails(World *w) {
+    int boundary = tail_boundary(w), tpb = w->b->tokens_per_block, ng = w->b->groups;
+    for (int r = 0; r < w->b->requests; r++) {
+        if (!((w->tails >> r) & 1)) continue;
+        Req *req = &w->s.req[r];
+        if (!(req->flags & RF_TRACKED) || !stores_handoffs(w, req->state) ||
+            (req->flags & RF_LOAD_INVALID))
+            continue;
+        if (boundary > offloadable(w, r, w->b->tokens)) continue;
+        int position = boundary / tpb, per = req->nblocks / ng, whole = 1;
+        KeyMask offered = 0, stored;
+        uint8_t source[MAXG];
+        for (int g = 0; g < ng && whole; g++) {
+            if (is_mamba(w, g)) source[g] = w->tail_copy[r][g];
+            else if (position >= per || req->blocks[g * per + position] == NONE8) whole = 0;
+            else source[g] = req->blocks[g * per + position];
+            offered |= (KeyMask)1 << kv_key(w->b, r, boundary - 1, g);
+        }
+        if (!whole || prepare_store(w, r, offered, &stored) < 0 || !stored) continue;
+        Kw kw;
+        memset(&kw, 0, sizeof kw);
+        kw.count = 1;
+        kw.keys = stored;
+        for (int g = 0; g < ng; g++) {
+            if (!((stored >> kv_key(w->b, r, boundary - 1, g)) & 1)) continue;
+            kw.blocks[kw.nblocks++] = source[g];
+            kw.fenced |= (uint16_t)(1u << source[g]);
+        }
+        kw.end_chunk = req->cursor;
+        fire(w, M_REQUEST, r, RT_store, &kw);
     }
 }
 
@@ -1532,8 +1661,18 @@ static void apply(World *w, uint32_t ev) {
                 sched[nsched++] = q;
             }
         }
+        uint8_t scheduled = 0;
+        for (int i = 0; i < nsched; i++) scheduled |= (uint8_t)(1u << sched[i]);
+        uint16_t copies = tail_handoffs(w, scheduled, admitted);
         build_meta(w, admitted, blocks, nblocks, cached, grown, sched, nsched,
                    s->pending_finished, s->pending_preempted, resumed);
+        if (copies) {  /* the copies' blocks go back to the pool once the step is built */
+            uint8_t freed[MAXB];
+            int nf = 0;
+            for (int blk = 0; blk < MAXB; blk++)
+                if ((copies >> blk) & 1) freed[nf++] = (uint8_t)blk;
+            core_free(w, freed, nf);
+        }
         for (int i = 0; i < nsched; i++) {
             Req *c = &s->req[sched[i]];
             int all = num_tokens(w, sched[i]);

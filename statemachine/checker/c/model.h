@@ -89,6 +89,8 @@ typedef struct {
                             * wrote (ModelState.unwritten, INV-23) */
     uint8_t partial[MAXK]; /* the data's truth: the blocks (bit i: the chunk's i-th) a store
                             * wrote of a chunk it wrote in part; 0: whole (ModelState.partial) */
+    KeyMask misplaced;     /* the data's truth: chunks a job copied from or to a block at
+                            * another position than their own (ModelState.misplaced, INV-22) */
     uint16_t free_blocks;
     uint32_t to_flush;
     uint32_t block_fence[MAXB];
@@ -124,6 +126,10 @@ typedef struct {
     int32_t retention;             /* a window's retention interval in tokens, -1: None */
     int32_t mamba;                 /* bit g: group g is a Mamba group in align mode, stored only
                                     * from the core's hand-offs (spec.groups.HANDOFF_KINDS) */
+    int32_t partial_tails;         /* a hash per token: the prompt's last boundary inside a block
+                                    * is stored and hit as a partial tail (Bounds.partial_tails) */
+    int32_t partial_tail_from_prefix; /* rules.partial_tail_search is FROM_FULL_ATTENTION_PREFIX
+                                       * (vLLM 0.34) */
     int32_t family[MAXR];
     /* each request's settings (spec.model.RequestSettings): -1 for no cap */
     int32_t max_load[MAXR], max_offload[MAXR], skip_reading[MAXR];
@@ -163,6 +169,8 @@ struct World {
     uint16_t batch_alloc;
     uint8_t preempted_early;
     int short_hit;            /* the last lookup's hit ends a (vLLM) token short (World.short_hit) */
+    uint8_t tails;            /* requests whose partial tail the core hands off in this step */
+    uint8_t tail_copy[MAXR][MAXG];  /* ... each Mamba group's copy-on-write block */
     int has_new, last_job;
     Job pending_new;
     jmp_buf *jb;

@@ -89,6 +89,7 @@ int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
         for (int k = 0; k < K; k++) o[n++] = s->partial[k];
         n += put_mask(mw, s->unwritten, o + n);
     }
+    if (b->partial_tails) n += put_mask(mw, s->misplaced, o + n);  /* the truth of INV-22 */
     return n;
 }
 
@@ -147,6 +148,7 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
         for (int k = 0; k < K; k++) s->partial[k] = o[n++];
         n += get_mask(mw, &s->unwritten, o + n);
     }
+    if (b->partial_tails) n += get_mask(mw, &s->misplaced, o + n);
 }
 
 /* ============================================================== the visited set */
