@@ -787,7 +787,9 @@ static int lookup(World *w, int r, int *is_async) {
      * stops the hit a token before the bound: the hit keeps the block but is short until a
      * group's answer cuts it to a chunk edge (LastTokenCut.AFTER_CAPS). 0.34.0 takes that
      * token off before the caps, which the bound already leaves out: no hit is short
-     * (LastTokenCut.BEFORE_CAPS). */
+     * (LastTokenCut.BEFORE_CAPS). Beside a Mamba group the hit is cut to whole chunks at
+     * once (its state exists only at chunk edges); with partial tails the bound counts a
+     * hash per token, and a tail inside the next block may extend the hit (tail_hit). */
     int tpc = tokens_per_chunk(w), tpb = w->b->tokens_per_block, all = num_tokens(w, r);
     int unit = w->b->partial_tails ? 1 : tpb;  /* Bounds.tokens_per_hash */
     int nkeys = all / tpc, max_hit = (all - 1) / unit * unit, cap = w->b->max_load[r];
