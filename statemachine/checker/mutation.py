@@ -10,8 +10,7 @@ replayed and certified on the Python model running the same mutated tables. A mu
 compiled scenarios leave runs along the directed programs (`spec.regressions`) on the Python
 model: each is one path, often past the scenarios' bounds (three requests beside a Mamba
 group, say), checked as the search checks every path; a break there is a kill (`in`:
-`program <name>`), with the program as its counterexample. A program takes milliseconds, so
-they come before the Python model's hand-off scenarios, which take tens of seconds.
+`program <name>`), with the program as its counterexample.
 
 A survivor is checked over every scenario to the end, which makes the listed survivors
 four fifths of the matrix's time. The search is deterministic, so a survivor proven once
@@ -143,8 +142,8 @@ def matrix_scenarios(full: bool = False) -> list[Scenario]:
     """The scenarios each mutant is checked against, cheapest first (a kill comes sooner)."""
     from statemachine.checker import compiled
 
-    # the scenarios of partial tails run on the Python model only: about a hundred times
-    # slower per mutant, so not here (the others fire every row they fire)
+    # every scenario fits the compiled twin (test_checker_groups); one that did not would
+    # run on the Python model, about a hundred times slower per mutant, so not here
     chosen = [s for s in SCENARIOS if compiled.fits(s.bounds) is None
               and (full or s.expect is None or s.expect.states <= SLOW_STATES)]
     return sorted(chosen, key=lambda s: s.expect.states if s.expect else 0)
