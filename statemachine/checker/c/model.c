@@ -808,19 +808,19 @@ static int lookup(World *w, int r, int *is_async) {
         shorter = 0;
     }
     while (todo != NONE) {
-        int pass = todo, looked_sliding = 0;
+        int pass = todo, looked_window = 0;
         todo = NONE;
         for (int i = 0; i < norder; i++) {
-            int g = order[i], sliding = is_window(w, g);
-            if (pass == WINDOW_GROUPS && !sliding) continue;
+            int g = order[i], window = is_window(w, g);
+            if (pass == WINDOW_GROUPS && !window) continue;
             if (nkeys * tpc < max_hit) { max_hit = nkeys * tpc; shorter = 0; }
             if (cap >= 0) { max_hit = (max_hit - shorter) / tpc * tpc; shorter = 0; }  /* whole chunks under a cap (S:917-920) */
             if (max_hit < tpc + shorter) goto empty;
-            if (sliding && fa_hit < 0)  /* S@0.34.0:992-1001 */
+            if (window && fa_hit < 0)  /* S@0.34.0:992-1001 */
                 fa_hit = norder > popcount16((uint32_t)windows(w->b)) && !defer ? max_hit : 0;
             int n_chunks = cdiv(max_hit, tpc), found = 0, pending = 0;
             if (n_chunks > nkeys) n_chunks = nkeys;
-            if (!sliding) {  /* the prefix scan */
+            if (!window) {  /* the prefix scan */
                 for (int c = 0; c < n_chunks; c++) {
                     int8_t ref = w->s.chunk[chunk_key(w, r, c, g)];
                     if (ref == CH_ABSENT) break;
@@ -845,9 +845,9 @@ static int lookup(World *w, int r, int *is_async) {
             if (max_hit < tpc + shorter) goto empty;
             if (max_hit < num_hit) {
                 if (defer) { defer = 0; todo = EVERY_GROUP; }
-                else if (looked_sliding && todo == NONE) todo = WINDOW_GROUPS;
+                else if (looked_window && todo == NONE) todo = WINDOW_GROUPS;
             }
-            looked_sliding |= sliding;
+            looked_window |= window;
             num_hit = max_hit;
         }
     }
