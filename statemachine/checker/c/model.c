@@ -920,7 +920,7 @@ static void alloc(World *w, int r, const uint8_t *blocks, int n, int hit) {
                 if (i >= first && i < last) read |= 1 << (i - c * bpc);
             if (w->s.partial[key] && (read & ~w->s.partial[key]))
                 w->s.unwritten |= (KeyMask)1 << key;
-            if ((last < (c + 1) * bpc ? last : (c + 1) * bpc) - 1 < c * bpc)  /* truth.placed */
+            if (last <= c * bpc)  /* truth.placed: it copies no block of its own chunk */
                 w->s.misplaced |= (KeyMask)1 << key;
         }
         if (tail) {  /* the boundary's key, last, into the block the boundary falls in */
@@ -977,11 +977,13 @@ static void forget_reallocated_window_blocks(World *w, int whole, const uint8_t 
 /* build_meta: build_connector_meta. `admitted` (or -1) is new with `nblocks` blocks; the
  * cached requests are `cached` (mask), in index order, each with the blocks its next token
  * added to its table (`grown`, a block per group; NONE8 in the first: none); `sched` lists
- * the scheduled ones in the order the core scheduled them; `resumed` (a mask) those whose
+ * the scheduled ones in the order the core scheduled them (`scheduled`: the same, as a
+ * mask); `resumed` (a mask) those whose
  * async load ended that the core's waiting loop reaches in this step (handoffs). */
 static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblocks,
                        uint8_t cached, const uint8_t (*grown)[MAXG], const int *sched,
-                       int nsched, uint8_t finished, uint8_t preempted, uint8_t resumed) {
+                       int nsched, uint8_t scheduled, uint8_t finished, uint8_t preempted,
+                       uint8_t resumed) {
     w->step_open = 1;
     for (int pass = 0; pass < 2; pass++)
         for (int r = 0; r < w->b->requests; r++) {
@@ -1045,8 +1047,6 @@ static void build_meta(World *w, int admitted, const uint8_t *blocks, int nblock
             }
         }
     }
-    uint8_t scheduled = 0;
-    for (int i = 0; i < nsched; i++) scheduled |= (uint8_t)(1u << sched[i]);
     store_boundaries(w, scheduled, resumed);
     store_tails(w);
     for (int i = 0; i < nsched; i++) {
@@ -1265,22 +1265,23 @@ static void store_boundaries(World *w, uint8_t sched, uint8_t resumed) {
     int tpc = tokens_per_chunk(w), bpc = w->b->blocks_per_chunk, ng = w->b->groups;
     for (int r = 0; r < w->b->requests; r++) {
         if (!(((sched | resumed) >> r) & 1)) continue;
-        const Req *core = &w->s.req[r];
-        int computed = core->computed, per = core->ncblocks / ng, ends[2], nends = 0;
-        if ((resumed >> r) & 1) ends[nends++] = computed;
-        if ((sched >> r) & 1) ends[nends++] = computed + 1;
+        Req *req = &w->s.req[r];  /* the core's view and the connector's, one record */
+        int per = req->ncblocks / ng, ends[2], nends = 0;
+        if ((resumed >> r) & 1) ends[nends++] = req->computed;
+        if ((sched >> r) & 1) ends[nends++] = req->computed + 1;
         for (int e = 0; e < nends; e++) {
             int boundary = ends[e], position = handoff_position(w, boundary);
-            if (position < 0) continue;
+            /* a hand-off inside a chunk or past the offloadable tokens is not stored */
+            if (position < 0 || boundary % tpc || boundary > offloadable(w, r, num_tokens(w, r)))
+                continue;
             for (int g = 0; g < ng; g++) {
                 if (!is_mamba(w, g)) continue;
-                uint8_t block = w->s.req[r].cblocks[g * per + position];
+                uint8_t block = req->cblocks[g * per + position];
                 if (block == NONE8) continue;
-                Req *req = &w->s.req[r];
+                /* the request's state, read again for each: a store moves it */
                 if (!(req->flags & RF_TRACKED) || !stores_handoffs(w, req->state) ||
                     (req->flags & RF_LOAD_INVALID))
                     continue;
-                if (boundary % tpc || boundary > offloadable(w, r, num_tokens(w, r))) continue;
                 int key = chunk_key(w, r, boundary / tpc - 1, g);
                 KeyMask stored;
                 if (prepare_store(w, r, (KeyMask)1 << key, &stored) < 0 || !stored) continue;
@@ -1666,7 +1667,7 @@ static void apply(World *w, uint32_t ev) {
         uint8_t scheduled = 0;
         for (int i = 0; i < nsched; i++) scheduled |= (uint8_t)(1u << sched[i]);
         uint16_t copies = tail_handoffs(w, scheduled, admitted);
-        build_meta(w, admitted, blocks, nblocks, cached, grown, sched, nsched,
+        build_meta(w, admitted, blocks, nblocks, cached, grown, sched, nsched, scheduled,
                    s->pending_finished, s->pending_preempted, resumed);
         if (copies) {  /* the copies' blocks go back to the pool once the step is built */
             uint8_t freed[MAXB];
