@@ -64,7 +64,7 @@ check: $(STAMP)
 # Mamba groups and partial tails on the Python model, full-attention and window groups on the
 # compiled twin), and the two models' larger whole-space comparisons (tests/test_checker_compiled.py)
 check-groups: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py tests/test_checker_compiled.py
+	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py tests/test_checker_compiled.py tests/test_checker_threads.py
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
 # the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched

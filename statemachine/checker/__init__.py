@@ -50,10 +50,12 @@ def engine_unavailable(bounds: M.Bounds | None = None) -> str | None:
 def check(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS, *,
           max_states: int | None = None, progress: Progress | None = None,
           liveness: bool = True, stuck: bool = False, without: frozenset[str] = frozenset(),
-          tables: M.Tables = M.SPEC_TABLES, engine: str = "auto") -> CheckResult:
+          tables: M.Tables = M.SPEC_TABLES, engine: str = "auto",
+          threads: int = 1) -> CheckResult:
     """Check `bounds` exhaustively: every safety invariant in every state and inside every
     step, every table row's legality, then every progress property as liveness under its
-    fairness. `engine`: "compiled", "python", or "auto" (compiled where it can run)."""
+    fairness. `engine`: "compiled", "python", or "auto" (compiled where it can run).
+    `threads`: the compiled search's threads (the same result on any number)."""
     why = engine_unavailable(bounds) if engine != "python" else "asked for"
     if why is not None:
         if engine == "compiled":
@@ -63,7 +65,7 @@ def check(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS, *,
         result.engine = "python" if engine == "python" else f"python ({why})"
         return result
     run = compiled.search(bounds, faults, tables, max_states=max_states, liveness=liveness,
-                          stuck=stuck, without=without, progress=progress)
+                          stuck=stuck, without=without, progress=progress, threads=threads)
     if run.verdict == "limit" and engine == "auto":
         # a mutant (or a fault) drove the model past the compiled twin's fixed sizes (job
         # ids, jobs per state): the reference checker has none
@@ -75,7 +77,9 @@ def check(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS, *,
                          seconds=run.seconds, complete=run.complete,
                          stuck_states=run.stuck_states, covered=run.covered,
                          liveness=tuple(p.id for p in PROGRESS[:run.live_checked]),
-                         without=without, engine="compiled")
+                         without=without,
+                         engine="compiled" if run.threads == 1 else
+                         f"compiled, {run.threads} threads")
     if run.verdict in ("limit", "memory"):
         raise MemoryError(f"the compiled search stopped: {run.verdict} ({run.message})")
     if run.verdict != "ok":

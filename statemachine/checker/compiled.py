@@ -33,8 +33,8 @@ from spec.schema import MachineSpec
 from statemachine.checker import gen
 
 SOURCES = Path(__file__).with_name("c")
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function",
-         "-Wl,--no-undefined")
+FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=gnu11", "-Wall",
+         "-Wno-unused-function", "-Wl,--no-undefined")
 MAXR, MAXG, MAXT, MAXJ, MAXB, MAXK, MAXID = 4, 3, 12, 24, 16, 32, 32
 NONE8 = 0xFF
 CH_ABSENT = -128
@@ -85,7 +85,8 @@ class CResult(ctypes.Structure):
                 ("stuck_states", ctypes.c_int64)] + [
         (name, ctypes.c_int32) for name in (
             "depth", "complete", "verdict", "invariant", "inside_hook", "request", "nprefix",
-            "ncycle", "nlive")] + [("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
+            "ncycle", "nlive", "threads")] + [
+        ("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
 
 
 PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
@@ -178,7 +179,7 @@ class Library:
         lib.kv_search_free.argtypes = [ctypes.c_void_p]
         lib.kv_search_run.argtypes = [
             ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int,
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(CResult)]
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(CResult)]
         lib.kv_search_trace.restype = ctypes.POINTER(ctypes.c_uint32)
         lib.kv_search_trace.argtypes = [ctypes.c_void_p]
         lib.kv_search_state.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p]
@@ -425,11 +426,19 @@ class Run:
     """(machine, row index) of every table row fired."""
     live_checked: int
     """How many progress properties (in `spec.progress.PROGRESS` order) were found to hold."""
+    threads: int
+    """The threads that searched (every other field is the same for any number)."""
 
 
 def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPEC_TABLES,
            max_states: int | None = None, liveness: bool = True, stuck: bool = False,
-           without: frozenset[str] = frozenset(), progress: object = None) -> Run:
+           without: frozenset[str] = frozenset(), progress: object = None,
+           threads: int = 1) -> Run:
+    """The compiled search of `b`. `threads` > 1 expands the states on that many threads
+    (and checks the progress properties' instances side by side); the result is the same,
+    state for state, as on one (search.c, the search)."""
+    if type(threads) is not int or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     reason = fits(b)
     if reason:
         raise CompiledUnavailable(reason)
@@ -444,7 +453,7 @@ def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPE
         res = CResult()
         callback = PROGRESS(progress) if progress is not None else None  # type: ignore[call-overload]
         lib.kv_search_run(handle, fault_mask(faults), without_mask(without), max_states or 0,
-                          int(liveness), int(stuck), coverage,
+                          int(liveness), int(stuck), threads, coverage,
                           ctypes.cast(callback, ctypes.c_void_p) if callback else None,
                           ctypes.byref(res))
         trace = lib.kv_search_trace(handle)
@@ -454,7 +463,7 @@ def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPE
                    VERDICTS[res.verdict], res.invariant, res.inside_hook, res.request,
                    labels[:res.nprefix], labels[res.nprefix:], res.stuck_states,
                    res.msg.decode(errors="replace"),
-                   {origins[i] for i in range(nrows) if coverage[i]}, res.nlive)
+                   {origins[i] for i in range(nrows) if coverage[i]}, res.nlive, res.threads)
     finally:
         lib.kv_search_free(handle)
 
@@ -468,7 +477,7 @@ def all_states(b: M.Bounds, faults: M.Faults = M.NO_FAULTS,
     handle = lib.kv_search_new(ctypes.byref(cb), rows, nrows, TRACE_CAP)
     try:
         res = CResult()
-        lib.kv_search_run(handle, fault_mask(faults), 0, 0, 0, 0, None, None,
+        lib.kv_search_run(handle, fault_mask(faults), 0, 0, 0, 0, 1, None, None,
                           ctypes.byref(res))
         buf = ctypes.create_string_buffer(2048)
         for i in range(res.states):

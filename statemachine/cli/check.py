@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         return usage_error("check", str(exc).strip("'\""))
     except ValueError as exc:
         return usage_error("check", str(exc))
+    threads = args.threads if args.threads is not None else len(os.sched_getaffinity(0))
+    if threads < 1:
+        return usage_error("check", f"--threads must be 1 or more, got {threads}")
 
     for sc in scenarios:
         floor = sc.bounds.gpu_blocks_floor()
@@ -170,7 +174,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         r = check(sc.bounds, faults, max_states=args.max_states,
                   progress=None if args.json else report, stuck=args.stuck, without=without,
-                  engine=args.engine)
+                  engine=args.engine, threads=threads)
         show.close()
         if r.engine.startswith("python (") and sc is scenarios[0]:
             note(f"the compiled checker is not available ({r.engine[8:-1]}); the reference "
@@ -203,6 +207,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print_table(rows, _COLS)
+        print("\nengine: " + "; ".join(dict.fromkeys(row["engine"] for row in rows)))
         if full_suite:
             print(f"\ncoverage: {len(covered)} of {len(M.coverage_universe())} table "
                   "transitions fired")
@@ -261,6 +266,9 @@ def register(sub: Any) -> None:
     c.add_argument("--engine", choices=("auto", "compiled", "python"), default="auto",
                    help="the compiled checker (auto: where a C compiler is) or the reference "
                    "one in Python")
+    c.add_argument("--threads", type=int, default=None,
+                   help="the compiled search's threads (default: every core this process may "
+                   "use); the result is the same, state for state, on any number")
     c.add_argument("--stuck", action="store_true",
                    help="also run the older reachability check (a quiescent state reachable "
                    "from every state; implied by liveness P-3)")

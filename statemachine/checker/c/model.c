@@ -263,7 +263,7 @@ static int fire(World *w, int m, int subject, int trigger, const Kw *kw) {
         const int32_t *row = t->rows + *r * ROW_WIDTH;
         if (!guards_hold(w, m, (uint32_t)row[4], (uint32_t)row[5], subject, kw)) continue;
         int dest = row[3] < 0 ? state : row[3];
-        if (w->fired) w->fired[*r] = 1;
+        if (w->fired && w->fired[*r] > w->stamp) w->fired[*r] = w->stamp;
         if (m == M_REQUEST) {  /* World.put: a request stays tracked until deleted */
             Req *q = &w->s.req[subject];
             if (dest != R_ABSENT || (q->flags & RF_TRACKED)) {
@@ -1808,8 +1808,8 @@ int kv_events(const Bounds *b, const State *s, uint32_t *out) {
 }
 
 int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, uint32_t ev,
-             State *out, uint8_t *fired, int check_inside, uint32_t without, int *inside_inv,
-             int *inside_hook, char *msg) {
+             State *out, uint64_t *fired, uint64_t stamp, int check_inside, uint32_t without,
+             int *inside_inv, int *inside_hook, char *msg) {
     World w;
     jmp_buf jb;
     memset(&w, 0, offsetof(World, s));
@@ -1819,6 +1819,7 @@ int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, 
     kv_copy_state(&w.s, s);
     w.jb = &jb;
     w.fired = fired;
+    w.stamp = stamp;
     w.check_inside = check_inside;
     w.without = without;
     w.last_job = -1;

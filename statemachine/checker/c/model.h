@@ -176,7 +176,9 @@ struct World {
     jmp_buf *jb;
     int err;
     char msg[200];
-    uint8_t *fired;           /* coverage: rows fired (may be NULL) */
+    uint64_t *fired;          /* coverage: the first stamp at which each row fired (may be
+                               * NULL): a row that fires lowers its entry to `stamp` */
+    uint64_t stamp;
     int check_inside;         /* check the invariants after a step's lookup and allocation */
     int inside_found, inside_inv, inside_hook;
     uint32_t without;         /* invariants switched off (bit i: INV-(i+1)) */
@@ -208,8 +210,8 @@ void kv_tables_free(Tables *t);
 void kv_initial(const Bounds *b, State *s);
 int kv_events(const Bounds *b, const State *s, uint32_t *out);
 int kv_apply(const Bounds *b, const Tables *t, uint32_t faults, const State *s, uint32_t ev,
-             State *out, uint8_t *fired, int check_inside, uint32_t without, int *inside_inv,
-             int *inside_hook, char *msg);
+             State *out, uint64_t *fired, uint64_t stamp, int check_inside, uint32_t without,
+             int *inside_inv, int *inside_hook, char *msg);
 void kv_canonical(State *s);
 int kv_key(const Bounds *b, int req, int pos, int group);
 int kv_nkeys(const Bounds *b);

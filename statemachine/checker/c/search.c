@@ -4,7 +4,11 @@
  * explored graph, the progress properties as liveness under weak fairness (fair strongly
  * connected components of the states where the property is not yet met), and the old
  * reachability check (a quiescent state reachable from every state) for comparison. A
- * counterexample is a path of events (a lasso for liveness), which Python replays. */
+ * counterexample is a path of events (a lasso for liveness), which Python replays. The
+ * expansion of states and the liveness pass run on a crew of threads; the answer is the
+ * same, state for state, on any number of them (the search, below). */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -237,20 +241,31 @@ static int rehash(Graph *g) {
     return 0;
 }
 
-/* the index of the state `enc`, inserting it if new (*fresh = 1); -1 on memory failure */
-static int64_t intern(Graph *g, const uint8_t *enc, int len, int *fresh) {
-    uint32_t h32 = (uint32_t)hash_bytes(enc, len);
+/* the index of the state `enc` (its hash h32), or -1 with *slot the empty slot it would take;
+ * reads the set only, so workers may call it while no one inserts */
+static int64_t probe(const Graph *g, const uint8_t *enc, int len, uint32_t h32, int64_t *slot) {
     uint64_t h = ((uint64_t)h32 << 32) | h32;
     int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(g->nslots - 1));
     uint64_t tag = h32 >> 8;
     while (g->slots[k]) {
         int64_t i = (int64_t)(g->slots[k] >> 24) - 1;
         if ((g->slots[k] & 0xFFFFFF) == tag && g->len[i] == len &&
-            !memcmp(g->arena + g->offset[i], enc, (size_t)len)) {
-            *fresh = 0;
+            !memcmp(g->arena + g->offset[i], enc, (size_t)len))
             return i;
-        }
         k = (k + 1) & (g->nslots - 1);
+    }
+    *slot = k;
+    return -1;
+}
+
+/* the index of the state `enc` (its hash h32), inserting it if new (*fresh = 1); -1 on
+ * memory failure */
+static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *fresh) {
+    int64_t k = 0;
+    int64_t found = probe(g, enc, len, h32, &k);
+    if (found >= 0) {
+        *fresh = 0;
+        return found;
     }
     if (g->n + 1 >= g->alloc) {
         g->alloc *= 2;
@@ -271,7 +286,7 @@ static int64_t intern(Graph *g, const uint8_t *enc, int len, int *fresh) {
     g->hash[i] = h32;
     g->used += (size_t)len;
     g->enabled[i] = 0;
-    g->slots[k] = (uint64_t)(i + 1) << 24 | tag;
+    g->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
     *fresh = 1;
     if (g->n * 2 > g->nslots && rehash(g)) return -1;
     return i;
@@ -343,26 +358,67 @@ static int waiting_P_5(const Bounds *b, const State *s, int r) {  /* finished, n
 
 #include "progress.h"
 
+_Static_assert(N_PROPS * MAXR <= 32, "a state's waiting instances fit 32 bits");
+
 /* ============================================================== the result */
 typedef struct {
     int64_t states, edges, stuck_states;
     int32_t depth, complete, verdict, invariant, inside_hook, request, nprefix, ncycle;
     int32_t nlive;        /* progress properties checked and found to hold (in order) */
+    int32_t threads;      /* the threads that searched */
     double seconds;
     char msg[200];
 } Result;
 
 enum { V_OK, V_INVARIANT, V_ILLEGAL, V_LIVENESS, V_STUCK, V_LIMIT, V_MEMORY };
 
+/* ============================================================== the crew */
+/* The threads of a search: the caller and up to MAX_THREADS - 1 more. A round runs `task`
+ * once on every member (the caller is member 0) and returns when all are done. */
+#define MAX_THREADS 64
+
+typedef struct Search Search;
+typedef void Task(Search *x, int member);
+
 typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, idle;
+    uint64_t round;
+    int helpers, busy, quit;
+    Task *task;
+    pthread_t thread[MAX_THREADS];
+} Crew;
+
+typedef struct {          /* one member's scratch in a round of expansion */
+    Search *x;
+    int member;
+    struct Succ *succ;
+    int64_t nsucc, succ_cap;
+    uint8_t *buf;         /* the successors' encodings and the findings' messages */
+    size_t used, cap;
+    uint64_t *fired;      /* per table row, the first stamp at which it fired here */
+    int failed;           /* out of memory */
+} Member;
+
+struct Search {
     Bounds b;
     Tables t;
     int32_t *rows;
+    int nrows;
     Graph g;
     Result r;
     uint32_t *trace;
     int trace_cap;
-} Search;
+    /* the run */
+    uint32_t faults, without;
+    Crew crew;
+    Member member[MAX_THREADS];
+    int members;
+    struct Expansion *exp;    /* the batch's states, in index order */
+    int64_t batch_lo, batch_hi, exp_cap;
+    atomic_llong next;        /* the next state of the batch (or instance) to take */
+    void *liveness;           /* the liveness pass's shared scratch */
+};
 
 static int path_to(Search *x, int64_t i, uint32_t *out, int cap) {
     int n = 0;
@@ -378,20 +434,25 @@ static void state_of(Search *x, int64_t i, State *s) { kv_decode(&x->b, x->g.are
 /* ============================================================== liveness */
 /* spec/liveness.py, in C: Tarjan's components of the `waiting` states; a component with an
  * internal edge in which every class enabled in all of its states is taken on an internal
- * edge holds a fair cycle. */
+ * edge holds a fair cycle. An instance is a progress property (and, for a property of each
+ * request, a request); one pass over the states computes every instance's `waiting` bit,
+ * then the instances are searched independently, on the crew. */
 typedef struct {
     int32_t *index, *low, *stack, *comp, *call, *prev, *queue;
     int64_t *iter, *pedge;
     uint8_t *on;
 } Tarjan;
 
-static int64_t fair_scc(Search *x, const uint8_t *bad, Tarjan *tj) {
+/* the first fair component (in Tarjan's order from state 0 up) of the states whose `waiting`
+ * holds `bit`, or -1 */
+static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan *tj) {
     Graph *g = &x->g;
+#define bad(v) (waiting[v] & bit)
     int64_t n = g->n, counter = 0, sp = 0, comps = 0;
     for (int64_t v = 0; v < n; v++) { tj->index[v] = -1; tj->on[v] = 0; tj->comp[v] = -1; }
     int32_t *call = tj->call;
     for (int64_t root = 0; root < n; root++) {
-        if (!bad[root] || tj->index[root] >= 0) continue;
+        if (!bad(root) || tj->index[root] >= 0) continue;
         int64_t depth = 0;
         call[depth++] = (int32_t)root;
         tj->index[root] = tj->low[root] = (int32_t)counter++;
@@ -402,7 +463,7 @@ static int64_t fair_scc(Search *x, const uint8_t *bad, Tarjan *tj) {
             int32_t v = call[depth - 1];
             if (tj->iter[v] < g->efirst[v + 1]) {
                 int32_t w = g->edst[tj->iter[v]++];
-                if (!bad[w]) continue;
+                if (!bad(w)) continue;
                 if (tj->index[w] < 0) {
                     tj->index[w] = tj->low[w] = (int32_t)counter++;
                     tj->stack[sp++] = w;
@@ -440,15 +501,7 @@ static int64_t fair_scc(Search *x, const uint8_t *bad, Tarjan *tj) {
         }
     }
     return -1;
-}
-
-static int32_t edge_src(const Graph *g, int64_t e) {  /* efirst is sorted */
-    int64_t lo = 0, hi = g->n;
-    while (hi - lo > 1) {
-        int64_t mid = (lo + hi) / 2;
-        if (g->efirst[mid] <= e) lo = mid; else hi = mid;
-    }
-    return (int32_t)lo;
+#undef bad
 }
 
 /* the shortest path inside component `id` from `from` that ends in `target` (>= 0), or in a
@@ -536,54 +589,118 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
     return 0;
 }
 
-static void liveness(Search *x) {
-    Graph *g = &x->g;
-    int64_t n = g->n;
-    Tarjan tj;
-    memset(&tj, 0, sizeof tj);
-    uint8_t *bad = malloc((size_t)n);
-    uint8_t *pending = malloc((size_t)n);  /* bit k: the k-th (property, request) instance */
-    tj.index = malloc(sizeof(int32_t) * (size_t)n);
-    tj.low = malloc(sizeof(int32_t) * (size_t)n);
-    tj.stack = malloc(sizeof(int32_t) * (size_t)n);
-    tj.comp = malloc(sizeof(int32_t) * (size_t)n);
-    tj.call = malloc(sizeof(int32_t) * (size_t)(n + 1));
-    tj.prev = malloc(sizeof(int32_t) * (size_t)n);
-    tj.queue = malloc(sizeof(int32_t) * (size_t)n);
-    tj.iter = malloc(sizeof(int64_t) * (size_t)n);
-    tj.pedge = malloc(sizeof(int64_t) * (size_t)n);
-    tj.on = malloc((size_t)n);
-    (void)pending;
-    if (!bad || !tj.index || !tj.low || !tj.stack || !tj.comp || !tj.call || !tj.prev ||
-        !tj.queue || !tj.iter || !tj.pedge || !tj.on) {
-        x->r.verdict = V_MEMORY;
-        goto done;
-    }
-    x->r.nlive = 0;
-    for (int prop = 0; prop < N_PROPS; prop++) {
-        int reqs = PROP_PER_REQUEST[prop] ? x->b.requests : 1;
-        for (int r = 0; r < reqs; r++) {
-            int any = 0;
-            for (int64_t v = 0; v < n; v++) {
-                State s;
-                state_of(x, v, &s);
-                bad[v] = (uint8_t)WAITING[prop](&x->b, &s, r);
-                any |= bad[v];
-            }
-            int64_t id = any ? fair_scc(x, bad, &tj) : -1;
-            if (id >= 0) {
-                x->r.verdict = V_LIVENESS;
-                x->r.invariant = prop;
-                x->r.request = PROP_PER_REQUEST[prop] ? r : -1;
-                if (lasso(x, &tj, (int32_t)id)) x->r.verdict = V_MEMORY;
-                goto done;
-            }
+typedef struct {
+    uint32_t *waiting;        /* per state, bit k: instance k's `waiting` holds */
+    _Atomic uint32_t any;     /* the instances waiting in some state */
+    int ninst;
+    int prop[32], req[32];    /* instance k's property and request */
+    atomic_int first;         /* the first instance found with a fair cycle (ninst: none) */
+    atomic_int nomem;
+} Live;
+
+static void tarjan_free(Tarjan *tj) {
+    free(tj->index); free(tj->low); free(tj->stack); free(tj->comp); free(tj->call);
+    free(tj->prev); free(tj->queue); free(tj->iter); free(tj->pedge); free(tj->on);
+    memset(tj, 0, sizeof *tj);
+}
+
+static int tarjan_alloc(Tarjan *tj, int64_t n) {
+    memset(tj, 0, sizeof *tj);
+    tj->index = malloc(sizeof(int32_t) * (size_t)n);
+    tj->low = malloc(sizeof(int32_t) * (size_t)n);
+    tj->stack = malloc(sizeof(int32_t) * (size_t)n);
+    tj->comp = malloc(sizeof(int32_t) * (size_t)n);
+    tj->call = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    tj->prev = malloc(sizeof(int32_t) * (size_t)n);
+    tj->queue = malloc(sizeof(int32_t) * (size_t)n);
+    tj->iter = malloc(sizeof(int64_t) * (size_t)n);
+    tj->pedge = malloc(sizeof(int64_t) * (size_t)n);
+    tj->on = malloc((size_t)n);
+    if (tj->index && tj->low && tj->stack && tj->comp && tj->call && tj->prev && tj->queue &&
+        tj->iter && tj->pedge && tj->on)
+        return 0;
+    tarjan_free(tj);
+    return -1;
+}
+
+static void run_round(Search *x, Task *task);
+
+/* a round: every instance's `waiting` bit in every state, states taken in slices */
+static void waiting_task(Search *x, int member) {
+    (void)member;
+    Live *lv = x->liveness;
+    uint32_t any = 0;
+    for (;;) {
+        int64_t lo = atomic_fetch_add(&x->next, 4096);
+        if (lo >= x->g.n) break;
+        int64_t hi = lo + 4096 < x->g.n ? lo + 4096 : x->g.n;
+        for (int64_t v = lo; v < hi; v++) {
+            State s;
+            state_of(x, v, &s);
+            uint32_t m = 0;
+            for (int k = 0; k < lv->ninst; k++)
+                if (WAITING[lv->prop[k]](&x->b, &s, lv->req[k])) m |= 1u << k;
+            lv->waiting[v] = m;
+            any |= m;
         }
-        x->r.nlive = prop + 1;
     }
-done:
-    free(bad); free(pending); free(tj.index); free(tj.low); free(tj.stack); free(tj.comp);
-    free(tj.call); free(tj.prev); free(tj.queue); free(tj.iter); free(tj.pedge); free(tj.on);
+    atomic_fetch_or(&lv->any, any);
+}
+
+/* a round: the instances, in order, each on the member that takes it; an instance after the
+ * first one found with a fair cycle is not searched */
+static void instance_task(Search *x, int member) {
+    (void)member;
+    Live *lv = x->liveness;
+    Tarjan tj;
+    int ready = 0;
+    for (;;) {
+        int k = (int)atomic_fetch_add(&x->next, 1);
+        if (k >= lv->ninst) break;
+        if (k > atomic_load(&lv->first) || !((atomic_load(&lv->any) >> k) & 1)) continue;
+        if (!ready) {
+            if (tarjan_alloc(&tj, x->g.n)) { atomic_store(&lv->nomem, 1); break; }
+            ready = 1;
+        }
+        if (fair_scc(x, lv->waiting, 1u << k, &tj) < 0) continue;
+        int prev = atomic_load(&lv->first);
+        while (k < prev && !atomic_compare_exchange_weak(&lv->first, &prev, k)) {}
+    }
+    if (ready) tarjan_free(&tj);
+}
+
+static void liveness(Search *x) {
+    Live lv;
+    memset(&lv, 0, sizeof lv);
+    for (int prop = 0; prop < N_PROPS; prop++)
+        for (int r = 0; r < (PROP_PER_REQUEST[prop] ? x->b.requests : 1); r++) {
+            lv.prop[lv.ninst] = prop;
+            lv.req[lv.ninst++] = r;
+        }
+    atomic_init(&lv.first, lv.ninst);
+    atomic_init(&lv.any, 0);
+    atomic_init(&lv.nomem, 0);
+    lv.waiting = malloc(sizeof(uint32_t) * (size_t)x->g.n);
+    if (!lv.waiting) { x->r.verdict = V_MEMORY; return; }
+    x->liveness = &lv;
+    atomic_store(&x->next, 0);
+    run_round(x, waiting_task);
+    atomic_store(&x->next, 0);
+    run_round(x, instance_task);
+    x->liveness = NULL;
+    int k = atomic_load(&lv.first);
+    if (atomic_load(&lv.nomem)) x->r.verdict = V_MEMORY;
+    else if (k < lv.ninst) {  /* the first instance with a fair cycle, again, for its lasso */
+        Tarjan tj;
+        int64_t id = tarjan_alloc(&tj, x->g.n) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
+        x->r.verdict = V_LIVENESS;
+        x->r.invariant = lv.prop[k];
+        x->r.request = PROP_PER_REQUEST[lv.prop[k]] ? lv.req[k] : -1;
+        x->r.nlive = lv.prop[k];
+        if (id < 0 || lasso(x, &tj, (int32_t)id)) x->r.verdict = V_MEMORY;
+        tarjan_free(&tj);
+    } else x->r.nlive = N_PROPS;
+    free(lv.waiting);
 }
 
 /* the old progress check: a quiescent state reachable from every state */
@@ -630,7 +747,38 @@ done:
 }
 
 /* ============================================================== the search */
+/* Breadth first, in batches: a batch is the next states in index order (all known when it
+ * starts). The crew expands a batch in parallel: each enabled event applied, its successor
+ * made canonical, encoded and looked up in the visited set (which no one writes during the
+ * round), and, when not found there, checked against every invariant. Then the caller
+ * merges the batch alone, state by state and event by event, in the order a search of one
+ * thread meets them: new states are numbered, parents, edges and fairness classes recorded,
+ * and the first finding in that order stops the search. Coverage is kept the same way: a
+ * row counts if it fired at or before the stamp (state index, event) where the search
+ * stopped. So every figure, verdict and counterexample is the same for any number of
+ * threads. */
 typedef void Progress(int64_t states, int64_t edges, int32_t depth);
+
+#define BATCH 1024        /* states a batch, per thread */
+#define SLICE 16          /* states a member takes at a time */
+#define STAMP(i, k) ((uint64_t)(i) << 8 | (uint64_t)(k))
+#define NEVER UINT64_MAX  /* a row not fired */
+#define ALL (NEVER - 1)   /* the stop of a search that ran to its end */
+
+typedef struct Succ {     /* an enabled event of a batch's state, as a member found it */
+    uint32_t ev;
+    uint8_t index;        /* the event's index among the state's events (its stamp) */
+    int8_t rc, inside_inv, hook, inv;  /* inv: the invariant its successor breaks, -1 none */
+    uint16_t len;         /* its successor's encoding (rc ERR_NONE), at `at` */
+    uint32_t hash;
+    int64_t known;        /* the successor's index if it was in the visited set, else -1 */
+    int64_t at;           /* in the member's buffer: the encoding, or a finding's message */
+} Succ;
+
+typedef struct Expansion {  /* a batch's state: its events in member `member`'s list */
+    int32_t member, count;
+    int64_t first;
+} Expansion;
 
 static double now(void) {
     struct timespec ts;
@@ -638,10 +786,158 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+static void *crew_main(void *arg) {
+    Member *m = arg;
+    Crew *c = &m->x->crew;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&c->mu);
+        while (c->round == seen && !c->quit) pthread_cond_wait(&c->go, &c->mu);
+        if (c->quit) { pthread_mutex_unlock(&c->mu); return NULL; }
+        seen = c->round;
+        Task *task = c->task;
+        pthread_mutex_unlock(&c->mu);
+        task(m->x, m->member);
+        pthread_mutex_lock(&c->mu);
+        if (--c->busy == 0) pthread_cond_signal(&c->idle);
+        pthread_mutex_unlock(&c->mu);
+    }
+}
+
+static void run_round(Search *x, Task *task) {
+    Crew *c = &x->crew;
+    if (c->helpers) {
+        pthread_mutex_lock(&c->mu);
+        c->task = task;
+        c->busy = c->helpers;
+        c->round++;
+        pthread_cond_broadcast(&c->go);
+        pthread_mutex_unlock(&c->mu);
+    }
+    task(x, 0);
+    if (c->helpers) {
+        pthread_mutex_lock(&c->mu);
+        while (c->busy) pthread_cond_wait(&c->idle, &c->mu);
+        pthread_mutex_unlock(&c->mu);
+    }
+}
+
+/* the caller and up to threads - 1 helpers (fewer if the system gives fewer) */
+static void crew_start(Search *x, int threads) {
+    Crew *c = &x->crew;
+    memset(c, 0, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->go, NULL);
+    pthread_cond_init(&c->idle, NULL);
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    x->members = 1;
+    for (int k = 1; k < threads; k++) {
+        x->member[k].x = x;
+        x->member[k].member = k;
+        if (pthread_create(&c->thread[k], NULL, crew_main, &x->member[k])) break;
+        c->helpers = x->members++;
+    }
+    x->member[0].x = x;
+    x->member[0].member = 0;
+}
+
+static void crew_stop(Search *x) {
+    Crew *c = &x->crew;
+    pthread_mutex_lock(&c->mu);
+    c->quit = 1;
+    pthread_cond_broadcast(&c->go);
+    pthread_mutex_unlock(&c->mu);
+    for (int k = 1; k <= c->helpers; k++) pthread_join(c->thread[k], NULL);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->go);
+    pthread_cond_destroy(&c->idle);
+    for (int k = 0; k < x->members; k++) {
+        free(x->member[k].succ); free(x->member[k].buf); free(x->member[k].fired);
+    }
+    memset(x->member, 0, sizeof x->member);
+}
+
+static int reserve(Member *m, size_t bytes) {
+    if (m->nsucc >= m->succ_cap) {
+        m->succ_cap = m->succ_cap ? 2 * m->succ_cap : 1 << 12;
+        if (grow((void **)&m->succ, sizeof(Succ), m->succ_cap)) return -1;
+    }
+    while (m->used + bytes > m->cap) {
+        m->cap = m->cap ? 2 * m->cap : 1 << 20;
+        if (grow((void **)&m->buf, 1, (int64_t)m->cap)) return -1;
+    }
+    return 0;
+}
+
+/* a round: the members take the batch's states a slice at a time */
+static void expand_task(Search *x, int member) {
+    Member *m = &x->member[member];
+    m->nsucc = 0;
+    m->used = 0;
+    State s, nxt;
+    uint32_t evs[64];
+    char msg[200];
+    for (;;) {
+        int64_t lo = atomic_fetch_add(&x->next, SLICE);
+        if (lo >= x->batch_hi || m->failed) break;
+        int64_t hi = lo + SLICE < x->batch_hi ? lo + SLICE : x->batch_hi;
+        for (int64_t i = lo; i < hi; i++) {
+            Expansion *e = &x->exp[i - x->batch_lo];
+            e->member = member;
+            e->first = m->nsucc;
+            state_of(x, i, &s);
+            int n = kv_events(&x->b, &s, evs);
+            for (int k = 0; k < n; k++) {
+                int inside_inv = -1, hook = -1;
+                int rc = kv_apply(&x->b, &x->t, x->faults, &s, evs[k], &nxt, m->fired,
+                                  STAMP(i, k), 1, x->without, &inside_inv, &hook, msg);
+                if (rc == ERR_NOT_ENABLED) continue;
+                if (reserve(m, ENC_MAX)) { m->failed = 1; break; }
+                Succ *u = &m->succ[m->nsucc++];
+                u->ev = evs[k];
+                u->index = (uint8_t)k;
+                u->rc = (int8_t)rc;
+                u->inside_inv = (int8_t)inside_inv;
+                u->hook = (int8_t)hook;
+                u->inv = -1;
+                u->known = -1;
+                u->len = 0;
+                u->at = (int64_t)m->used;
+                if (rc != ERR_NONE) {
+                    memcpy(m->buf + m->used, msg, sizeof msg);
+                    m->used += sizeof msg;
+                    continue;
+                }
+                if (inside_inv >= 0) continue;
+                kv_canonical(&nxt);
+                uint8_t *enc = m->buf + m->used;
+                int len = kv_encode(&x->b, &nxt, enc);
+                int64_t slot;
+                u->len = (uint16_t)len;
+                u->hash = (uint32_t)hash_bytes(enc, len);
+                u->known = probe(&x->g, enc, len, u->hash, &slot);
+                if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, &nxt, 0, x->without);
+                m->used += (size_t)len;
+            }
+            e->count = (int32_t)(m->nsucc - e->first);
+        }
+    }
+}
+
+/* the rows fired at or before `stop`, over every member */
+static void coverage_of(Search *x, uint64_t stop, uint8_t *coverage) {
+    for (int row = 0; row < x->nrows; row++) {
+        coverage[row] = 0;
+        for (int k = 0; k < x->members; k++)
+            if (x->member[k].fired && x->member[k].fired[row] <= stop) coverage[row] = 1;
+    }
+}
+
 void *kv_search_new(const Bounds *b, const int32_t *rows, int nrows, int trace_cap) {
     Search *x = calloc(1, sizeof(Search));
     if (!x) return NULL;
     x->b = *b;
+    x->nrows = nrows;
     x->rows = malloc(sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
     x->trace = malloc(sizeof(uint32_t) * (size_t)trace_cap);
     x->trace_cap = trace_cap;
@@ -658,6 +954,7 @@ void kv_search_free(void *h) {
     graph_free(&x->g);
     free(x->rows);
     free(x->trace);
+    free(x->exp);
     free(x);
 }
 
@@ -672,8 +969,54 @@ int kv_search_state(void *h, int64_t i, uint8_t *out) {
 
 int64_t kv_search_parent(void *h, int64_t i) { return ((Search *)h)->g.parent[i]; }
 
+/* merges the expansion of state i (see the search); 1: the search stops at *stop */
+static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_t *stop) {
+    Graph *g = &x->g;
+    Result *r = &x->r;
+    const Expansion *e = &x->exp[i - x->batch_lo];
+    const Member *m = &x->member[e->member];
+    g->efirst[i] = g->nedges;
+    for (int32_t k = 0; k < e->count; k++) {
+        const Succ *u = &m->succ[e->first + k];
+        *stop = STAMP(i, u->index);
+        r->edges++;
+        if (u->rc == ERR_LIMIT || u->rc == ERR_MODEL || u->inside_inv >= 0) {
+            if (u->rc != ERR_NONE) memcpy(r->msg, m->buf + u->at, sizeof r->msg);
+            if (u->rc == ERR_LIMIT) { r->verdict = V_LIMIT; return 1; }
+            int len = path_to(x, i, x->trace, x->trace_cap - 1);
+            x->trace[len++] = u->ev;
+            r->nprefix = len;
+            r->verdict = u->rc == ERR_MODEL ? V_ILLEGAL : V_INVARIANT;
+            r->invariant = u->inside_inv;
+            r->inside_hook = u->rc == ERR_MODEL ? -1 : u->hook;
+            return 1;
+        }
+        int fresh = 0;
+        int64_t j = u->known >= 0 ? u->known : intern(g, m->buf + u->at, u->len, u->hash, &fresh);
+        if (j < 0) { r->verdict = V_MEMORY; return 1; }
+        g->enabled[i] |= fair_class(u->ev);
+        if (fresh) {
+            g->parent[j] = (int32_t)i;
+            g->via[j] = u->ev;
+            g->depth[j] = (uint16_t)(g->depth[i] + 1);
+            if (g->depth[j] > r->depth) r->depth = g->depth[j];
+            if (u->inv >= 0) {
+                r->verdict = V_INVARIANT;
+                r->invariant = u->inv;
+                r->nprefix = path_to(x, j, x->trace, x->trace_cap);
+                return 1;
+            }
+            if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
+        }
+        if (do_edges && add_edge(g, j, u->ev)) { r->verdict = V_MEMORY; return 1; }
+    }
+    g->efirst[i + 1] = g->nedges;
+    *stop = STAMP(i, 0xFF);
+    return 0;
+}
+
 int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states, int do_liveness,
-                  int do_stuck, uint8_t *coverage, Progress *progress, Result *out) {
+                  int do_stuck, int threads, uint8_t *coverage, Progress *progress, Result *out) {
     Search *x = h;
     Graph *g = &x->g;
     Result *r = &x->r;
@@ -681,67 +1024,52 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     r->complete = 1;
     r->request = -1;
     r->inside_hook = -1;
+    x->faults = faults;
+    x->without = without;
     double t0 = now();
-    State s, nxt;
+    uint64_t stop = ALL;
+    crew_start(x, threads < 1 ? 1 : threads);
+    r->threads = x->members;
+    for (int k = 0; k < x->members; k++) {
+        Member *m = &x->member[k];
+        m->fired = malloc(sizeof(uint64_t) * (size_t)(x->nrows ? x->nrows : 1));
+        if (!m->fired) { r->verdict = V_MEMORY; goto out; }
+        for (int row = 0; row < x->nrows; row++) m->fired[row] = NEVER;
+    }
+    x->exp_cap = (int64_t)BATCH * x->members;
+    if (grow((void **)&x->exp, sizeof(Expansion), x->exp_cap)) { r->verdict = V_MEMORY; goto out; }
+    State s;
     uint8_t enc[ENC_MAX];
-    uint32_t evs[64];
     kv_initial(&x->b, &s);
     kv_canonical(&s);
-    int fresh;
-    int64_t root = intern(g, enc, kv_encode(&x->b, &s, enc), &fresh);
-    if (root < 0) { r->verdict = V_MEMORY; goto out; }
+    int fresh, len = kv_encode(&x->b, &s, enc);
+    if (intern(g, enc, len, (uint32_t)hash_bytes(enc, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
     g->parent[0] = -1;
     g->via[0] = 0;
     g->depth[0] = 0;
     int inv = kv_check_invariants(&x->b, &s, 0, without);
-    if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; goto out; }
-    for (int64_t i = 0; i < g->n; i++) {
-        state_of(x, i, &s);
-        g->efirst[i] = g->nedges;
-        int n = kv_events(&x->b, &s, evs);
-        for (int k = 0; k < n; k++) {
-            int inside_inv = -1, hook = -1;
-            int rc = kv_apply(&x->b, &x->t, faults, &s, evs[k], &nxt, coverage, 1, without,
-                              &inside_inv, &hook, r->msg);
-            if (rc == ERR_NOT_ENABLED) continue;
-            r->edges++;
-            if (rc == ERR_LIMIT) { r->verdict = V_LIMIT; goto out; }
-            if (rc == ERR_MODEL || inside_inv >= 0) {
-                int len = path_to(x, i, x->trace, x->trace_cap - 1);
-                x->trace[len++] = evs[k];
-                r->nprefix = len;
-                r->verdict = rc == ERR_MODEL ? V_ILLEGAL : V_INVARIANT;
-                r->invariant = inside_inv;
-                r->inside_hook = rc == ERR_MODEL ? -1 : hook;
-                goto out;
-            }
-            kv_canonical(&nxt);
-            int len = kv_encode(&x->b, &nxt, enc);
-            int64_t j = intern(g, enc, len, &fresh);
-            if (j < 0) { r->verdict = V_MEMORY; goto out; }
-            g->enabled[i] |= fair_class(evs[k]);
-            if (fresh) {
-                g->parent[j] = (int32_t)i;
-                g->via[j] = evs[k];
-                g->depth[j] = (uint16_t)(g->depth[i] + 1);
-                if (g->depth[j] > r->depth) r->depth = g->depth[j];
-                inv = kv_check_invariants(&x->b, &nxt, 0, without);
-                if (inv >= 0) {
-                    r->verdict = V_INVARIANT;
-                    r->invariant = inv;
-                    r->nprefix = path_to(x, j, x->trace, x->trace_cap);
-                    goto out;
-                }
-                if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
-            }
-            if ((do_liveness || do_stuck) && add_edge(g, j, evs[k])) { r->verdict = V_MEMORY; goto out; }
+    if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; stop = 0; goto out; }
+    int do_edges = do_liveness || do_stuck;
+    for (int64_t lo = 0; lo < g->n;) {
+        x->batch_lo = lo;
+        x->batch_hi = lo + x->exp_cap < g->n ? lo + x->exp_cap : g->n;
+        atomic_store(&x->next, lo);
+        run_round(x, expand_task);
+        for (int k = 0; k < x->members; k++)
+            if (x->member[k].failed) { r->verdict = V_MEMORY; goto out; }
+        for (int64_t i = lo; i < x->batch_hi; i++) {
+            if (merge(x, i, do_edges, progress, &stop)) goto out;
+            if (max_states > 0 && g->n >= max_states) { r->complete = 0; goto searched; }
         }
-        g->efirst[i + 1] = g->nedges;
-        if (max_states > 0 && g->n >= max_states) { r->complete = 0; break; }
+        lo = x->batch_hi;
     }
+    stop = ALL;
+searched:
     if (r->complete && do_liveness) liveness(x);
     if (r->complete && do_stuck && r->verdict == V_OK) stuck(x);
 out:
+    if (coverage) coverage_of(x, stop, coverage);
+    crew_stop(x);
     r->states = g->n;
     r->seconds = now() - t0;
     *out = *r;
@@ -757,7 +1085,7 @@ int kv_step(const Bounds *b, const int32_t *rows, int nrows, uint32_t faults, co
     State s, nxt;
     kv_decode(b, enc, &s);
     char msg[200];
-    int rc = kv_apply(b, &t, faults, &s, ev, &nxt, NULL, 0, 0, NULL, NULL, msg);
+    int rc = kv_apply(b, &t, faults, &s, ev, &nxt, NULL, 0, 0, 0, NULL, NULL, msg);
     kv_tables_free(&t);
     if (rc) return -(1 + rc);
     kv_canonical(&nxt);
