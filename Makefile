@@ -62,7 +62,8 @@ check: $(STAMP)
 
 # exhaustive checks of several KV cache groups past the pinned scenarios (tests/test_deep_groups.py:
 # Mamba groups and partial tails on the Python model, full-attention and window groups on the
-# compiled twin), and the two models' larger whole-space comparisons (tests/test_checker_compiled.py)
+# compiled twin), the two models' larger whole-space comparisons (tests/test_checker_compiled.py),
+# and the threaded search under ThreadSanitizer (tests/test_checker_threads.py)
 check-groups: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py tests/test_checker_compiled.py tests/test_checker_threads.py
 
