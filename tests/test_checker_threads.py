@@ -9,6 +9,7 @@ search that passes, one that stops on a finding, and one cut short by `max_state
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
 
 from kernels import toolchain
 from spec import model as M
@@ -104,6 +107,47 @@ def test_a_search_cut_short_is_the_same_on_three_threads(name: str) -> None:
         previous = frozenset(one.covered)
     first = compiled.search(b, max_states=1, threads=3)
     assert first.covered < full.covered
+
+
+@st.composite
+def _searches(draw: st.DrawFn) -> tuple[M.Bounds, M.Faults, frozenset[str], int | None, int]:
+    """Perhaps a fault; a scenario's bounds or the fault's, with a few fields changed;
+    perhaps INV-1 off; perhaps a cut; and a number of threads."""
+    fault = draw(st.sampled_from([None, *M.Fault]))
+    faults = M.NO_FAULTS if fault is None else frozenset([fault])
+    if fault is not None and draw(st.booleans()):
+        b = hunt_bounds(fault)  # where the fault is found
+    else:
+        b = draw(st.sampled_from([s for s in SCENARIOS
+                                  if s.expect is not None and s.expect.states <= 150_000])).bounds
+    changes = draw(st.fixed_dictionaries({}, optional={
+        "workers": st.integers(1, 2), "resets": st.integers(0, 2),
+        "failures": st.integers(0, 1), "preemptions": st.integers(0, 1),
+        "timeout_steps": st.sampled_from([None, 2]), "sync_loads": st.booleans(),
+        "cpu_chunks": st.integers(1, 3), "stray_reports": st.booleans()}))
+    try:
+        b = dataclasses.replace(b, **changes)
+    except ValueError:
+        assume(False)
+    assume(compiled.fits(b) is None)
+    without = draw(st.sampled_from([frozenset(), frozenset({"INV-1"})]))
+    cut = draw(st.sampled_from([None, None, None, 1, 2, 50, 2_000]))
+    return b, faults, without, cut, draw(st.integers(2, 5))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_searches())
+def test_any_search_is_the_same_on_several_threads(
+        search: tuple[M.Bounds, M.Faults, frozenset[str], int | None, int]) -> None:
+    """Drawn bounds, faults and cuts: the first state's own finding, a cut inside the first
+    batch, a finding past many batches, a lasso; every answer the same as on one thread. A
+    search past 200,000 states is cut there, so that the draw stays quick."""
+    b, faults, without, cut, threads = search
+    cut = cut or 200_000
+    one = compiled.search(b, faults, without=without, max_states=cut, threads=1)
+    many = compiled.search(b, faults, without=without, max_states=cut, threads=threads)
+    event(f"{one.verdict}, {'complete' if one.complete else 'cut'}")
+    assert _answer(many) == _answer(one)
 
 
 def test_the_older_progress_check_is_the_same_on_two_threads() -> None:
