@@ -81,6 +81,17 @@ def test_every_finding_is_the_same_on_four_threads(fault: str, b: M.Bounds,
     assert _answer(many) == _answer(one)
 
 
+def test_a_lasso_is_the_same_on_sixteen_threads() -> None:
+    """More members than the liveness pass lets hold a Tarjan scratch on a small graph (the
+    scratches may take no more memory than the graph): the same lasso."""
+    f = M.Fault.RESET_KEEPS_TRANSFER_JOBS
+    b, without = hunt_bounds(f), frozenset({"INV-1"})
+    one = compiled.search(b, frozenset([f]), without=without, threads=1)
+    many = compiled.search(b, frozenset([f]), without=without, threads=16)
+    assert one.verdict == "liveness" and one.cycle and many.threads == 16
+    assert _answer(many) == _answer(one)
+
+
 def test_the_findings_cover_every_kind_of_stop() -> None:
     """The cases above stop on an invariant, an illegal event and a progress property."""
     verdicts = set()

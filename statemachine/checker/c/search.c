@@ -593,6 +593,7 @@ typedef struct {
     uint32_t *waiting;        /* per state, bit k: instance k's `waiting` holds */
     _Atomic uint32_t any;     /* the instances waiting in some state */
     int ninst;
+    int members;              /* the members that search instances (live_members) */
     int prop[32], req[32];    /* instance k's property and request */
     atomic_int first;         /* the first instance found with a fair cycle (ninst: none) */
     atomic_int nomem;
@@ -604,23 +605,41 @@ static void tarjan_free(Tarjan *tj) {
     memset(tj, 0, sizeof *tj);
 }
 
-static int tarjan_alloc(Tarjan *tj, int64_t n) {
+/* the search's arrays; `lasso` also needs the paths' (prev, queue, pedge) */
+static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
     memset(tj, 0, sizeof *tj);
     tj->index = malloc(sizeof(int32_t) * (size_t)n);
     tj->low = malloc(sizeof(int32_t) * (size_t)n);
     tj->stack = malloc(sizeof(int32_t) * (size_t)n);
     tj->comp = malloc(sizeof(int32_t) * (size_t)n);
     tj->call = malloc(sizeof(int32_t) * (size_t)(n + 1));
-    tj->prev = malloc(sizeof(int32_t) * (size_t)n);
-    tj->queue = malloc(sizeof(int32_t) * (size_t)n);
     tj->iter = malloc(sizeof(int64_t) * (size_t)n);
-    tj->pedge = malloc(sizeof(int64_t) * (size_t)n);
     tj->on = malloc((size_t)n);
-    if (tj->index && tj->low && tj->stack && tj->comp && tj->call && tj->prev && tj->queue &&
-        tj->iter && tj->pedge && tj->on)
+    if (lasso) {
+        tj->prev = malloc(sizeof(int32_t) * (size_t)n);
+        tj->queue = malloc(sizeof(int32_t) * (size_t)n);
+        tj->pedge = malloc(sizeof(int64_t) * (size_t)n);
+    }
+    if (tj->index && tj->low && tj->stack && tj->comp && tj->call && tj->iter && tj->on &&
+        (!lasso || (tj->prev && tj->queue && tj->pedge)))
         return 0;
     tarjan_free(tj);
     return -1;
+}
+
+/* the search's scratch per state (tarjan_alloc without the paths) */
+#define TARJAN_BYTES (5 * sizeof(int32_t) + sizeof(int64_t) + 1)
+
+/* the members that search instances side by side: each holds a Tarjan scratch, and together
+ * they may take at most as much memory as the explored graph already does */
+static int live_members(const Search *x, int ninst) {
+    const Graph *g = &x->g;
+    size_t graph = g->used + (size_t)g->n * 32 + (size_t)g->nslots * 8 + (size_t)g->nedges * 8;
+    size_t each = TARJAN_BYTES * (size_t)g->n + 1;
+    int64_t k = (int64_t)(graph / each);
+    if (k > x->members) k = x->members;
+    if (k > ninst) k = ninst;
+    return k < 1 ? 1 : (int)k;
 }
 
 static void run_round(Search *x, Task *task);
@@ -650,8 +669,8 @@ static void waiting_task(Search *x, int member) {
 /* a round: the instances, in order, each on the member that takes it; an instance after the
  * first one found with a fair cycle is not searched */
 static void instance_task(Search *x, int member) {
-    (void)member;
     Live *lv = x->liveness;
+    if (member >= lv->members) return;
     Tarjan tj;
     int ready = 0;
     for (;;) {
@@ -659,7 +678,7 @@ static void instance_task(Search *x, int member) {
         if (k >= lv->ninst) break;
         if (k > atomic_load(&lv->first) || !((atomic_load(&lv->any) >> k) & 1)) continue;
         if (!ready) {
-            if (tarjan_alloc(&tj, x->g.n)) { atomic_store(&lv->nomem, 1); break; }
+            if (tarjan_alloc(&tj, x->g.n, 0)) { atomic_store(&lv->nomem, 1); break; }
             ready = 1;
         }
         if (fair_scc(x, lv->waiting, 1u << k, &tj) < 0) continue;
@@ -678,6 +697,7 @@ static void liveness(Search *x) {
             lv.req[lv.ninst++] = r;
         }
     atomic_init(&lv.first, lv.ninst);
+    lv.members = live_members(x, lv.ninst);
     atomic_init(&lv.any, 0);
     atomic_init(&lv.nomem, 0);
     lv.waiting = malloc(sizeof(uint32_t) * (size_t)x->g.n);
@@ -692,7 +712,7 @@ static void liveness(Search *x) {
     if (atomic_load(&lv.nomem)) x->r.verdict = V_MEMORY;
     else if (k < lv.ninst) {  /* the first instance with a fair cycle, again, for its lasso */
         Tarjan tj;
-        int64_t id = tarjan_alloc(&tj, x->g.n) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
+        int64_t id = tarjan_alloc(&tj, x->g.n, 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
         x->r.verdict = V_LIVENESS;
         x->r.invariant = lv.prop[k];
         x->r.request = PROP_PER_REQUEST[lv.prop[k]] ? lv.req[k] : -1;
