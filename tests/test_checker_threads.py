@@ -187,6 +187,10 @@ def test_kvspec_check_takes_threads(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["scenarios"][0]["engine"] == "compiled, 2 threads"
     assert cli.main(["check", "--scenario", "two-resets", "--threads", "0"]) == 2
     assert "--threads must be 1 or more" in capsys.readouterr().err
+    assert cli.main(["check", "--mutate", "--threads", "2"]) == 2
+    assert "in --jobs processes" in capsys.readouterr().err
+    assert cli.main(["check", "--tiering", "--threads", "2"]) == 2
+    assert "tiering checker runs in Python" in capsys.readouterr().err
 
 
 @pytest.mark.exhaustive

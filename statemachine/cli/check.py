@@ -131,7 +131,13 @@ def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    if args.tiering or (args.mutant and args.mutant in TIER_FAULT_NAMES):
+    tiering = args.tiering or (args.mutant and args.mutant in TIER_FAULT_NAMES)
+    if args.threads is not None and (tiering or args.mutate):
+        return usage_error("check", "--threads sets the threads of the compiled search; "
+                           + ("--mutate runs the mutants in --jobs processes of one thread "
+                              "each" if args.mutate else "the tiering checker runs in Python "
+                              "on one thread"))
+    if tiering:
         from statemachine.cli.tiering import cmd_check_tiering
 
         return cmd_check_tiering(args)
