@@ -168,6 +168,13 @@ def test_the_older_progress_check_is_the_same_on_two_threads() -> None:
     assert one.verdict == "ok" and _answer(many) == _answer(one)
 
 
+def test_at_most_sixty_four_threads_search() -> None:
+    b = by_name("two-resets").bounds
+    r = compiled.search(b, threads=100)
+    assert r.threads == 64
+    assert _answer(r) == _answer(compiled.search(b, threads=1))
+
+
 def test_threads_must_be_a_count() -> None:
     b = by_name("two-resets").bounds
     for bad in (0, -1, 1.5, True):

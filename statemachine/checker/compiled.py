@@ -435,8 +435,9 @@ def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPE
            without: frozenset[str] = frozenset(), progress: object = None,
            threads: int = 1) -> Run:
     """The compiled search of `b`. `threads` > 1 expands the states on that many threads
-    (and checks the progress properties' instances side by side); the result is the same,
-    state for state, as on one (search.c, the search)."""
+    (at most 64; fewer if the system starts fewer: `Run.threads` says how many) and checks
+    the progress properties' instances side by side; the result is the same, state for
+    state, as on one (search.c, the search)."""
     if type(threads) is not int or threads < 1:
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     reason = fits(b)

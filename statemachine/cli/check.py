@@ -273,8 +273,8 @@ def register(sub: Any) -> None:
                    help="the compiled checker (auto: where a C compiler is) or the reference "
                    "one in Python")
     c.add_argument("--threads", type=int, default=None,
-                   help="the compiled search's threads (default: every core this process may "
-                   "use); the result is the same, state for state, on any number")
+                   help="the compiled search's threads, at most 64 (default: every core this "
+                   "process may use); the result is the same, state for state, on any number")
     c.add_argument("--stuck", action="store_true",
                    help="also run the older reachability check (a quiescent state reachable "
                    "from every state; implied by liveness P-3)")
