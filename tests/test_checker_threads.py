@@ -96,8 +96,7 @@ def test_the_findings_cover_every_kind_of_stop() -> None:
     """The cases above stop on an invariant, an illegal event and a progress property."""
     verdicts = set()
     for fault, b, without in _fault_cases():
-        verdicts.add(compiled.search(b, frozenset([M.Fault(fault)]), without=without,
-                                     liveness=True).verdict)
+        verdicts.add(compiled.search(b, frozenset([M.Fault(fault)]), without=without).verdict)
     assert {"invariant", "illegal", "liveness"} <= verdicts
 
 

@@ -628,13 +628,17 @@ static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
 }
 
 /* the search's scratch per state (tarjan_alloc without the paths) */
-#define TARJAN_BYTES (5 * sizeof(int32_t) + sizeof(int64_t) + 1)
+#define TARJAN_BYTES (5 * sizeof(int32_t) + sizeof(int64_t) + sizeof(uint8_t))
 
 /* the members that search instances side by side: each holds a Tarjan scratch, and together
  * they may take at most as much memory as the explored graph already does */
 static int live_members(const Search *x, int ninst) {
     const Graph *g = &x->g;
-    size_t graph = g->used + (size_t)g->n * 32 + (size_t)g->nslots * 8 + (size_t)g->nedges * 8;
+    size_t per_state = sizeof *g->offset + sizeof *g->len + sizeof *g->hash + sizeof *g->parent +
+                       sizeof *g->via + sizeof *g->depth + sizeof *g->enabled + sizeof *g->efirst;
+    size_t per_edge = sizeof *g->edst + sizeof *g->elabel;
+    size_t graph = g->used + (size_t)g->n * per_state + (size_t)g->nslots * sizeof *g->slots +
+                   (size_t)g->nedges * per_edge;
     size_t each = TARJAN_BYTES * (size_t)g->n + 1;
     int64_t k = (int64_t)(graph / each);
     if (k > x->members) k = x->members;
