@@ -186,6 +186,9 @@ class CheckResult:
     without: frozenset[str] = frozenset()
     """Invariants switched off for this run."""
     engine: str = "python"
+    memory: int = 0
+    """The bytes of the search's data at its peak (the compiled search's `Run.memory`; 0 from
+    the reference checker, which does not count them)."""
 
     @property
     def ok(self) -> bool:

@@ -79,7 +79,7 @@ def check(bounds: M.Bounds, faults: M.Faults = M.NO_FAULTS, *,
                          liveness=tuple(p.id for p in PROGRESS[:run.live_checked]),
                          without=without,
                          engine="compiled" if run.threads == 1 else
-                         f"compiled, {run.threads} threads")
+                         f"compiled, {run.threads} threads", memory=run.memory)
     if run.verdict in ("limit", "memory"):
         raise MemoryError(f"the compiled search stopped: {run.verdict} ({run.message})")
     if run.verdict != "ok":

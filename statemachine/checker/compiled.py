@@ -86,7 +86,7 @@ class CResult(ctypes.Structure):
         (name, ctypes.c_int32) for name in (
             "depth", "complete", "verdict", "invariant", "inside_hook", "request", "nprefix",
             "ncycle", "nlive", "threads")] + [
-        ("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
+        ("memory", ctypes.c_int64), ("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
 
 
 PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
@@ -193,6 +193,8 @@ class Library:
                                    ctypes.c_int]
         lib.kv_fair_class.restype = ctypes.c_uint64
         lib.kv_fair_class.argtypes = [ctypes.c_uint32]
+        lib.kv_pack.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+        lib.kv_unpack.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
         self.lib = lib
         self.path = path
 
@@ -428,6 +430,11 @@ class Run:
     """How many progress properties (in `spec.progress.PROGRESS` order) were found to hold."""
     threads: int
     """The threads that searched (every other field is the same for any number)."""
+    memory: int
+    """The bytes of the search's data at its peak: the explored graph (each state's packed
+    encoding and records, the hash slots, the edges) and the scratch of the liveness or
+    stuck pass after it. The same on any number of threads but for the liveness scratch
+    (one per instance searched side by side)."""
 
 
 def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPEC_TABLES,
@@ -464,7 +471,8 @@ def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPE
                    VERDICTS[res.verdict], res.invariant, res.inside_hook, res.request,
                    labels[:res.nprefix], labels[res.nprefix:], res.stuck_states,
                    res.msg.decode(errors="replace"),
-                   {origins[i] for i in range(nrows) if coverage[i]}, res.nlive, res.threads)
+                   {origins[i] for i in range(nrows) if coverage[i]}, res.nlive, res.threads,
+                   res.memory)
     finally:
         lib.kv_search_free(handle)
 

@@ -28,8 +28,8 @@ from statemachine.mutants import MUTANTS
 from statemachine.mutants import by_name as mutant_by_name
 
 MUTANT_SCENARIO = "mutant-hunt"
-_COLS = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "result",
-         "expected"]
+_COLS = ["scenario", "states", "transitions", "depth", "seconds", "states_per_s", "memory_mb",
+         "result", "expected"]
 
 
 def _expected(sc: Scenario, r: CheckResult) -> str:
@@ -51,6 +51,7 @@ def _row(sc: Scenario, r: CheckResult) -> dict[str, Any]:
     return {
         "scenario": sc.name, "states": r.states, "transitions": r.edges, "depth": r.depth,
         "seconds": round(r.seconds, 2), "states_per_s": round(r.states_per_second),
+        "memory_mb": round(r.memory / 1e6) if r.memory else "-", "memory_bytes": r.memory,
         "complete": r.complete, "result": result, "verdict": r.verdict,
         "expected": _expected(sc, r),
         "liveness": [{"property": p.id, "formula": p.formula, "for": p.scope,

@@ -1,6 +1,6 @@
 /* The exhaustive search of the compiled model: breadth first over canonical states (the
- * visited set holds each state's compact encoding), every safety invariant in every new state
- * and after every hook inside a step, an event with no table row as a finding; then, on the
+ * visited set holds each state's compact encoding, packed), every safety invariant in every
+ * new state and after every hook inside a step, an event with no table row as a finding; then, on the
  * explored graph, the progress properties as liveness under weak fairness (fair strongly
  * connected components of the states where the property is not yet met), and the old
  * reachability check (a quiescent state reachable from every state) for comparison. A
@@ -16,6 +16,8 @@
 #include "model.h"
 
 #define ENC_MAX 2048
+/* a packed encoding's bound: a mask byte per 8 bytes, and a byte of slack (kv_pack) */
+#define PACK_MAX (ENC_MAX + ENC_MAX / 8 + 8)
 
 /* ============================================================== compact encoding */
 /* a request's blocks (prompt and output, in every group), as encoded */
@@ -155,17 +157,57 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     if (b->partial_tails) n += get_mask(mw, &s->misplaced, o + n);
 }
 
+/* ============================================================== packing */
+/* The visited set holds each encoding packed: most of an encoding's bytes are zeros (empty
+ * block tables, job masks, fences), so each run of 8 bytes becomes a mask byte (bit k: byte
+ * k is not zero) followed by its bytes that are not zero. The packing is a function of the
+ * encoding, and the encodings are prefix-free (kv_decode reads as many bytes as the ones it
+ * read say), so two states are equal if and only if their packings are. */
+#define LOW7 0x7F7F7F7F7F7F7F7Full
+
+static uint8_t nonzero_bytes(uint64_t v) {  /* bit k: byte k of v is not zero */
+    uint64_t high = (((v & LOW7) + LOW7) | v) & ~LOW7;
+    return (uint8_t)(((high >> 7) * 0x0102040810204080ull) >> 56);
+}
+
+/* the packing of `len` bytes into `out` (len + len / 8 + 2 bytes); its length */
+int kv_pack(const uint8_t *enc, int len, uint8_t *out) {
+    int n = 0;
+    for (int i = 0; i < len; i += 8) {
+        uint64_t word = 0;
+        if (len - i >= 8) memcpy(&word, enc + i, 8);
+        else for (int k = 0; k < len - i; k++) word |= (uint64_t)enc[i + k] << (8 * k);
+        out[n++] = nonzero_bytes(word);
+        if (!word) continue;
+        for (int k = 0; k < 8; k++) {  /* each byte written, kept only if not zero */
+            uint8_t v = (uint8_t)(word >> (8 * k));
+            out[n] = v;
+            n += v != 0;
+        }
+    }
+    return n;
+}
+
+/* the encoding of a packing of `len` bytes, with zeros after it up to a multiple of 8 bytes
+ * (out: ENC_MAX + 8 bytes); kv_decode reads the encoding's own bytes only */
+void kv_unpack(const uint8_t *packed, int len, uint8_t *out) {
+    for (int n = 0; n < len; out += 8) {
+        unsigned mask = packed[n++];
+        uint64_t word = 0;
+        for (; mask; mask &= mask - 1) word |= (uint64_t)packed[n++] << (8 * __builtin_ctz(mask));
+        memcpy(out, &word, 8);
+    }
+}
+
 /* ============================================================== the visited set */
 typedef struct {
     uint8_t *arena;
     size_t used, cap;
-    int64_t *offset;      /* state i's encoding: arena + offset[i], length len[i] */
-    uint16_t *len;
+    uint64_t *at;         /* state i's packed encoding: its offset in the arena << 16 | its length
+                           * (one word: a lookup reads both from one cache line) */
     uint32_t *hash;       /* the low 32 bits of each state's hash (probe filter, rehash) */
     int32_t *parent;
     uint32_t *via;        /* the event from the parent */
-    uint16_t *depth;
-    uint64_t *enabled;    /* fairness classes with an edge out of the state */
     int64_t n, alloc;
     uint64_t *slots;      /* open addressing: (state index + 1) << 24 | 24 bits of its hash; 0 empty */
     int64_t nslots;
@@ -175,6 +217,9 @@ typedef struct {
     int64_t *efirst;      /* edges of state i: efirst[i] .. efirst[i + 1] */
     int64_t nedges, ecap;
 } Graph;
+
+#define AT_OFFSET(a) ((a) >> 16)
+#define AT_LEN(a) ((a) & 0xFFFF)
 
 static uint64_t hash_bytes(const uint8_t *p, int n) {  /* 8 bytes a round, then mixed */
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
@@ -200,6 +245,15 @@ static int grow(void **p, size_t elem, int64_t count) {
     return 0;
 }
 
+/* the arrays of a state, for g->alloc states */
+static int grow_states(Graph *g) {
+    return grow((void **)&g->at, sizeof *g->at, g->alloc) ||
+           grow((void **)&g->hash, sizeof *g->hash, g->alloc) ||
+           grow((void **)&g->parent, sizeof *g->parent, g->alloc) ||
+           grow((void **)&g->via, sizeof *g->via, g->alloc) ||
+           grow((void **)&g->efirst, sizeof *g->efirst, g->alloc + 1);
+}
+
 static int graph_init(Graph *g) {
     memset(g, 0, sizeof *g);
     g->alloc = 1 << 16;
@@ -209,19 +263,15 @@ static int graph_init(Graph *g) {
     g->arena = malloc(g->cap);
     g->slots = calloc((size_t)g->nslots, sizeof(uint64_t));
     if (!g->arena || !g->slots) return -1;
-    if (grow((void **)&g->offset, sizeof(int64_t), g->alloc) || grow((void **)&g->len, 2, g->alloc) ||
-        grow((void **)&g->hash, 4, g->alloc) ||
-        grow((void **)&g->parent, 4, g->alloc) || grow((void **)&g->via, 4, g->alloc) ||
-        grow((void **)&g->depth, 2, g->alloc) || grow((void **)&g->enabled, 8, g->alloc) ||
-        grow((void **)&g->efirst, 8, g->alloc + 1) || grow((void **)&g->edst, 4, g->ecap) ||
-        grow((void **)&g->elabel, 4, g->ecap))
+    if (grow_states(g) || grow((void **)&g->edst, sizeof *g->edst, g->ecap) ||
+        grow((void **)&g->elabel, sizeof *g->elabel, g->ecap))
         return -1;
     return 0;
 }
 
 static void graph_free(Graph *g) {
-    free(g->arena); free(g->offset); free(g->len); free(g->hash); free(g->parent); free(g->via);
-    free(g->depth); free(g->enabled); free(g->slots); free(g->edst); free(g->elabel);
+    free(g->arena); free(g->at); free(g->hash); free(g->parent); free(g->via);
+    free(g->slots); free(g->edst); free(g->elabel);
     free(g->efirst);
 }
 
@@ -249,8 +299,8 @@ static int64_t probe(const Graph *g, const uint8_t *enc, int len, uint32_t h32, 
     uint64_t tag = h32 >> 8;
     while (g->slots[k]) {
         int64_t i = (int64_t)(g->slots[k] >> 24) - 1;
-        if ((g->slots[k] & 0xFFFFFF) == tag && g->len[i] == len &&
-            !memcmp(g->arena + g->offset[i], enc, (size_t)len))
+        if ((g->slots[k] & 0xFFFFFF) == tag && AT_LEN(g->at[i]) == (uint64_t)len &&
+            !memcmp(g->arena + AT_OFFSET(g->at[i]), enc, (size_t)len))
             return i;
         k = (k + 1) & (g->nslots - 1);
     }
@@ -269,11 +319,7 @@ static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *
     }
     if (g->n + 1 >= g->alloc) {
         g->alloc *= 2;
-        if (grow((void **)&g->offset, sizeof(int64_t), g->alloc) || grow((void **)&g->len, 2, g->alloc) ||
-            grow((void **)&g->hash, 4, g->alloc) || grow((void **)&g->parent, 4, g->alloc) || grow((void **)&g->via, 4, g->alloc) ||
-            grow((void **)&g->depth, 2, g->alloc) || grow((void **)&g->enabled, 8, g->alloc) ||
-            grow((void **)&g->efirst, 8, g->alloc + 1))
-            return -1;
+        if (grow_states(g)) return -1;
     }
     while (g->used + (size_t)len > g->cap) {
         g->cap *= 2;
@@ -281,21 +327,31 @@ static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *
     }
     int64_t i = g->n++;
     memcpy(g->arena + g->used, enc, (size_t)len);
-    g->offset[i] = (int64_t)g->used;
-    g->len[i] = (uint16_t)len;
+    g->at[i] = (uint64_t)g->used << 16 | (uint64_t)len;
     g->hash[i] = h32;
     g->used += (size_t)len;
-    g->enabled[i] = 0;
     g->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
     *fresh = 1;
     if (g->n * 2 > g->nslots && rehash(g)) return -1;
     return i;
 }
 
+/* the bytes the explored graph holds: the packed encodings, each state's arrays, the hash
+ * slots and the edges */
+static size_t graph_bytes(const Graph *g) {
+    size_t per_state = sizeof *g->at + sizeof *g->hash + sizeof *g->parent + sizeof *g->via +
+                       sizeof *g->efirst;
+    size_t per_edge = sizeof *g->edst + sizeof *g->elabel;
+    return g->used + (size_t)g->n * per_state + (size_t)g->nslots * sizeof *g->slots +
+           (size_t)g->nedges * per_edge;
+}
+
 static int add_edge(Graph *g, int64_t dst, uint32_t label) {
     if (g->nedges >= g->ecap) {
         g->ecap *= 2;
-        if (grow((void **)&g->edst, 4, g->ecap) || grow((void **)&g->elabel, 4, g->ecap)) return -1;
+        if (grow((void **)&g->edst, sizeof *g->edst, g->ecap) ||
+            grow((void **)&g->elabel, sizeof *g->elabel, g->ecap))
+            return -1;
     }
     g->edst[g->nedges] = (int32_t)dst;
     g->elabel[g->nedges++] = label;
@@ -324,6 +380,14 @@ static uint64_t fair_class(uint32_t ev) {
     case EV_REPORT: return 1ull << FAIR_BIT_REPORT(EV_JOB(ev));
     default: return 0;
     }
+}
+
+/* the fairness classes with an edge out of state v (the graph's edges hold every event
+ * enabled in v) */
+static uint64_t enabled_of(const Graph *g, int64_t v) {
+    uint64_t classes = 0;
+    for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) classes |= fair_class(g->elabel[e]);
+    return classes;
 }
 
 /* ============================================================== progress predicates */
@@ -366,6 +430,8 @@ typedef struct {
     int32_t depth, complete, verdict, invariant, inside_hook, request, nprefix, ncycle;
     int32_t nlive;        /* progress properties checked and found to hold (in order) */
     int32_t threads;      /* the threads that searched */
+    int64_t memory;       /* the bytes of the search's data at its peak (graph_bytes, and the
+                           * liveness or stuck pass's scratch) */
     double seconds;
     char msg[200];
 } Result;
@@ -417,6 +483,8 @@ struct Search {
     struct Expansion *exp;    /* the batch's states, in index order */
     int64_t batch_lo, batch_hi, exp_cap;
     atomic_llong next;        /* the next state of the batch (or instance) to take */
+    int32_t level;            /* the depth of the states merged now (breadth first) */
+    int64_t level_end;        /* the first state of the next depth */
     void *liveness;           /* the liveness pass's shared scratch */
 };
 
@@ -429,7 +497,11 @@ static int path_to(Search *x, int64_t i, uint32_t *out, int cap) {
     return n;
 }
 
-static void state_of(Search *x, int64_t i, State *s) { kv_decode(&x->b, x->g.arena + x->g.offset[i], s); }
+static void state_of(Search *x, int64_t i, State *s) {
+    uint8_t enc[ENC_MAX + 8];
+    kv_unpack(x->g.arena + AT_OFFSET(x->g.at[i]), (int)AT_LEN(x->g.at[i]), enc);
+    kv_decode(&x->b, enc, s);
+}
 
 /* ============================================================== liveness */
 /* spec/liveness.py, in C: Tarjan's components of the `waiting` states; a component with an
@@ -491,9 +563,13 @@ static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan
             int internal = 0;
             for (int64_t k = first; k < sp; k++) {
                 int32_t s = tj->stack[k];
-                always &= g->enabled[s];
-                for (int64_t e = g->efirst[s]; e < g->efirst[s + 1]; e++)
-                    if (tj->comp[g->edst[e]] == id) { internal = 1; taken |= fair_class(g->elabel[e]); }
+                uint64_t enabled = 0;
+                for (int64_t e = g->efirst[s]; e < g->efirst[s + 1]; e++) {
+                    uint64_t c = fair_class(g->elabel[e]);
+                    enabled |= c;
+                    if (tj->comp[g->edst[e]] == id) { internal = 1; taken |= c; }
+                }
+                always &= enabled;
             }
             for (int64_t k = first; k < sp; k++) tj->on[tj->stack[k]] = 0;
             sp = first;
@@ -517,7 +593,7 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
     tj->pedge[from] = -1;
     while (head < tail && stop < 0) {
         int32_t v = tj->queue[head++];
-        if (v != from && (v == target || (want && !(g->enabled[v] & want)))) { stop = v; break; }
+        if (v != from && (v == target || (want && !(enabled_of(g, v) & want)))) { stop = v; break; }
         for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) {
             int32_t w = g->edst[e];
             if (tj->comp[w] != id) continue;
@@ -542,20 +618,21 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
 }
 
 /* the lasso through component `id`: a shortest path to its entry (the member nearest the
- * initial state), then, from the entry, an edge of each class still owed (enabled in every
- * state visited and not yet taken), then back to the entry */
+ * initial state: the first in breadth-first order), then, from the entry, an edge of each
+ * class still owed (enabled in every state visited and not yet taken), then back to the
+ * entry */
 static int lasso(Search *x, Tarjan *tj, int32_t id) {
     Graph *g = &x->g;
     int32_t entry = -1;
-    for (int64_t v = 0; v < g->n; v++)
-        if (tj->comp[v] == id && (entry < 0 || g->depth[v] < g->depth[entry])) entry = (int32_t)v;
+    for (int64_t v = 0; v < g->n && entry < 0; v++)
+        if (tj->comp[v] == id) entry = (int32_t)v;
     int n = path_to(x, entry, x->trace, x->trace_cap);
     if (n < 0) return -1;
     x->r.nprefix = n;
     for (int64_t v = 0; v < g->n; v++) tj->prev[v] = -1;
     int start = n;
     int32_t cur = entry;
-    uint64_t inter = g->enabled[entry], taken = 0;
+    uint64_t inter = enabled_of(g, entry), taken = 0;
     for (;;) {
         uint64_t owed = inter & ~taken;
         if (!owed && n > start && cur == entry) break;
@@ -581,7 +658,7 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
             if (e == g->efirst[v + 1]) return -1;
             taken |= fair_class(g->elabel[e]);
             v = g->edst[e];
-            inter &= g->enabled[v];
+            inter &= enabled_of(g, v);
         }
         cur = v;
     }
@@ -627,20 +704,21 @@ static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
     return -1;
 }
 
-/* the search's scratch per state (tarjan_alloc without the paths) */
+/* the search's scratch per state (tarjan_alloc without the paths), and with them */
 #define TARJAN_BYTES (5 * sizeof(int32_t) + sizeof(int64_t) + sizeof(uint8_t))
+#define LASSO_BYTES (TARJAN_BYTES + 2 * sizeof(int32_t) + sizeof(int64_t))
+
+/* the peak of the search's data (Result.memory): the graph and a pass's scratch */
+static void note_scratch(Search *x, size_t scratch) {
+    int64_t bytes = (int64_t)(graph_bytes(&x->g) + scratch);
+    if (bytes > x->r.memory) x->r.memory = bytes;
+}
 
 /* the members that search instances side by side: each holds a Tarjan scratch, and together
  * they may take at most as much memory as the explored graph already does */
 static int live_members(const Search *x, int ninst) {
-    const Graph *g = &x->g;
-    size_t per_state = sizeof *g->offset + sizeof *g->len + sizeof *g->hash + sizeof *g->parent +
-                       sizeof *g->via + sizeof *g->depth + sizeof *g->enabled + sizeof *g->efirst;
-    size_t per_edge = sizeof *g->edst + sizeof *g->elabel;
-    size_t graph = g->used + (size_t)g->n * per_state + (size_t)g->nslots * sizeof *g->slots +
-                   (size_t)g->nedges * per_edge;
-    size_t each = TARJAN_BYTES * (size_t)g->n + 1;
-    int64_t k = (int64_t)(graph / each);
+    size_t each = TARJAN_BYTES * (size_t)x->g.n + 1;
+    int64_t k = (int64_t)(graph_bytes(&x->g) / each);
     if (k > x->members) k = x->members;
     if (k > ninst) k = ninst;
     return k < 1 ? 1 : (int)k;
@@ -706,6 +784,7 @@ static void liveness(Search *x) {
     atomic_init(&lv.nomem, 0);
     lv.waiting = malloc(sizeof(uint32_t) * (size_t)x->g.n);
     if (!lv.waiting) { x->r.verdict = V_MEMORY; return; }
+    note_scratch(x, (sizeof *lv.waiting + TARJAN_BYTES * (size_t)lv.members) * (size_t)x->g.n);
     x->liveness = &lv;
     atomic_store(&x->next, 0);
     run_round(x, waiting_task);
@@ -716,6 +795,7 @@ static void liveness(Search *x) {
     if (atomic_load(&lv.nomem)) x->r.verdict = V_MEMORY;
     else if (k < lv.ninst) {  /* the first instance with a fair cycle, again, for its lasso */
         Tarjan tj;
+        note_scratch(x, (sizeof *lv.waiting + LASSO_BYTES) * (size_t)x->g.n);
         int64_t id = tarjan_alloc(&tj, x->g.n, 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
         x->r.verdict = V_LIVENESS;
         x->r.invariant = lv.prop[k];
@@ -741,6 +821,8 @@ static void stuck(Search *x) {
     int64_t *fill = malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (!fill) { x->r.verdict = V_MEMORY; goto done; }
     memcpy(fill, rfirst, sizeof(int64_t) * (size_t)(n + 1));
+    note_scratch(x, (sizeof *good + sizeof *rfirst + sizeof *queue + sizeof *fill) * (size_t)(n + 1) +
+                        sizeof *rsrc * (size_t)(g->nedges + 1));
     for (int64_t v = 0; v < n; v++)
         for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) rsrc[fill[g->edst[e]]++] = (int32_t)v;
     free(fill);
@@ -900,6 +982,7 @@ static void expand_task(Search *x, int member) {
     m->used = 0;
     State s, nxt;
     uint32_t evs[64];
+    uint8_t enc[ENC_MAX];
     char msg[200];
     for (;;) {
         int64_t lo = atomic_fetch_add(&x->next, SLICE);
@@ -916,7 +999,7 @@ static void expand_task(Search *x, int member) {
                 int rc = kv_apply(&x->b, &x->t, x->faults, &s, evs[k], &nxt, m->fired,
                                   STAMP(i, k), 1, x->without, &inside_inv, &hook, msg);
                 if (rc == ERR_NOT_ENABLED) continue;
-                if (reserve(m, ENC_MAX)) { m->failed = 1; break; }
+                if (reserve(m, PACK_MAX)) { m->failed = 1; break; }
                 Succ *u = &m->succ[m->nsucc++];
                 u->ev = evs[k];
                 u->index = (uint8_t)k;
@@ -934,12 +1017,12 @@ static void expand_task(Search *x, int member) {
                 }
                 if (inside_inv >= 0) continue;
                 kv_canonical(&nxt);
-                uint8_t *enc = m->buf + m->used;
-                int len = kv_encode(&x->b, &nxt, enc);
+                uint8_t *packed = m->buf + m->used;
+                int len = kv_pack(enc, kv_encode(&x->b, &nxt, enc), packed);
                 int64_t slot;
                 u->len = (uint16_t)len;
-                u->hash = (uint32_t)hash_bytes(enc, len);
-                u->known = probe(&x->g, enc, len, u->hash, &slot);
+                u->hash = (uint32_t)hash_bytes(packed, len);
+                u->known = probe(&x->g, packed, len, u->hash, &slot);
                 if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, &nxt, 0, x->without);
                 m->used += (size_t)len;
             }
@@ -984,11 +1067,13 @@ void kv_search_free(void *h) {
 
 const uint32_t *kv_search_trace(void *h) { return ((Search *)h)->trace; }
 
+/* state i's encoding (unpacked, decoded and encoded again: its own length) */
 int kv_search_state(void *h, int64_t i, uint8_t *out) {
     Search *x = h;
     if (i < 0 || i >= x->g.n) return -1;
-    memcpy(out, x->g.arena + x->g.offset[i], x->g.len[i]);
-    return x->g.len[i];
+    State s;
+    state_of(x, i, &s);
+    return kv_encode(&x->b, &s, out);
 }
 
 int64_t kv_search_parent(void *h, int64_t i) { return ((Search *)h)->g.parent[i]; }
@@ -999,6 +1084,11 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
     Result *r = &x->r;
     const Expansion *e = &x->exp[i - x->batch_lo];
     const Member *m = &x->member[e->member];
+    if (i == x->level_end) {  /* i is the first state of the next level: every state of that
+                                 * level is known, and none after it */
+        x->level++;
+        x->level_end = g->n;
+    }
     g->efirst[i] = g->nedges;
     for (int32_t k = 0; k < e->count; k++) {
         const Succ *u = &m->succ[e->first + k];
@@ -1018,12 +1108,10 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
         int fresh = 0;
         int64_t j = u->known >= 0 ? u->known : intern(g, m->buf + u->at, u->len, u->hash, &fresh);
         if (j < 0) { r->verdict = V_MEMORY; return 1; }
-        g->enabled[i] |= fair_class(u->ev);
         if (fresh) {
             g->parent[j] = (int32_t)i;
             g->via[j] = u->ev;
-            g->depth[j] = (uint16_t)(g->depth[i] + 1);
-            if (g->depth[j] > r->depth) r->depth = g->depth[j];
+            r->depth = x->level + 1;
             if (u->inv >= 0) {
                 r->verdict = V_INVARIANT;
                 r->invariant = u->inv;
@@ -1063,14 +1151,15 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->exp_cap = (int64_t)BATCH * x->members;
     if (grow((void **)&x->exp, sizeof(Expansion), x->exp_cap)) { r->verdict = V_MEMORY; goto out; }
     State s;
-    uint8_t enc[ENC_MAX];
+    uint8_t enc[ENC_MAX], packed[PACK_MAX];
     kv_initial(&x->b, &s);
     kv_canonical(&s);
-    int fresh, len = kv_encode(&x->b, &s, enc);
-    if (intern(g, enc, len, (uint32_t)hash_bytes(enc, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
+    int fresh, len = kv_pack(enc, kv_encode(&x->b, &s, enc), packed);
+    if (intern(g, packed, len, (uint32_t)hash_bytes(packed, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
     g->parent[0] = -1;
     g->via[0] = 0;
-    g->depth[0] = 0;
+    x->level = 0;
+    x->level_end = 1;
     int inv = kv_check_invariants(&x->b, &s, 0, without);
     if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; stop = 0; goto out; }
     int do_edges = do_liveness || do_stuck;
@@ -1092,6 +1181,7 @@ searched:
     if (r->complete && do_liveness) liveness(x);
     if (r->complete && do_stuck && r->verdict == V_OK) stuck(x);
 out:
+    note_scratch(x, 0);
     if (coverage) coverage_of(x, stop, coverage);
     crew_stop(x);
     r->states = g->n;

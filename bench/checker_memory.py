@@ -1,0 +1,114 @@
+"""The compiled search's memory: each search's peak resident memory and time, on this tree and,
+with --against REV, on a git revision side by side in the same run, with the ratios. Each
+search runs in a process of its own, so its peak resident set is its own. Prints a table;
+timings never go in tests.
+
+    python bench/checker_memory.py [--against REV] [--threads N] [--from STATES] [--reps N]
+
+The searches: every scenario of more than --from states (default 1,000,000) and the README's
+example of three groups (`kvspec check --bounds groups=full+sliding+mamba,...`), liveness
+included. The figures per search: seconds, peak resident set (what the kernel counts: the
+interpreter and the compiled library included), the search's own count of its data at its
+peak (`Run.memory`; `-` where the revision has none), and bytes a state of each. The answers
+(states, transitions, depth, verdict) are asserted equal between the two trees. With --reps N
+each search runs N times in each tree, the trees' order alternating, and the fastest run of
+each is shown (the peak resident set is the same in each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXAMPLE = "groups=full+sliding+mamba,sliding_window=3,decode_tokens=2,tokens_per_block=2," \
+          "gpu_blocks=12"
+"""The README's example of `kvspec check --bounds`."""
+
+_ONE = """
+import json, resource, sys
+from spec.scenarios import SCENARIOS, by_name, parse_bounds
+from statemachine.checker import compiled
+name, threads = sys.argv[1], int(sys.argv[2])
+b = (parse_bounds(name[7:], SCENARIOS[0].bounds) if name.startswith("bounds:")  # as kvspec check
+     else by_name(name).bounds)
+r = compiled.search(b, threads=threads)
+print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
+                  "verdict": r.verdict, "seconds": r.seconds,
+                  "memory": getattr(r, "memory", None),
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def one(tree: Path, search: str, threads: int) -> dict[str, object]:
+    """One search in a process of its own, in `tree`."""
+    out = subprocess.run([sys.executable, "-c", _ONE, search, str(threads)], cwd=tree,
+                         check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.splitlines()[-1]))
+
+
+def _mb(n: object) -> str:
+    return "-" if n is None else f"{int(n) / 1e6:,.0f}"  # type: ignore[call-overload]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", help="a git revision to measure side by side")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--from", dest="floor", type=int, default=1_000_000)
+    ap.add_argument("--reps", type=int, default=1)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from spec.scenarios import SCENARIOS
+
+    searches = [sc.name for sc in SCENARIOS
+                if sc.expect is not None and sc.expect.states > args.floor]
+    searches.append("bounds:" + EXAMPLE)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = [("this tree", ROOT)]
+        if args.against:
+            other = Path(tmp) / "against"
+            subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against],
+                           cwd=ROOT, check=True, capture_output=True)
+            trees.insert(0, (args.against, other))
+        try:
+            print(f"machine: {os.cpu_count()} cores; {args.threads} threads a search; "
+                  "MB: 10^6 bytes; B/state: of the peak resident set")
+            head = (f"{'search':32} {'tree':>10} {'states':>11} {'seconds':>8} "
+                    f"{'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
+            print(head)
+            print("-" * len(head))
+            for search in searches:
+                best: dict[str, dict[str, object]] = {}
+                for rep in range(args.reps):
+                    for label, tree in trees[::-1] if rep % 2 else trees:
+                        r = one(tree, search, args.threads)
+                        if label not in best or r["seconds"] < best[label]["seconds"]:  # type: ignore[operator]
+                            best[label] = r
+                runs = [best[label] for label, _ in trees]
+                for (label, _), r in zip(trees, runs, strict=True):
+                    name = "README example" if search.startswith("bounds:") else search
+                    print(f"{name:32} {label[:10]:>10} {r['states']:11,} "
+                          f"{r['seconds']:8.2f} {_mb(r['rss']):>11} "
+                          f"{int(r['rss']) // int(r['states']):7} "  # type: ignore[call-overload]
+                          f"{_mb(r['memory']):>9}", flush=True)
+                if len(runs) == 2:
+                    key = ("states", "edges", "depth", "verdict")
+                    assert [runs[0][k] for k in key] == [runs[1][k] for k in key], search
+                    print(f"{'':32} {'ratio':>10} {'':11} "
+                          f"{runs[1]['seconds'] / runs[0]['seconds']:7.2f}x "  # type: ignore[operator]
+                          f"{runs[1]['rss'] / runs[0]['rss']:10.2f}x")  # type: ignore[operator]
+        finally:
+            if args.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
+                               check=True, capture_output=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The compiled search's memory: the packing of the encodings its visited set holds, and the
+bytes it reports (`Run.memory`, the `memory_mb` column of `kvspec check`).
+
+The visited set holds each state's encoding packed: each run of 8 bytes becomes a mask byte
+(bit k: byte k is not zero) and the bytes that are not zero (search.c, packing). The
+search reads a state back by unpacking it; `kv_search_state` hands Python the state decoded
+and encoded again, so the differential tests of `test_checker_compiled.py` compare every
+reachable state through the packing with the Python model's encoding."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from spec.scenarios import by_name
+from statemachine.checker import compiled
+
+ENC_MAX = 2048
+"""search.c's bound on an encoding's bytes."""
+
+STATE_BYTES = 8 + 4 + 4 + 4 + 8
+"""The arrays of each state the graph holds besides its packed encoding (search.c, Graph):
+the encoding's offset and length, the hash, the parent, the event from it, the first edge."""
+
+
+@pytest.fixture(autouse=True)
+def _compiled() -> None:
+    why = compiled.available()
+    if why:
+        pytest.skip(why)
+
+
+def _pack(enc: bytes) -> bytes:
+    out = ctypes.create_string_buffer(len(enc) + len(enc) // 8 + 2)
+    n = compiled.library().lib.kv_pack(enc, len(enc), out)
+    return out.raw[:n]
+
+
+def _unpack(packed: bytes) -> bytes:
+    out = ctypes.create_string_buffer(ENC_MAX + 8)
+    compiled.library().lib.kv_unpack(packed, len(packed), out)
+    return out.raw
+
+
+_ENCODINGS = st.lists(st.one_of(st.just(0), st.integers(0, 255)), max_size=300).map(bytes)
+"""Byte strings, half their bytes zeros or more (the encodings are mostly zeros)."""
+
+
+@given(_ENCODINGS)
+def test_a_packing_unpacks_to_its_bytes_and_zeros_after(enc: bytes) -> None:
+    packed = _pack(enc)
+    groups = -(-len(enc) // 8)
+    assert len(packed) == groups + sum(1 for b in enc if b)
+    assert _unpack(packed)[:8 * groups] == enc + bytes(8 * groups - len(enc))
+
+
+@given(_ENCODINGS, _ENCODINGS)
+def test_two_encodings_of_a_length_pack_alike_only_if_equal(a: bytes, b: bytes) -> None:
+    b = (b + bytes(len(a)))[:len(a)]
+    assert (_pack(a) == _pack(b)) == (a == b)
+
+
+@pytest.mark.parametrize("name", ["reset-during-transfers", "hybrid", "partial-tails"])
+def test_the_memory_counts_the_packed_states_and_their_records(name: str) -> None:
+    """Without liveness the search stores no edges: its memory is the packed encodings
+    (packed here, from the states it visited), each state's records and the hash slots."""
+    b = by_name(name).bounds
+    run = compiled.search(b, liveness=False)
+    encodings = list(compiled.all_states(b))
+    assert len(encodings) == run.states
+    packed = sum(len(_pack(e)) for e in encodings)
+    assert packed < 0.7 * sum(len(e) for e in encodings)
+    slots = 1 << 17
+    while 2 * run.states > slots:
+        slots *= 2
+    assert run.memory == packed + STATE_BYTES * run.states + 8 * slots
+
+
+def test_the_edges_and_each_pass_add_to_the_memory() -> None:
+    b = by_name("hybrid").bounds
+    bare = compiled.search(b, liveness=False)
+    live = compiled.search(b)
+    stuck = compiled.search(b, liveness=False, stuck=True)
+    edges = 8 * live.edges
+    assert live.memory > bare.memory + edges
+    assert stuck.memory > bare.memory + edges
+    assert compiled.search(b, liveness=False, threads=3).memory == bare.memory
+
+
+def test_the_check_table_shows_the_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    from statemachine import cli
+
+    assert cli.main(["check", "--scenario", "hybrid", "--threads", "1"]) == 0
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
+    cols = header.split()
+    mb = int(row.split()[cols.index("memory_mb")])
+    assert mb == round(compiled.search(by_name("hybrid").bounds).memory / 1e6)
