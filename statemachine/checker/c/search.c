@@ -16,6 +16,9 @@
 #include "model.h"
 
 #define ENC_MAX 2048
+/* the events of a state at most (kv_events), so the edges out of it */
+#define MAX_EVENTS 64
+_Static_assert(MAX_EVENTS <= UINT8_MAX, "a state's event index is a byte (Succ, Tarjan)");
 /* a packed encoding's bound: a mask byte per 8 bytes, and a byte of slack (kv_pack) */
 #define PACK_MAX (ENC_MAX + ENC_MAX / 8 + 8)
 
@@ -511,7 +514,8 @@ static void state_of(Search *x, int64_t i, State *s) {
  * then the instances are searched independently, on the crew. */
 typedef struct {
     int32_t *index, *low, *stack, *comp, *call, *prev, *queue;
-    int64_t *iter, *pedge;
+    int64_t *pedge;
+    uint8_t *iter;        /* v's next edge to follow: efirst[v] + iter[v] (at most MAX_EVENTS) */
     uint8_t *on;
 } Tarjan;
 
@@ -530,17 +534,17 @@ static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan
         tj->index[root] = tj->low[root] = (int32_t)counter++;
         tj->stack[sp++] = (int32_t)root;
         tj->on[root] = 1;
-        tj->iter[root] = g->efirst[root];
+        tj->iter[root] = 0;
         while (depth) {
             int32_t v = call[depth - 1];
-            if (tj->iter[v] < g->efirst[v + 1]) {
-                int32_t w = g->edst[tj->iter[v]++];
+            if (g->efirst[v] + tj->iter[v] < g->efirst[v + 1]) {
+                int32_t w = g->edst[g->efirst[v] + tj->iter[v]++];
                 if (!bad(w)) continue;
                 if (tj->index[w] < 0) {
                     tj->index[w] = tj->low[w] = (int32_t)counter++;
                     tj->stack[sp++] = w;
                     tj->on[w] = 1;
-                    tj->iter[w] = g->efirst[w];
+                    tj->iter[w] = 0;
                     call[depth++] = w;
                 } else if (tj->on[w] && tj->index[w] < tj->low[v]) {
                     tj->low[v] = tj->index[w];
@@ -690,7 +694,7 @@ static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
     tj->stack = malloc(sizeof(int32_t) * (size_t)n);
     tj->comp = malloc(sizeof(int32_t) * (size_t)n);
     tj->call = malloc(sizeof(int32_t) * (size_t)(n + 1));
-    tj->iter = malloc(sizeof(int64_t) * (size_t)n);
+    tj->iter = malloc(sizeof *tj->iter * (size_t)n);
     tj->on = malloc((size_t)n);
     if (lasso) {
         tj->prev = malloc(sizeof(int32_t) * (size_t)n);
@@ -705,7 +709,7 @@ static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
 }
 
 /* the search's scratch per state (tarjan_alloc without the paths), and with them */
-#define TARJAN_BYTES (5 * sizeof(int32_t) + sizeof(int64_t) + sizeof(uint8_t))
+#define TARJAN_BYTES (5 * sizeof(int32_t) + 2 * sizeof(uint8_t))
 #define LASSO_BYTES (TARJAN_BYTES + 2 * sizeof(int32_t) + sizeof(int64_t))
 
 /* the peak of the search's data (Result.memory): the graph and a pass's scratch */
@@ -981,7 +985,7 @@ static void expand_task(Search *x, int member) {
     m->nsucc = 0;
     m->used = 0;
     State s, nxt;
-    uint32_t evs[64];
+    uint32_t evs[MAX_EVENTS];
     uint8_t enc[ENC_MAX];
     char msg[200];
     for (;;) {
