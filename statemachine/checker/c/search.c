@@ -1,8 +1,8 @@
 /* The exhaustive search of the compiled model: breadth first over canonical states (the
  * visited set holds each state's compact encoding, packed), every safety invariant in every
- * new state and after every hook inside a step, an event with no table row as a finding; then, on the
- * explored graph, the progress properties as liveness under weak fairness (fair strongly
- * connected components of the states where the property is not yet met), and the old
+ * new state and after every hook inside a step, an event with no table row as a finding;
+ * then, on the explored graph, the progress properties as liveness under weak fairness (fair
+ * strongly connected components of the states where the property is not yet met), and the old
  * reachability check (a quiescent state reachable from every state) for comparison. A
  * counterexample is a path of events (a lasso for liveness), which Python replays. The
  * expansion of states and the liveness pass run on a crew of threads; the answer is the
@@ -19,7 +19,7 @@
 /* the events of a state at most (kv_events), so the edges out of it */
 #define MAX_EVENTS 64
 _Static_assert(MAX_EVENTS <= UINT8_MAX, "a state's event index is a byte (Succ, Tarjan)");
-/* a packed encoding's bound: a mask byte per 8 bytes, and a byte of slack (kv_pack) */
+/* a packed encoding's bound: a mask byte per 8 bytes, and the byte kv_pack writes past it */
 #define PACK_MAX (ENC_MAX + ENC_MAX / 8 + 8)
 
 /* ============================================================== compact encoding */
@@ -825,8 +825,8 @@ static void stuck(Search *x) {
     int64_t *fill = malloc(sizeof(int64_t) * (size_t)(n + 1));
     if (!fill) { x->r.verdict = V_MEMORY; goto done; }
     memcpy(fill, rfirst, sizeof(int64_t) * (size_t)(n + 1));
-    note_scratch(x, (sizeof *good + sizeof *rfirst + sizeof *queue + sizeof *fill) * (size_t)(n + 1) +
-                        sizeof *rsrc * (size_t)(g->nedges + 1));
+    note_scratch(x, (sizeof *good + sizeof *rfirst + sizeof *queue + sizeof *fill) *
+                        (size_t)(n + 1) + sizeof *rsrc * (size_t)(g->nedges + 1));
     for (int64_t v = 0; v < n; v++)
         for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) rsrc[fill[g->edst[e]]++] = (int32_t)v;
     free(fill);
