@@ -442,8 +442,8 @@ def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
     lib = compiled.library().lib
     cb = compiled.c_bounds(b)
     rows, nrows = compiled.rows_of(M.SPEC_TABLES)
-    evs = (ctypes.c_uint32 * 64)()
-    buf = ctypes.create_string_buffer(2048)
+    evs = (ctypes.c_uint32 * compiled.MAX_EVENTS)()
+    buf = ctypes.create_string_buffer(compiled.ENC_MAX)
     out: Counter[tuple[int, bytes | int]] = Counter()
     for i in range(lib.kv_events_of(ctypes.byref(cb), enc, evs)):
         n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, evs[i], buf)

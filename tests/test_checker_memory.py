@@ -18,9 +18,6 @@ from hypothesis import strategies as st
 from spec.scenarios import by_name
 from statemachine.checker import compiled
 
-ENC_MAX = 2048
-"""search.c's bound on an encoding's bytes."""
-
 STATE_BYTES = 8 + 4 + 4 + 4 + 8
 """The arrays of each state the graph holds besides its packed encoding (search.c, Graph):
 the encoding's offset and length, the hash, the parent, the event from it, the first edge."""
@@ -40,9 +37,15 @@ def _pack(enc: bytes) -> bytes:
 
 
 def _unpack(packed: bytes) -> bytes:
-    out = ctypes.create_string_buffer(ENC_MAX + 8)
+    out = ctypes.create_string_buffer(compiled.ENC_MAX + 8)
     compiled.library().lib.kv_unpack(packed, len(packed), out)
     return out.raw
+
+
+def test_the_bounds_python_sizes_its_buffers_by_are_search_cs() -> None:
+    source = (compiled.SOURCES / "search.c").read_text()
+    for name in ("ENC_MAX", "MAX_EVENTS"):
+        assert f"#define {name} {getattr(compiled, name)}\n" in source, name
 
 
 _ENCODINGS = st.lists(st.one_of(st.just(0), st.integers(0, 255)), max_size=300).map(bytes)

@@ -89,6 +89,11 @@ class CResult(ctypes.Structure):
         ("memory", ctypes.c_int64), ("seconds", ctypes.c_double), ("msg", ctypes.c_char * 200)]
 
 
+ENC_MAX = 2048
+"""The most bytes a state's encoding takes (search.c's ENC_MAX)."""
+MAX_EVENTS = 64
+"""The most events a state has (search.c's MAX_EVENTS)."""
+
 PROGRESS = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32)
 
 
@@ -488,7 +493,7 @@ def all_states(b: M.Bounds, faults: M.Faults = M.NO_FAULTS,
         res = CResult()
         lib.kv_search_run(handle, fault_mask(faults), 0, 0, 0, 0, 1, None, None,
                           ctypes.byref(res))
-        buf = ctypes.create_string_buffer(2048)
+        buf = ctypes.create_string_buffer(ENC_MAX)
         for i in range(res.states):
             n = lib.kv_search_state(handle, i, buf)
             yield buf.raw[:n]
