@@ -18,9 +18,14 @@ from hypothesis import strategies as st
 from spec.scenarios import by_name
 from statemachine.checker import compiled
 
-STATE_BYTES = 8 + 4 + 4 + 4 + 8
+STATE_BYTES = 8 + 4 + 1 + 8
 """The arrays of each state the graph holds besides its packed encoding (search.c, Graph):
-the encoding's offset and length, the hash, the parent, the event from it, the first edge."""
+the encoding's offset and length, the parent, the event from it (its index among the
+parent's events), the first edge."""
+
+EDGE_BYTES = 4 + 1 + 1
+"""An edge's arrays (search.c, Graph): its target, its event's index among its source's
+events, its fairness class."""
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +92,7 @@ def test_the_edges_and_each_pass_add_to_the_memory() -> None:
     bare = compiled.search(b, liveness=False)
     live = compiled.search(b)
     stuck = compiled.search(b, liveness=False, stuck=True)
-    edges = 8 * live.edges
+    edges = EDGE_BYTES * live.edges
     assert live.memory > bare.memory + edges
     assert stuck.memory > bare.memory + edges
     assert compiled.search(b, liveness=False, threads=3).memory == bare.memory

@@ -208,15 +208,16 @@ typedef struct {
     size_t used, cap;
     uint64_t *at;         /* state i's packed encoding: its offset in the arena << 16 | its length
                            * (one word: a lookup reads both from one cache line) */
-    uint32_t *hash;       /* the low 32 bits of each state's hash (probe filter, rehash) */
     int32_t *parent;
-    uint32_t *via;        /* the event from the parent */
+    uint8_t *via;         /* the event from the parent: its index among the parent's events
+                           * (event_of gives it back) */
     int64_t n, alloc;
     uint64_t *slots;      /* open addressing: (state index + 1) << 24 | 24 bits of its hash; 0 empty */
     int64_t nslots;
     /* edges, in BFS order of their source */
     int32_t *edst;
-    uint32_t *elabel;
+    uint8_t *eindex;      /* the edge's event: its index among its source's events */
+    uint8_t *eclass;      /* its fairness class: the class's bit + 1, 0 for none */
     int64_t *efirst;      /* edges of state i: efirst[i] .. efirst[i + 1] */
     int64_t nedges, ecap;
 } Graph;
@@ -251,10 +252,16 @@ static int grow(void **p, size_t elem, int64_t count) {
 /* the arrays of a state, for g->alloc states */
 static int grow_states(Graph *g) {
     return grow((void **)&g->at, sizeof *g->at, g->alloc) ||
-           grow((void **)&g->hash, sizeof *g->hash, g->alloc) ||
            grow((void **)&g->parent, sizeof *g->parent, g->alloc) ||
            grow((void **)&g->via, sizeof *g->via, g->alloc) ||
            grow((void **)&g->efirst, sizeof *g->efirst, g->alloc + 1);
+}
+
+/* the arrays of an edge, for g->ecap edges */
+static int grow_edges(Graph *g) {
+    return grow((void **)&g->edst, sizeof *g->edst, g->ecap) ||
+           grow((void **)&g->eindex, sizeof *g->eindex, g->ecap) ||
+           grow((void **)&g->eclass, sizeof *g->eclass, g->ecap);
 }
 
 static int graph_init(Graph *g) {
@@ -266,15 +273,13 @@ static int graph_init(Graph *g) {
     g->arena = malloc(g->cap);
     g->slots = calloc((size_t)g->nslots, sizeof(uint64_t));
     if (!g->arena || !g->slots) return -1;
-    if (grow_states(g) || grow((void **)&g->edst, sizeof *g->edst, g->ecap) ||
-        grow((void **)&g->elabel, sizeof *g->elabel, g->ecap))
-        return -1;
+    if (grow_states(g) || grow_edges(g)) return -1;
     return 0;
 }
 
 static void graph_free(Graph *g) {
-    free(g->arena); free(g->at); free(g->hash); free(g->parent); free(g->via);
-    free(g->slots); free(g->edst); free(g->elabel);
+    free(g->arena); free(g->at); free(g->parent); free(g->via);
+    free(g->slots); free(g->edst); free(g->eindex); free(g->eclass);
     free(g->efirst);
 }
 
@@ -282,11 +287,12 @@ static int rehash(Graph *g) {
     int64_t ns = g->nslots * 2;
     uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
     if (!slots) return -1;
-    for (int64_t i = 0; i < g->n; i++) {
-        uint64_t h = ((uint64_t)g->hash[i] << 32) | g->hash[i];  /* the slot bits are the low ones */
+    for (int64_t i = 0; i < g->n; i++) {  /* each hash again, from the packing (probe's) */
+        uint32_t h32 = (uint32_t)hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
+        uint64_t h = ((uint64_t)h32 << 32) | h32;
         int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(ns - 1));
         while (slots[k]) k = (k + 1) & (ns - 1);
-        slots[k] = (uint64_t)(i + 1) << 24 | (g->hash[i] >> 8);
+        slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
     }
     free(g->slots);
     g->slots = slots;
@@ -331,7 +337,6 @@ static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *
     int64_t i = g->n++;
     memcpy(g->arena + g->used, enc, (size_t)len);
     g->at[i] = (uint64_t)g->used << 16 | (uint64_t)len;
-    g->hash[i] = h32;
     g->used += (size_t)len;
     g->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
     *fresh = 1;
@@ -342,23 +347,10 @@ static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *
 /* the bytes the explored graph holds: the packed encodings, each state's arrays, the hash
  * slots and the edges */
 static size_t graph_bytes(const Graph *g) {
-    size_t per_state = sizeof *g->at + sizeof *g->hash + sizeof *g->parent + sizeof *g->via +
-                       sizeof *g->efirst;
-    size_t per_edge = sizeof *g->edst + sizeof *g->elabel;
+    size_t per_state = sizeof *g->at + sizeof *g->parent + sizeof *g->via + sizeof *g->efirst;
+    size_t per_edge = sizeof *g->edst + sizeof *g->eindex + sizeof *g->eclass;
     return g->used + (size_t)g->n * per_state + (size_t)g->nslots * sizeof *g->slots +
            (size_t)g->nedges * per_edge;
-}
-
-static int add_edge(Graph *g, int64_t dst, uint32_t label) {
-    if (g->nedges >= g->ecap) {
-        g->ecap *= 2;
-        if (grow((void **)&g->edst, sizeof *g->edst, g->ecap) ||
-            grow((void **)&g->elabel, sizeof *g->elabel, g->ecap))
-            return -1;
-    }
-    g->edst[g->nedges] = (int32_t)dst;
-    g->elabel[g->nedges++] = label;
-    return 0;
 }
 
 /* ============================================================== fairness classes */
@@ -374,22 +366,39 @@ _Static_assert(1 + 2 * MAXR + MAXID <= 64, "fairness classes fit 64 bits");
 _Static_assert(N_FAIR == 4 && FAIR_step == 0 && FAIR_admit == 1 && FAIR_finish == 2 &&
                FAIR_report == 3, "the classes of spec/progress.py FAIRNESS");
 
-static uint64_t fair_class(uint32_t ev) {
+/* the class of event ev: its bit + 1, or 0 for none (an edge's eclass) */
+static uint8_t fair_bit(uint32_t ev) {
     switch (EV_KIND(ev)) {
     case EV_STEP:
         if (EV_PROMOTE(ev)) return 0;
-        return 1ull << (EV_ADMIT(ev) ? FAIR_BIT_ADMIT(EV_REQ(ev)) : FAIR_BIT_STEP);
-    case EV_FINISH: return 1ull << FAIR_BIT_FINISH(EV_REQ(ev));
-    case EV_REPORT: return 1ull << FAIR_BIT_REPORT(EV_JOB(ev));
+        return (uint8_t)(1 + (EV_ADMIT(ev) ? FAIR_BIT_ADMIT(EV_REQ(ev)) : FAIR_BIT_STEP));
+    case EV_FINISH: return (uint8_t)(1 + FAIR_BIT_FINISH(EV_REQ(ev)));
+    case EV_REPORT: return (uint8_t)(1 + FAIR_BIT_REPORT(EV_JOB(ev)));
     default: return 0;
     }
+}
+
+/* the class of edge e, as a set of one bit (or none) */
+static uint64_t edge_class(const Graph *g, int64_t e) {
+    return g->eclass[e] ? 1ull << (g->eclass[e] - 1) : 0;
+}
+
+static int add_edge(Graph *g, int64_t dst, uint32_t ev, uint8_t index) {
+    if (g->nedges >= g->ecap) {
+        g->ecap *= 2;
+        if (grow_edges(g)) return -1;
+    }
+    g->edst[g->nedges] = (int32_t)dst;
+    g->eindex[g->nedges] = index;
+    g->eclass[g->nedges++] = fair_bit(ev);
+    return 0;
 }
 
 /* the fairness classes with an edge out of state v (the graph's edges hold every event
  * enabled in v) */
 static uint64_t enabled_of(const Graph *g, int64_t v) {
     uint64_t classes = 0;
-    for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) classes |= fair_class(g->elabel[e]);
+    for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) classes |= edge_class(g, e);
     return classes;
 }
 
@@ -491,19 +500,34 @@ struct Search {
     void *liveness;           /* the liveness pass's shared scratch */
 };
 
+static void state_of(Search *x, int64_t i, State *s) {
+    uint8_t enc[ENC_MAX + 8];
+    kv_unpack(x->g.arena + AT_OFFSET(x->g.at[i]), (int)AT_LEN(x->g.at[i]), enc);
+    kv_decode(&x->b, enc, s);
+}
+
+/* the events of state i (kv_events, in its order): the graph keeps an event as its index
+ * here, and a trace reads it back */
+static int events_of(Search *x, int64_t i, uint32_t *evs) {
+    State s;
+    state_of(x, i, &s);
+    return kv_events(&x->b, &s, evs);
+}
+
+static uint32_t event_of(Search *x, int64_t i, uint8_t index) {
+    uint32_t evs[MAX_EVENTS];
+    events_of(x, i, evs);
+    return evs[index];
+}
+
 static int path_to(Search *x, int64_t i, uint32_t *out, int cap) {
     int n = 0;
     for (int64_t k = i; k > 0; k = x->g.parent[k]) n++;
     if (n > cap) return -1;
     int at = n;
-    for (int64_t k = i; k > 0; k = x->g.parent[k]) out[--at] = x->g.via[k];
+    for (int64_t k = i; k > 0; k = x->g.parent[k])
+        out[--at] = event_of(x, x->g.parent[k], x->g.via[k]);
     return n;
-}
-
-static void state_of(Search *x, int64_t i, State *s) {
-    uint8_t enc[ENC_MAX + 8];
-    kv_unpack(x->g.arena + AT_OFFSET(x->g.at[i]), (int)AT_LEN(x->g.at[i]), enc);
-    kv_decode(&x->b, enc, s);
 }
 
 /* ============================================================== liveness */
@@ -569,7 +593,7 @@ static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan
                 int32_t s = tj->stack[k];
                 uint64_t enabled = 0;
                 for (int64_t e = g->efirst[s]; e < g->efirst[s + 1]; e++) {
-                    uint64_t c = fair_class(g->elabel[e]);
+                    uint64_t c = edge_class(g, e);
                     enabled |= c;
                     if (tj->comp[g->edst[e]] == id) { internal = 1; taken |= c; }
                 }
@@ -601,7 +625,7 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
         for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) {
             int32_t w = g->edst[e];
             if (tj->comp[w] != id) continue;
-            if (want && fair_class(g->elabel[e]) == want) { stop = v; last = e; break; }
+            if (want && edge_class(g, e) == want) { stop = v; last = e; break; }
             if (tj->prev[w] >= 0) continue;
             tj->prev[w] = v;
             tj->pedge[w] = e;
@@ -614,9 +638,10 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
     int total = n + len + (last >= 0);
     if (total > x->trace_cap) return -1;
     int at = n + len;
-    for (int32_t v = stop; v != from; v = tj->prev[v]) x->trace[--at] = g->elabel[tj->pedge[v]];
+    for (int32_t v = stop; v != from; v = tj->prev[v])
+        x->trace[--at] = event_of(x, tj->prev[v], g->eindex[tj->pedge[v]]);
     for (int64_t k = 0; k < tail; k++) tj->prev[tj->queue[k]] = -1;
-    if (last >= 0) { x->trace[n + len] = g->elabel[last]; *end = g->edst[last]; }
+    if (last >= 0) { x->trace[n + len] = event_of(x, stop, g->eindex[last]); *end = g->edst[last]; }
     else *end = stop;
     return total;
 }
@@ -648,7 +673,7 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
             for (int64_t e = g->efirst[entry]; e < g->efirst[entry + 1]; e++)
                 if (tj->comp[g->edst[e]] == id) {
                     if (n >= x->trace_cap) return -1;
-                    x->trace[n++] = g->elabel[e];
+                    x->trace[n++] = event_of(x, entry, g->eindex[e]);
                     end = g->edst[e];
                     break;
                 }
@@ -657,10 +682,14 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
         /* replay the appended labels to learn the states visited and the classes taken */
         int32_t v = cur;
         for (int k = from; k < n; k++) {
+            uint32_t evs[MAX_EVENTS];
+            events_of(x, v, evs);
             int64_t e = g->efirst[v];
-            while (e < g->efirst[v + 1] && !(g->elabel[e] == x->trace[k] && tj->comp[g->edst[e]] == id)) e++;
+            while (e < g->efirst[v + 1] &&
+                   !(evs[g->eindex[e]] == x->trace[k] && tj->comp[g->edst[e]] == id))
+                e++;
             if (e == g->efirst[v + 1]) return -1;
-            taken |= fair_class(g->elabel[e]);
+            taken |= edge_class(g, e);
             v = g->edst[e];
             inter &= enabled_of(g, v);
         }
@@ -1114,7 +1143,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
         if (j < 0) { r->verdict = V_MEMORY; return 1; }
         if (fresh) {
             g->parent[j] = (int32_t)i;
-            g->via[j] = u->ev;
+            g->via[j] = u->index;
             r->depth = x->level + 1;
             if (u->inv >= 0) {
                 r->verdict = V_INVARIANT;
@@ -1124,7 +1153,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
             }
             if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
         }
-        if (do_edges && add_edge(g, j, u->ev)) { r->verdict = V_MEMORY; return 1; }
+        if (do_edges && add_edge(g, j, u->ev, u->index)) { r->verdict = V_MEMORY; return 1; }
     }
     g->efirst[i + 1] = g->nedges;
     *stop = STAMP(i, 0xFF);
@@ -1229,4 +1258,7 @@ int kv_waiting(const Bounds *b, const uint8_t *enc, int prop, int r) {
     return prop >= 0 && prop < N_PROPS ? WAITING[prop](b, &s, r) : -1;
 }
 
-uint64_t kv_fair_class(uint32_t ev) { return fair_class(ev); }
+uint64_t kv_fair_class(uint32_t ev) {
+    uint8_t bit = fair_bit(ev);
+    return bit ? 1ull << (bit - 1) : 0;
+}
