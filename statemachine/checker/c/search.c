@@ -18,7 +18,7 @@
 #define ENC_MAX 2048
 /* the events of a state at most (kv_events), so the edges out of it */
 #define MAX_EVENTS 64
-_Static_assert(MAX_EVENTS <= UINT8_MAX, "a state's event index is a byte (Succ, Tarjan)");
+_Static_assert(MAX_EVENTS <= UINT8_MAX, "a state's event index is a byte (Succ, Graph)");
 /* a packed encoding's bound: a mask byte per 8 bytes, and the byte kv_pack writes past it */
 #define PACK_MAX (ENC_MAX + ENC_MAX / 8 + 8)
 
@@ -531,77 +531,95 @@ static int path_to(Search *x, int64_t i, uint32_t *out, int cap) {
 }
 
 /* ============================================================== liveness */
-/* spec/liveness.py, in C: Tarjan's components of the `waiting` states; a component with an
- * internal edge in which every class enabled in all of its states is taken on an internal
- * edge holds a fair cycle. An instance is a progress property (and, for a property of each
- * request, a request); one pass over the states computes every instance's `waiting` bit,
- * then the instances are searched independently, on the crew. */
+/* spec/liveness.py, in C: the strongly connected components of the `waiting` states; a
+ * component with an internal edge in which every class enabled in all of its states is taken
+ * on an internal edge holds a fair cycle. An instance is a progress property (and, for a
+ * property of each request, a request); one pass over the states computes every instance's
+ * `waiting` bit, then the instances are searched independently, on the crew.
+ *
+ * The components are Tarjan's, found as Pearce finds them ("A space-efficient algorithm for
+ * finding strongly connected components", IPL 2016): one number a state, its index while its
+ * component is open, the least index it reaches (Tarjan's low link) once visited, and its
+ * component's id once closed. The ids count down from RI_TOP, above every index, so a closed
+ * state never lowers an open one's number. The depth-first search and so the order in which
+ * the components close are Tarjan's. */
+#define RI_NONE UINT32_MAX        /* not visited */
+#define RI_TOP (UINT32_MAX - 1)   /* the first component's id */
+#define IT_ROOT 0x80              /* iter: the state is still its component's root */
+_Static_assert(MAX_EVENTS < IT_ROOT, "an edge offset leaves iter's root bit free");
+
 typedef struct {
-    int32_t *index, *low, *stack, *comp, *call, *prev, *queue;
-    int64_t *pedge;
-    uint8_t *iter;        /* v's next edge to follow: efirst[v] + iter[v] (at most MAX_EVENTS) */
-    uint8_t *on;
+    uint32_t *rindex;     /* the state's number (above) */
+    int32_t *stack;       /* the visited states of open components that are not their root */
+    int32_t *call;        /* the depth-first path */
+    int32_t *prev, *queue;
+    uint8_t *iter;        /* the offset of v's next edge to follow past efirst[v], | IT_ROOT */
+    uint8_t *pedge;       /* on a path: the edge to v, its offset past efirst[prev[v]] */
 } Tarjan;
 
-/* the first fair component (in Tarjan's order from state 0 up) of the states whose `waiting`
- * holds `bit`, or -1 */
+/* the id of the first fair component (in Tarjan's order from state 0 up) of the states whose
+ * `waiting` holds `bit`, or -1; tj->rindex[v] == id says v is in it */
 static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan *tj) {
     Graph *g = &x->g;
 #define bad(v) (waiting[v] & bit)
-    int64_t n = g->n, counter = 0, sp = 0, comps = 0;
-    for (int64_t v = 0; v < n; v++) { tj->index[v] = -1; tj->on[v] = 0; tj->comp[v] = -1; }
+    int64_t n = g->n, sp = 0;
+    uint32_t counter = 0, next_id = RI_TOP;
+    uint32_t *ri = tj->rindex;
+    for (int64_t v = 0; v < n; v++) ri[v] = RI_NONE;
     int32_t *call = tj->call;
     for (int64_t root = 0; root < n; root++) {
-        if (!bad(root) || tj->index[root] >= 0) continue;
+        if (!bad(root) || ri[root] != RI_NONE) continue;
         int64_t depth = 0;
         call[depth++] = (int32_t)root;
-        tj->index[root] = tj->low[root] = (int32_t)counter++;
-        tj->stack[sp++] = (int32_t)root;
-        tj->on[root] = 1;
-        tj->iter[root] = 0;
+        ri[root] = counter++;
+        tj->iter[root] = IT_ROOT;
         while (depth) {
             int32_t v = call[depth - 1];
-            if (g->efirst[v] + tj->iter[v] < g->efirst[v + 1]) {
-                int32_t w = g->edst[g->efirst[v] + tj->iter[v]++];
+            int64_t e = g->efirst[v] + (tj->iter[v] & ~IT_ROOT);
+            if (e < g->efirst[v + 1]) {
+                tj->iter[v]++;
+                int32_t w = g->edst[e];
                 if (!bad(w)) continue;
-                if (tj->index[w] < 0) {
-                    tj->index[w] = tj->low[w] = (int32_t)counter++;
-                    tj->stack[sp++] = w;
-                    tj->on[w] = 1;
-                    tj->iter[w] = 0;
+                if (ri[w] == RI_NONE) {
+                    ri[w] = counter++;
+                    tj->iter[w] = IT_ROOT;
                     call[depth++] = w;
-                } else if (tj->on[w] && tj->index[w] < tj->low[v]) {
-                    tj->low[v] = tj->index[w];
+                } else if (ri[w] < ri[v]) {
+                    ri[v] = ri[w];
+                    tj->iter[v] &= (uint8_t)~IT_ROOT;
                 }
                 continue;
             }
             depth--;
+            if (!(tj->iter[v] & IT_ROOT)) tj->stack[sp++] = v;
+            else {  /* v closes its component: v and the states above it on the stack */
+                int64_t first = sp;
+                while (first > 0 && ri[tj->stack[first - 1]] >= ri[v]) first--;
+                uint32_t id = next_id--;
+                ri[v] = id;
+                for (int64_t k = first; k < sp; k++) ri[tj->stack[k]] = id;
+                uint64_t always = ~0ull, taken = 0;
+                int internal = 0;
+                for (int64_t k = first - 1; k < sp; k++) {
+                    int32_t s = k < first ? v : tj->stack[k];
+                    uint64_t enabled = 0;
+                    for (int64_t f = g->efirst[s]; f < g->efirst[s + 1]; f++) {
+                        uint64_t c = edge_class(g, f);
+                        enabled |= c;
+                        if (ri[g->edst[f]] == id) { internal = 1; taken |= c; }
+                    }
+                    always &= enabled;
+                }
+                sp = first;
+                if (internal && !(always & ~taken)) return id;
+            }
             if (depth) {
                 int32_t u = call[depth - 1];
-                if (tj->low[v] < tj->low[u]) tj->low[u] = tj->low[v];
-            }
-            if (tj->low[v] != tj->index[v]) continue;
-            int64_t id = comps++, first = sp;
-            int32_t w;
-            do {
-                w = tj->stack[--first];
-                tj->comp[w] = (int32_t)id;
-            } while (w != v);
-            uint64_t always = ~0ull, taken = 0;
-            int internal = 0;
-            for (int64_t k = first; k < sp; k++) {
-                int32_t s = tj->stack[k];
-                uint64_t enabled = 0;
-                for (int64_t e = g->efirst[s]; e < g->efirst[s + 1]; e++) {
-                    uint64_t c = edge_class(g, e);
-                    enabled |= c;
-                    if (tj->comp[g->edst[e]] == id) { internal = 1; taken |= c; }
+                if (ri[v] < ri[u]) {
+                    ri[u] = ri[v];
+                    tj->iter[u] &= (uint8_t)~IT_ROOT;
                 }
-                always &= enabled;
             }
-            for (int64_t k = first; k < sp; k++) tj->on[tj->stack[k]] = 0;
-            sp = first;
-            if (internal && !(always & ~taken)) return id;
         }
     }
     return -1;
@@ -611,24 +629,23 @@ static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan
 /* the shortest path inside component `id` from `from` that ends in `target` (>= 0), or in a
  * state where class `want` is not enabled, or with an internal edge of class `want`; its
  * edges are appended to the trace. Returns the new length, or -1. */
-static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t target,
+static int comp_path(Search *x, Tarjan *tj, uint32_t id, int32_t from, int32_t target,
                      uint64_t want, int n, int32_t *end) {
     Graph *g = &x->g;
     int64_t head = 0, tail = 0, last = -1;
     int32_t stop = -1;
     tj->queue[tail++] = from;
     tj->prev[from] = from;
-    tj->pedge[from] = -1;
     while (head < tail && stop < 0) {
         int32_t v = tj->queue[head++];
         if (v != from && (v == target || (want && !(enabled_of(g, v) & want)))) { stop = v; break; }
         for (int64_t e = g->efirst[v]; e < g->efirst[v + 1]; e++) {
             int32_t w = g->edst[e];
-            if (tj->comp[w] != id) continue;
+            if (tj->rindex[w] != id) continue;
             if (want && edge_class(g, e) == want) { stop = v; last = e; break; }
             if (tj->prev[w] >= 0) continue;
             tj->prev[w] = v;
-            tj->pedge[w] = e;
+            tj->pedge[w] = (uint8_t)(e - g->efirst[v]);
             tj->queue[tail++] = w;
         }
     }
@@ -638,8 +655,10 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
     int total = n + len + (last >= 0);
     if (total > x->trace_cap) return -1;
     int at = n + len;
-    for (int32_t v = stop; v != from; v = tj->prev[v])
-        x->trace[--at] = event_of(x, tj->prev[v], g->eindex[tj->pedge[v]]);
+    for (int32_t v = stop; v != from; v = tj->prev[v]) {
+        int32_t u = tj->prev[v];
+        x->trace[--at] = event_of(x, u, g->eindex[g->efirst[u] + tj->pedge[v]]);
+    }
     for (int64_t k = 0; k < tail; k++) tj->prev[tj->queue[k]] = -1;
     if (last >= 0) { x->trace[n + len] = event_of(x, stop, g->eindex[last]); *end = g->edst[last]; }
     else *end = stop;
@@ -650,11 +669,11 @@ static int comp_path(Search *x, Tarjan *tj, int32_t id, int32_t from, int32_t ta
  * initial state: the first in breadth-first order), then, from the entry, an edge of each
  * class still owed (enabled in every state visited and not yet taken), then back to the
  * entry */
-static int lasso(Search *x, Tarjan *tj, int32_t id) {
+static int lasso(Search *x, Tarjan *tj, uint32_t id) {
     Graph *g = &x->g;
     int32_t entry = -1;
     for (int64_t v = 0; v < g->n && entry < 0; v++)
-        if (tj->comp[v] == id) entry = (int32_t)v;
+        if (tj->rindex[v] == id) entry = (int32_t)v;
     int n = path_to(x, entry, x->trace, x->trace_cap);
     if (n < 0) return -1;
     x->r.nprefix = n;
@@ -671,7 +690,7 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
         else if (cur != entry) n = comp_path(x, tj, id, cur, entry, 0, n, &end);
         else {  /* nothing owed yet no edge: one internal edge out of the entry */
             for (int64_t e = g->efirst[entry]; e < g->efirst[entry + 1]; e++)
-                if (tj->comp[g->edst[e]] == id) {
+                if (tj->rindex[g->edst[e]] == id) {
                     if (n >= x->trace_cap) return -1;
                     x->trace[n++] = event_of(x, entry, g->eindex[e]);
                     end = g->edst[e];
@@ -686,7 +705,7 @@ static int lasso(Search *x, Tarjan *tj, int32_t id) {
             events_of(x, v, evs);
             int64_t e = g->efirst[v];
             while (e < g->efirst[v + 1] &&
-                   !(evs[g->eindex[e]] == x->trace[k] && tj->comp[g->edst[e]] == id))
+                   !(evs[g->eindex[e]] == x->trace[k] && tj->rindex[g->edst[e]] == id))
                 e++;
             if (e == g->efirst[v + 1]) return -1;
             taken |= edge_class(g, e);
@@ -710,27 +729,24 @@ typedef struct {
 } Live;
 
 static void tarjan_free(Tarjan *tj) {
-    free(tj->index); free(tj->low); free(tj->stack); free(tj->comp); free(tj->call);
-    free(tj->prev); free(tj->queue); free(tj->iter); free(tj->pedge); free(tj->on);
+    free(tj->rindex); free(tj->stack); free(tj->call);
+    free(tj->prev); free(tj->queue); free(tj->iter); free(tj->pedge);
     memset(tj, 0, sizeof *tj);
 }
 
 /* the search's arrays; `lasso` also needs the paths' (prev, queue, pedge) */
 static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
     memset(tj, 0, sizeof *tj);
-    tj->index = malloc(sizeof(int32_t) * (size_t)n);
-    tj->low = malloc(sizeof(int32_t) * (size_t)n);
-    tj->stack = malloc(sizeof(int32_t) * (size_t)n);
-    tj->comp = malloc(sizeof(int32_t) * (size_t)n);
-    tj->call = malloc(sizeof(int32_t) * (size_t)(n + 1));
+    tj->rindex = malloc(sizeof *tj->rindex * (size_t)n);
+    tj->stack = malloc(sizeof *tj->stack * (size_t)n);
+    tj->call = malloc(sizeof *tj->call * (size_t)(n + 1));
     tj->iter = malloc(sizeof *tj->iter * (size_t)n);
-    tj->on = malloc((size_t)n);
     if (lasso) {
-        tj->prev = malloc(sizeof(int32_t) * (size_t)n);
-        tj->queue = malloc(sizeof(int32_t) * (size_t)n);
-        tj->pedge = malloc(sizeof(int64_t) * (size_t)n);
+        tj->prev = malloc(sizeof *tj->prev * (size_t)n);
+        tj->queue = malloc(sizeof *tj->queue * (size_t)n);
+        tj->pedge = malloc(sizeof *tj->pedge * (size_t)n);
     }
-    if (tj->index && tj->low && tj->stack && tj->comp && tj->call && tj->iter && tj->on &&
+    if (tj->rindex && tj->stack && tj->call && tj->iter &&
         (!lasso || (tj->prev && tj->queue && tj->pedge)))
         return 0;
     tarjan_free(tj);
@@ -738,8 +754,8 @@ static int tarjan_alloc(Tarjan *tj, int64_t n, int lasso) {
 }
 
 /* the search's scratch per state (tarjan_alloc without the paths), and with them */
-#define TARJAN_BYTES (5 * sizeof(int32_t) + 2 * sizeof(uint8_t))
-#define LASSO_BYTES (TARJAN_BYTES + 2 * sizeof(int32_t) + sizeof(int64_t))
+#define TARJAN_BYTES (3 * sizeof(int32_t) + sizeof(uint8_t))
+#define LASSO_BYTES (TARJAN_BYTES + 2 * sizeof(int32_t) + sizeof(uint8_t))
 
 /* the peak of the search's data (Result.memory): the graph and a pass's scratch */
 static void note_scratch(Search *x, size_t scratch) {
@@ -834,7 +850,7 @@ static void liveness(Search *x) {
         x->r.invariant = lv.prop[k];
         x->r.request = PROP_PER_REQUEST[lv.prop[k]] ? lv.req[k] : -1;
         x->r.nlive = lv.prop[k];
-        if (id < 0 || lasso(x, &tj, (int32_t)id)) x->r.verdict = V_MEMORY;
+        if (id < 0 || lasso(x, &tj, (uint32_t)id)) x->r.verdict = V_MEMORY;
         tarjan_free(&tj);
     } else x->r.nlive = N_PROPS;
     free(lv.waiting);
