@@ -283,16 +283,31 @@ static void graph_free(Graph *g) {
     free(g->efirst);
 }
 
+/* the first slot to probe for a state of hash h32, in a table of nslots (a power of two) */
+static int64_t home_slot(uint32_t h32, int64_t nslots) {
+    uint64_t h = ((uint64_t)h32 << 32) | h32;
+    return (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(nslots - 1));
+}
+
+/* the states' hashes are computed again from their packings (as the search computed them),
+ * a batch at a time: the insertions' cache misses then overlap, as they would not with a hash
+ * between each two */
+#define REHASH_BATCH 1024
+
 static int rehash(Graph *g) {
     int64_t ns = g->nslots * 2;
     uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
     if (!slots) return -1;
-    for (int64_t i = 0; i < g->n; i++) {  /* each hash again, from the packing (probe's) */
-        uint32_t h32 = (uint32_t)hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
-        uint64_t h = ((uint64_t)h32 << 32) | h32;
-        int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(ns - 1));
-        while (slots[k]) k = (k + 1) & (ns - 1);
-        slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
+    uint32_t h32[REHASH_BATCH];
+    for (int64_t lo = 0; lo < g->n; lo += REHASH_BATCH) {
+        int64_t hi = lo + REHASH_BATCH < g->n ? lo + REHASH_BATCH : g->n;
+        for (int64_t i = lo; i < hi; i++)
+            h32[i - lo] = (uint32_t)hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
+        for (int64_t i = lo; i < hi; i++) {
+            int64_t k = home_slot(h32[i - lo], ns);
+            while (slots[k]) k = (k + 1) & (ns - 1);
+            slots[k] = (uint64_t)(i + 1) << 24 | (h32[i - lo] >> 8);
+        }
     }
     free(g->slots);
     g->slots = slots;
@@ -303,8 +318,7 @@ static int rehash(Graph *g) {
 /* the index of the state `enc` (its hash h32), or -1 with *slot the empty slot it would take;
  * reads the set only, so workers may call it while no one inserts */
 static int64_t probe(const Graph *g, const uint8_t *enc, int len, uint32_t h32, int64_t *slot) {
-    uint64_t h = ((uint64_t)h32 << 32) | h32;
-    int64_t k = (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(g->nslots - 1));
+    int64_t k = home_slot(h32, g->nslots);
     uint64_t tag = h32 >> 8;
     while (g->slots[k]) {
         int64_t i = (int64_t)(g->slots[k] >> 24) - 1;
