@@ -98,6 +98,23 @@ def test_the_edges_and_each_pass_add_to_the_memory() -> None:
     assert compiled.search(b, liveness=False, threads=3).memory == bare.memory
 
 
+LIVENESS_BYTES = 4 + 13
+"""The liveness pass's bytes a state on one thread (search.c, liveness): the `waiting` bits of
+every instance, and one scratch of Pearce's components: the state's number, the component
+stack, the depth-first path, the edge cursor."""
+
+
+@pytest.mark.parametrize("name", ["hybrid", "reset-during-transfers"])
+def test_on_one_thread_liveness_adds_its_edges_and_one_scratch(name: str) -> None:
+    """A search that finds no fair cycle keeps an edge for each transition and, on one
+    thread, one scratch: its memory is the bare search's plus those, to the byte."""
+    b = by_name(name).bounds
+    bare = compiled.search(b, liveness=False)
+    live = compiled.search(b, threads=1)
+    assert live.verdict == "ok" and live.edges == bare.edges
+    assert live.memory == bare.memory + EDGE_BYTES * live.edges + LIVENESS_BYTES * live.states
+
+
 def test_the_check_table_shows_the_memory(capsys: pytest.CaptureFixture[str]) -> None:
     from statemachine import cli
 
