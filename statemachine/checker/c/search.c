@@ -225,7 +225,8 @@ typedef struct {
 #define AT_OFFSET(a) ((a) >> 16)
 #define AT_LEN(a) ((a) & 0xFFFF)
 
-static uint64_t hash_bytes(const uint8_t *p, int n) {  /* 8 bytes a round, then mixed */
+/* the hash the visited set keys a packing by: 8 bytes a round, mixed, then folded to 32 bits */
+static uint32_t hash_bytes(const uint8_t *p, int n) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
     int i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -239,7 +240,7 @@ static uint64_t hash_bytes(const uint8_t *p, int n) {  /* 8 bytes a round, then 
     h = (h ^ v) * 0xC4CEB9FE1A85EC53ull;
     h ^= h >> 29;
     h *= 0xFF51AFD7ED558CCDull;
-    return h ^ (h >> 32);
+    return (uint32_t)(h ^ (h >> 32));
 }
 
 static int grow(void **p, size_t elem, int64_t count) {
@@ -302,7 +303,7 @@ static int rehash(Graph *g) {
     for (int64_t lo = 0; lo < g->n; lo += REHASH_BATCH) {
         int64_t hi = lo + REHASH_BATCH < g->n ? lo + REHASH_BATCH : g->n;
         for (int64_t i = lo; i < hi; i++)
-            h32[i - lo] = (uint32_t)hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
+            h32[i - lo] = hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
         for (int64_t i = lo; i < hi; i++) {
             int64_t k = home_slot(h32[i - lo], ns);
             while (slots[k]) k = (k + 1) & (ns - 1);
@@ -392,19 +393,24 @@ static uint8_t fair_bit(uint32_t ev) {
     }
 }
 
-/* the class of edge e, as a set of one bit (or none) */
-static uint64_t edge_class(const Graph *g, int64_t e) {
-    return g->eclass[e] ? 1ull << (g->eclass[e] - 1) : 0;
+/* a class of fair_bit as a set of one bit (or none) */
+static uint64_t class_set(uint8_t bit) {
+    return bit ? 1ull << (bit - 1) : 0;
 }
 
-static int add_edge(Graph *g, int64_t dst, uint32_t ev, uint8_t index) {
+/* the class of edge e */
+static uint64_t edge_class(const Graph *g, int64_t e) {
+    return class_set(g->eclass[e]);
+}
+
+static int add_edge(Graph *g, int64_t dst, uint8_t index, uint8_t klass) {
     if (g->nedges >= g->ecap) {
         g->ecap *= 2;
         if (grow_edges(g)) return -1;
     }
     g->edst[g->nedges] = (int32_t)dst;
     g->eindex[g->nedges] = index;
-    g->eclass[g->nedges++] = fair_bit(ev);
+    g->eclass[g->nedges++] = klass;
     return 0;
 }
 
@@ -937,6 +943,7 @@ typedef void Progress(int64_t states, int64_t edges, int32_t depth);
 typedef struct Succ {     /* an enabled event of a batch's state, as a member found it */
     uint32_t ev;
     uint8_t index;        /* the event's index among the state's events (its stamp) */
+    uint8_t klass;        /* its fairness class (fair_bit), for its edge */
     int8_t rc, inside_inv, hook, inv;  /* inv: the invariant its successor breaks, -1 none */
     uint16_t len;         /* its successor's encoding (rc ERR_NONE), at `at` */
     uint32_t hash;
@@ -1066,6 +1073,7 @@ static void expand_task(Search *x, int member) {
                 Succ *u = &m->succ[m->nsucc++];
                 u->ev = evs[k];
                 u->index = (uint8_t)k;
+                u->klass = fair_bit(evs[k]);
                 u->rc = (int8_t)rc;
                 u->inside_inv = (int8_t)inside_inv;
                 u->hook = (int8_t)hook;
@@ -1084,7 +1092,7 @@ static void expand_task(Search *x, int member) {
                 int len = kv_pack(enc, kv_encode(&x->b, &nxt, enc), packed);
                 int64_t slot;
                 u->len = (uint16_t)len;
-                u->hash = (uint32_t)hash_bytes(packed, len);
+                u->hash = hash_bytes(packed, len);
                 u->known = probe(&x->g, packed, len, u->hash, &slot);
                 if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, &nxt, 0, x->without);
                 m->used += (size_t)len;
@@ -1183,7 +1191,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
             }
             if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
         }
-        if (do_edges && add_edge(g, j, u->ev, u->index)) { r->verdict = V_MEMORY; return 1; }
+        if (do_edges && add_edge(g, j, u->index, u->klass)) { r->verdict = V_MEMORY; return 1; }
     }
     g->efirst[i + 1] = g->nedges;
     *stop = STAMP(i, 0xFF);
@@ -1218,7 +1226,7 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     kv_initial(&x->b, &s);
     kv_canonical(&s);
     int fresh, len = kv_pack(enc, kv_encode(&x->b, &s, enc), packed);
-    if (intern(g, packed, len, (uint32_t)hash_bytes(packed, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
+    if (intern(g, packed, len, hash_bytes(packed, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
     g->parent[0] = -1;
     g->via[0] = 0;
     x->level = 0;
@@ -1288,7 +1296,4 @@ int kv_waiting(const Bounds *b, const uint8_t *enc, int prop, int r) {
     return prop >= 0 && prop < N_PROPS ? WAITING[prop](b, &s, r) : -1;
 }
 
-uint64_t kv_fair_class(uint32_t ev) {
-    uint8_t bit = fair_bit(ev);
-    return bit ? 1ull << (bit - 1) : 0;
-}
+uint64_t kv_fair_class(uint32_t ev) { return class_set(fair_bit(ev)); }
