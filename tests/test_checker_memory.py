@@ -1,11 +1,13 @@
-"""The compiled search's memory: the packing of the encodings its visited set holds, and the
-bytes it reports (`Run.memory`, the `memory_mb` column of `kvspec check`).
+"""The compiled search's memory: how its visited set holds the states, and the bytes it
+reports (`Run.memory`, the `memory_mb` column of `kvspec check`).
 
-The visited set holds each state's encoding packed: each run of 8 bytes becomes a mask byte
-(bit k: byte k is not zero) and the bytes that are not zero (search.c, packing). The
-search reads a state back by unpacking it; `kv_search_state` hands Python the state decoded
-and encoded again, so the differential tests of `test_checker_compiled.py` compare every
-reachable state through the packing with the Python model's encoding."""
+The visited set is collapsed (search.c, the visited set): each state's encoding is cut into
+parts (each request's, the job records', the rest), each distinct part is kept once, packed
+(each run of 8 bytes becomes a mask byte, bit k: byte k is not zero, and the bytes that are
+not zero), and a state is the row of its parts' indices. The search reads a state back by
+unpacking its parts; `kv_search_state` hands Python the state decoded and encoded again, so
+the differential tests of `test_checker_compiled.py` compare every reachable state through
+the collapse with the Python model's encoding."""
 
 from __future__ import annotations
 
@@ -18,14 +20,28 @@ from hypothesis import strategies as st
 from spec.scenarios import by_name
 from statemachine.checker import compiled
 
-STATE_BYTES = 8 + 4 + 1 + 8
-"""The arrays of each state the graph holds besides its packed encoding (search.c, Graph):
-the encoding's offset and length, the parent, the event from it (its index among the
-parent's events), the first edge."""
+STATE_BYTES = 4 + 1 + 8
+"""The arrays of each state the graph holds besides its row (search.c, Graph): the parent,
+the event from it (its index among the parent's events), the first edge."""
+
+PART_BYTES = 4
+"""A part's entry in a state's row: the index of its leaf (search.c, the visited set)."""
+
+LEAF_BYTES = 8
+"""Each leaf's offset and length in the leaves' arena, besides its packing."""
 
 EDGE_BYTES = 4 + 1 + 1
 """An edge's arrays (search.c, Graph): its target, its event's index among its source's
 events, its fairness class."""
+
+
+def _slots(entries: int, first: int) -> int:
+    """The hash slots of a table of `entries` that started at `first` and doubles when it is
+    half full (search.c, intern)."""
+    slots = first
+    while 2 * entries > slots:
+        slots *= 2
+    return slots
 
 
 @pytest.fixture(autouse=True)
@@ -71,20 +87,43 @@ def test_two_encodings_of_a_length_pack_alike_only_if_equal(a: bytes, b: bytes) 
     assert (_pack(a) == _pack(b)) == (a == b)
 
 
+@pytest.mark.parametrize("name", ["reset-during-transfers", "hybrid", "partial-tails",
+                                  "decoding"])
+def test_the_parts_of_an_encoding_are_its_requests_its_jobs_and_the_rest(name: str) -> None:
+    """Every part is a function of the encoding: they join to it, each request's part has one
+    length for the bounds, and the job records' part is its count byte and the records."""
+    b = by_name(name).bounds
+    request_lengths, job_lengths = set(), set()
+    for enc in compiled.all_states(b):
+        parts = compiled.parts(b, enc)
+        assert len(parts) == b.requests + 2
+        assert b"".join(parts) == enc
+        request_lengths.update(len(p) for p in parts[:b.requests])
+        jobs = parts[b.requests]
+        if jobs[0]:
+            assert (len(jobs) - 1) % jobs[0] == 0
+            job_lengths.add((len(jobs) - 1) // jobs[0])
+        else:
+            assert jobs == b"\0"
+    assert len(request_lengths) == 1 and len(job_lengths) == 1
+
+
 @pytest.mark.parametrize("name", ["reset-during-transfers", "hybrid", "partial-tails"])
-def test_the_memory_counts_the_packed_states_and_their_records(name: str) -> None:
-    """Without liveness the search stores no edges: its memory is the packed encodings
-    (packed here, from the states it visited), each state's records and the hash slots."""
+def test_the_memory_counts_the_distinct_parts_the_rows_and_the_records(name: str) -> None:
+    """Without liveness the search stores no edges: its memory is each distinct part packed
+    once (computed here from the states it visited), a row and the records for each state,
+    and the two tables' hash slots. Few parts recur in many states."""
     b = by_name(name).bounds
     run = compiled.search(b, liveness=False)
     encodings = list(compiled.all_states(b))
-    assert len(encodings) == run.states
-    packed = sum(len(_pack(e)) for e in encodings)
-    assert packed < 0.7 * sum(len(e) for e in encodings)
-    slots = 1 << 17
-    while 2 * run.states > slots:
-        slots *= 2
-    assert run.memory == packed + STATE_BYTES * run.states + 8 * slots
+    assert len(encodings) == run.states == len(set(encodings))
+    leaves = {_pack(p) for e in encodings for p in compiled.parts(b, e)}
+    assert len(leaves) < run.states / 4
+    nparts = b.requests + 2
+    assert run.memory == (
+        sum(len(leaf) for leaf in leaves) + LEAF_BYTES * len(leaves)
+        + 8 * _slots(len(leaves), 1 << 13)
+        + (PART_BYTES * nparts + STATE_BYTES) * run.states + 8 * _slots(run.states, 1 << 17))
 
 
 def test_the_edges_and_each_pass_add_to_the_memory() -> None:

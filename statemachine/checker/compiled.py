@@ -200,6 +200,8 @@ class Library:
         lib.kv_fair_class.argtypes = [ctypes.c_uint32]
         lib.kv_pack.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
         lib.kv_unpack.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+        lib.kv_parts.argtypes = [ctypes.POINTER(CBounds), ctypes.c_char_p, ctypes.c_int,
+                                 ctypes.POINTER(ctypes.c_int32)]
         self.lib = lib
         self.path = path
 
@@ -409,6 +411,14 @@ def writes_in_part(b: M.Bounds) -> bool:
     return bool(b.window_groups()) and b.blocks_per_chunk > 1
 
 
+def parts(b: M.Bounds, enc: bytes) -> list[bytes]:
+    """The parts the compiled search's visited set holds an encoding as (parts_of of
+    search.c): each request's, the job records', the rest."""
+    start = (ctypes.c_int32 * (MAXR + 3))()
+    n = library().lib.kv_parts(ctypes.byref(c_bounds(b)), enc, len(enc), start)
+    return [enc[start[p]:start[p + 1]] for p in range(n)]
+
+
 # ==================================================================== the search
 @dataclass
 class Run:
@@ -436,10 +446,10 @@ class Run:
     threads: int
     """The threads that searched (every other field is the same for any number)."""
     memory: int
-    """The bytes of the search's data at its peak: the explored graph (each state's packed
-    encoding and records, the hash slots, the edges) and the scratch of the liveness or
-    stuck pass after it. The same on any number of threads but for the liveness scratch
-    (one per instance searched side by side)."""
+    """The bytes of the search's data at its peak: the explored graph (the packed parts of
+    the encodings, each state's row of parts and its records, the hash slots, the edges) and
+    the scratch of the liveness or stuck pass after it. The same on any number of threads
+    but for the liveness scratch (one per instance searched side by side)."""
 
 
 def search(b: M.Bounds, faults: M.Faults = M.NO_FAULTS, tables: M.Tables = M.SPEC_TABLES,

@@ -1,6 +1,7 @@
 /* The exhaustive search of the compiled model: breadth first over canonical states (the
- * visited set holds each state's compact encoding, packed), every safety invariant in every
- * new state and after every hook inside a step, an event with no table row as a finding;
+ * visited set holds each state's compact encoding cut into parts, each part kept once,
+ * packed), every safety invariant in every new state and after every hook inside a step, an
+ * event with no table row as a finding;
  * then, on the explored graph, the progress properties as liveness under weak fairness (fair
  * strongly connected components of the states where the property is not yet met), and the old
  * reachability check (a quiescent state reachable from every state) for comparison. A
@@ -68,20 +69,23 @@ static int put_req(const Bounds *b, int mw, const Req *q, uint8_t *o) {
     return n;
 }
 
+static int put_job(const Bounds *b, int mw, const Job *j, uint8_t *o) {
+    int n = 0, T = max_blocks(b);
+    o[n++] = j->id; o[n++] = j->kind; o[n++] = j->owner; o[n++] = j->state;
+    o[n++] = j->pending; o[n++] = j->unreported; o[n++] = j->age; o[n++] = j->held_slots;
+    o[n++] = j->flags; o[n++] = j->nblocks;
+    n += put_mask(mw, j->keys, o + n);
+    o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
+    if (has_windows(b)) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
+    for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
+    return n;
+}
+
 int kv_encode(const Bounds *b, const State *s, uint8_t *o) {
-    int n = 0, T = max_blocks(b), K = kv_nkeys(b), mw = mask_bytes(b);
+    int n = 0, K = kv_nkeys(b), mw = mask_bytes(b);
     for (int r = 0; r < b->requests; r++) n += put_req(b, mw, &s->req[r], o + n);
     o[n++] = s->njobs;
-    for (int i = 0; i < s->njobs; i++) {
-        const Job *j = &s->job[i];
-        o[n++] = j->id; o[n++] = j->kind; o[n++] = j->owner; o[n++] = j->state;
-        o[n++] = j->pending; o[n++] = j->unreported; o[n++] = j->age; o[n++] = j->held_slots;
-        o[n++] = j->flags; o[n++] = j->nblocks;
-        n += put_mask(mw, j->keys, o + n);
-        o[n++] = (uint8_t)j->deferred; o[n++] = (uint8_t)(j->deferred >> 8);
-        if (has_windows(b)) { o[n++] = (uint8_t)j->fenced; o[n++] = (uint8_t)(j->fenced >> 8); }
-        for (int k = 0; k < T; k++) o[n++] = j->blocks[k];
-    }
+    for (int i = 0; i < s->njobs; i++) n += put_job(b, mw, &s->job[i], o + n);
     o[n++] = s->counter; o[n++] = s->threshold; o[n++] = s->fence; o[n++] = s->reset_since_step;
     o[n++] = s->pending_finished; o[n++] = s->pending_preempted;
     for (int i = 0; i < 3; i++) o[n++] = s->budget[i];
@@ -121,23 +125,26 @@ static int get_req(const Bounds *b, int mw, Req *q, const uint8_t *o) {
     return n;
 }
 
+static int get_job(const Bounds *b, int mw, Job *j, const uint8_t *o) {
+    int n = 0, T = max_blocks(b);
+    memset(j, 0, sizeof *j);
+    j->id = o[n++]; j->kind = o[n++]; j->owner = o[n++]; j->state = o[n++];
+    j->pending = o[n++]; j->unreported = o[n++]; j->age = o[n++]; j->held_slots = o[n++];
+    j->flags = o[n++]; j->nblocks = o[n++];
+    n += get_mask(mw, &j->keys, o + n);
+    j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
+    if (has_windows(b)) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
+    for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
+    return n;
+}
+
 void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
-    int n = 0, T = max_blocks(b), K = kv_nkeys(b), mw = mask_bytes(b);
+    int n = 0, K = kv_nkeys(b), mw = mask_bytes(b);
     memset(s, 0, offsetof(State, job));  /* the records beyond njobs are not read */
     for (int k = 0; k < MAXK; k++) s->chunk[k] = CH_ABSENT;
     for (int r = 0; r < b->requests; r++) n += get_req(b, mw, &s->req[r], o + n);
     s->njobs = o[n++];
-    for (int i = 0; i < s->njobs; i++) {
-        Job *j = &s->job[i];
-        memset(j, 0, sizeof *j);
-        j->id = o[n++]; j->kind = o[n++]; j->owner = o[n++]; j->state = o[n++];
-        j->pending = o[n++]; j->unreported = o[n++]; j->age = o[n++]; j->held_slots = o[n++];
-        j->flags = o[n++]; j->nblocks = o[n++];
-        n += get_mask(mw, &j->keys, o + n);
-        j->deferred = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2;
-        if (has_windows(b)) { j->fenced = (uint16_t)(o[n] | (o[n + 1] << 8)); n += 2; }
-        for (int k = 0; k < T; k++) j->blocks[k] = o[n++];
-    }
+    for (int i = 0; i < s->njobs; i++) n += get_job(b, mw, &s->job[i], o + n);
     s->counter = o[n++]; s->threshold = o[n++]; s->fence = o[n++]; s->reset_since_step = o[n++];
     s->pending_finished = o[n++]; s->pending_preempted = o[n++];
     for (int i = 0; i < 3; i++) s->budget[i] = o[n++];
@@ -160,12 +167,54 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
     if (b->partial_tails) n += get_mask(mw, &s->misplaced, o + n);
 }
 
+/* ============================================================== an encoding's parts */
+/* The visited set (below) holds an encoding as its parts: each request's, the job records'
+ * (their count, then the records), and the rest (the manager, the core's counters, the
+ * data's truth). A request's part and a job record each have one length for the bounds
+ * (put_req and put_job of a zero record). */
+typedef struct {
+    int req, job;         /* the bytes of a request's part, of a job record */
+    int nparts;           /* the requests' parts, the job records', the rest */
+} Parts;
+
+static Parts parts_for(const Bounds *b) {
+    uint8_t o[ENC_MAX];
+    Req q;
+    Job j;
+    memset(&q, 0, sizeof q);
+    memset(&j, 0, sizeof j);
+    return (Parts){put_req(b, mask_bytes(b), &q, o), put_job(b, mask_bytes(b), &j, o),
+                   b->requests + 2};
+}
+
+/* the length of part p, which starts at `part`; -1 for the last (the rest of the encoding) */
+static int part_bytes(const Parts *pt, int p, const uint8_t *part) {
+    if (p < pt->nparts - 2) return pt->req;
+    if (p == pt->nparts - 2) return 1 + part[0] * pt->job;
+    return -1;
+}
+
+/* where each part of an encoding of `len` bytes starts (start[nparts] = len) */
+static void parts_of(const Parts *pt, const uint8_t *enc, int len, int *start) {
+    start[0] = 0;
+    for (int p = 0; p < pt->nparts - 1; p++) start[p + 1] = start[p] + part_bytes(pt, p, enc + start[p]);
+    start[pt->nparts] = len;
+}
+
+/* the parts of an encoding, for the tests: their count, and where each starts */
+int kv_parts(const Bounds *b, const uint8_t *enc, int len, int32_t *start) {
+    Parts pt = parts_for(b);
+    int at[MAXR + 3];
+    parts_of(&pt, enc, len, at);
+    for (int p = 0; p <= pt.nparts; p++) start[p] = at[p];
+    return pt.nparts;
+}
+
 /* ============================================================== packing */
-/* The visited set holds each encoding packed: most of an encoding's bytes are zeros (empty
+/* The visited set holds each part of an encoding packed: most of its bytes are zeros (empty
  * block tables, job masks, fences), so each run of 8 bytes becomes a mask byte (bit k: byte
- * k is not zero) followed by its bytes that are not zero. The packing is a function of the
- * encoding, and the encodings are prefix-free (kv_decode reads as many bytes as the ones it
- * read say), so two states are equal if and only if their packings are. */
+ * k is not zero) followed by its bytes that are not zero. Two byte strings of one length
+ * are equal if and only if their packings are. */
 #define LOW7 0x7F7F7F7F7F7F7F7Full
 
 static uint8_t nonzero_bytes(uint64_t v) {  /* bit k: byte k of v is not zero */
@@ -203,17 +252,32 @@ void kv_unpack(const uint8_t *packed, int len, uint8_t *out) {
 }
 
 /* ============================================================== the visited set */
-typedef struct {
+/* The visited set is collapsed (as SPIN's COLLAPSE mode is: Holzmann, "State compression in
+ * SPIN", 1997): each part of an encoding (parts_of) is kept once, packed, in a table of
+ * leaves, and a state is the row of its parts' leaf indices, 4 bytes a part. Few parts recur
+ * in many states (in store-admission-three-requests, 2.4 million states hold 637 distinct
+ * request parts, 3,670 job parts and 24,863 rests), so a state costs its row and not its
+ * packing. Two states are equal if and only if their rows are: an encoding's parts are a
+ * function of it (each part says its own length), and two parts at one place are equal if
+ * and only if their packings are (a part of job records says how many by its first byte). */
+typedef struct {          /* byte strings, each kept once, by index */
     uint8_t *arena;
     size_t used, cap;
-    uint64_t *at;         /* state i's packed encoding: its offset in the arena << 16 | its length
+    int width;            /* the rows: entry i is `width` bytes at i * width (at: NULL) */
+    uint64_t *at;         /* the leaves: entry i's offset in the arena << 16 | its length
                            * (one word: a lookup reads both from one cache line) */
+    int64_t n, alloc;
+    uint64_t *slots;      /* open addressing: (index + 1) << 24 | 24 bits of its hash; 0 empty */
+    int64_t nslots;
+} Table;
+
+typedef struct {
+    Table leaves;         /* the parts, packed */
+    Table rows;           /* the states: row i is state i's leaves */
     int32_t *parent;
     uint8_t *via;         /* the event from the parent: its index among the parent's events
                            * (event_of gives it back) */
-    int64_t n, alloc;
-    uint64_t *slots;      /* open addressing: (state index + 1) << 24 | 24 bits of its hash; 0 empty */
-    int64_t nslots;
+    int64_t alloc;        /* the states the arrays above and efirst have room for */
     /* edges, in BFS order of their source */
     int32_t *edst;
     uint8_t *eindex;      /* the edge's event: its index among its source's events */
@@ -224,8 +288,9 @@ typedef struct {
 
 #define AT_OFFSET(a) ((a) >> 16)
 #define AT_LEN(a) ((a) & 0xFFFF)
+#define LEAF_UNKNOWN UINT32_MAX  /* in a worker's row: a part not yet in the leaves */
 
-/* the hash the visited set keys a packing by: 8 bytes a round, mixed, then folded to 32 bits */
+/* the hash a table keys an entry by: 8 bytes a round, mixed, then folded to 32 bits */
 static uint32_t hash_bytes(const uint8_t *p, int n) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
     int i = 0;
@@ -250,10 +315,119 @@ static int grow(void **p, size_t elem, int64_t count) {
     return 0;
 }
 
+/* a table of `width`-byte entries, or of leaves (width 0), with room for `alloc` of them */
+static int table_init(Table *t, int width, int64_t alloc, int64_t nslots) {
+    memset(t, 0, sizeof *t);
+    t->width = width;
+    t->alloc = alloc;
+    t->cap = width ? (size_t)(width * alloc) : (size_t)alloc * 64;
+    t->nslots = nslots;
+    t->arena = malloc(t->cap);
+    t->slots = calloc((size_t)nslots, sizeof(uint64_t));
+    if (!t->arena || !t->slots) return -1;
+    return width ? 0 : grow((void **)&t->at, sizeof *t->at, alloc);
+}
+
+static void table_free(Table *t) {
+    free(t->arena); free(t->at); free(t->slots);
+}
+
+/* entry i of a table, and its length */
+static const uint8_t *entry_at(const Table *t, int64_t i, int *len) {
+    if (t->width) {
+        *len = t->width;
+        return t->arena + (size_t)i * (size_t)t->width;
+    }
+    *len = (int)AT_LEN(t->at[i]);
+    return t->arena + AT_OFFSET(t->at[i]);
+}
+
+/* the bytes a table holds: its entries, their offsets (leaves) and its slots */
+static size_t table_bytes(const Table *t) {
+    return t->used + (t->at ? (size_t)t->n * sizeof *t->at : 0) +
+           (size_t)t->nslots * sizeof *t->slots;
+}
+
+/* the first slot to probe for an entry of hash h32, in a table of nslots (a power of two) */
+static int64_t home_slot(uint32_t h32, int64_t nslots) {
+    uint64_t h = ((uint64_t)h32 << 32) | h32;
+    return (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(nslots - 1));
+}
+
+/* the entries' hashes are computed again from their bytes, a batch at a time: the
+ * insertions' cache misses then overlap, as they would not with a hash between each two */
+#define REHASH_BATCH 1024
+
+static int rehash(Table *t) {
+    int64_t ns = t->nslots * 2;
+    uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
+    if (!slots) return -1;
+    uint32_t h32[REHASH_BATCH];
+    for (int64_t lo = 0; lo < t->n; lo += REHASH_BATCH) {
+        int64_t hi = lo + REHASH_BATCH < t->n ? lo + REHASH_BATCH : t->n;
+        for (int64_t i = lo; i < hi; i++) {
+            int len;
+            const uint8_t *e = entry_at(t, i, &len);
+            h32[i - lo] = hash_bytes(e, len);
+        }
+        for (int64_t i = lo; i < hi; i++) {
+            int64_t k = home_slot(h32[i - lo], ns);
+            while (slots[k]) k = (k + 1) & (ns - 1);
+            slots[k] = (uint64_t)(i + 1) << 24 | (h32[i - lo] >> 8);
+        }
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->nslots = ns;
+    return 0;
+}
+
+/* the index of the entry `bytes` (its hash h32), or -1 with *slot the empty slot it would
+ * take; reads the table only, so workers may call it while no one inserts */
+static int64_t probe(const Table *t, const uint8_t *bytes, int len, uint32_t h32, int64_t *slot) {
+    int64_t k = home_slot(h32, t->nslots);
+    uint64_t tag = h32 >> 8;
+    while (t->slots[k]) {
+        int64_t i = (int64_t)(t->slots[k] >> 24) - 1;
+        int n;
+        if ((t->slots[k] & 0xFFFFFF) == tag) {
+            const uint8_t *e = entry_at(t, i, &n);
+            if (n == len && !memcmp(e, bytes, (size_t)len)) return i;
+        }
+        k = (k + 1) & (t->nslots - 1);
+    }
+    *slot = k;
+    return -1;
+}
+
+/* the index of the entry `bytes` (its hash h32), inserting it if new (*fresh = 1); -1 on
+ * memory failure */
+static int64_t intern(Table *t, const uint8_t *bytes, int len, uint32_t h32, int *fresh) {
+    int64_t k = 0;
+    int64_t found = probe(t, bytes, len, h32, &k);
+    *fresh = 0;
+    if (found >= 0) return found;
+    if (t->n >= t->alloc) {
+        t->alloc *= 2;
+        if (t->at && grow((void **)&t->at, sizeof *t->at, t->alloc)) return -1;
+    }
+    while (t->used + (size_t)len > t->cap) {
+        t->cap *= 2;
+        if (grow((void **)&t->arena, 1, (int64_t)t->cap)) return -1;
+    }
+    int64_t i = t->n++;
+    memcpy(t->arena + t->used, bytes, (size_t)len);
+    if (t->at) t->at[i] = (uint64_t)t->used << 16 | (uint64_t)len;
+    t->used += (size_t)len;
+    t->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
+    *fresh = 1;
+    if (t->n * 2 > t->nslots && rehash(t)) return -1;
+    return i;
+}
+
 /* the arrays of a state, for g->alloc states */
 static int grow_states(Graph *g) {
-    return grow((void **)&g->at, sizeof *g->at, g->alloc) ||
-           grow((void **)&g->parent, sizeof *g->parent, g->alloc) ||
+    return grow((void **)&g->parent, sizeof *g->parent, g->alloc) ||
            grow((void **)&g->via, sizeof *g->via, g->alloc) ||
            grow((void **)&g->efirst, sizeof *g->efirst, g->alloc + 1);
 }
@@ -265,106 +439,114 @@ static int grow_edges(Graph *g) {
            grow((void **)&g->eclass, sizeof *g->eclass, g->ecap);
 }
 
-static int graph_init(Graph *g) {
+static int graph_init(Graph *g, int nparts) {
     memset(g, 0, sizeof *g);
     g->alloc = 1 << 16;
-    g->cap = 1 << 22;
-    g->nslots = 1 << 17;
     g->ecap = 1 << 18;
-    g->arena = malloc(g->cap);
-    g->slots = calloc((size_t)g->nslots, sizeof(uint64_t));
-    if (!g->arena || !g->slots) return -1;
+    if (table_init(&g->leaves, 0, 1 << 12, 1 << 13) ||
+        table_init(&g->rows, nparts * (int)sizeof(uint32_t), g->alloc, 1 << 17))
+        return -1;
     if (grow_states(g) || grow_edges(g)) return -1;
     return 0;
 }
 
 static void graph_free(Graph *g) {
-    free(g->arena); free(g->at); free(g->parent); free(g->via);
-    free(g->slots); free(g->edst); free(g->eindex); free(g->eclass);
+    table_free(&g->leaves); table_free(&g->rows);
+    free(g->parent); free(g->via);
+    free(g->edst); free(g->eindex); free(g->eclass);
     free(g->efirst);
 }
 
-/* the first slot to probe for a state of hash h32, in a table of nslots (a power of two) */
-static int64_t home_slot(uint32_t h32, int64_t nslots) {
-    uint64_t h = ((uint64_t)h32 << 32) | h32;
-    return (int64_t)((h ^ (h >> 17) * 0x9E3779B97F4A7C15ull) & (uint64_t)(nslots - 1));
+/* the number of states the graph holds */
+static int64_t states(const Graph *g) { return g->rows.n; }
+
+/* The row of a state's encoding as a worker finds it (a record in its buffer): the leaf of
+ * each part, LEAF_UNKNOWN for a part not in the leaves yet, then each such part packed (its
+ * length, 2 bytes, its hash, 4, then the packing). The merge interns the unknown parts and
+ * then the row (intern_record). */
+#define RECORD_MAX ((MAXR + 2) * (4 + 2 + 4 + 2) + PACK_MAX)
+
+/* the record of the encoding `enc` into `rec` (its length), and the state's index if the
+ * visited set holds it (else -1); reads the tables only, so workers may call it while no
+ * one inserts */
+static int collapse(const Graph *g, const Parts *pt, const uint8_t *enc, int len, uint8_t *rec,
+                    int64_t *known) {
+    int start[MAXR + 3], n = pt->nparts * (int)sizeof(uint32_t), all = 1;
+    parts_of(pt, enc, len, start);
+    for (int p = 0; p < pt->nparts; p++) {
+        uint8_t *packed = rec + n + 6;
+        int plen = kv_pack(enc + start[p], start[p + 1] - start[p], packed);
+        uint32_t h32 = hash_bytes(packed, plen);
+        int64_t slot, leaf = probe(&g->leaves, packed, plen, h32, &slot);
+        uint32_t id = leaf >= 0 ? (uint32_t)leaf : LEAF_UNKNOWN;
+        memcpy(rec + 4 * p, &id, 4);
+        if (leaf >= 0) continue;
+        all = 0;
+        uint16_t l16 = (uint16_t)plen;
+        memcpy(rec + n, &l16, 2);
+        memcpy(rec + n + 2, &h32, 4);
+        n += 6 + plen;
+    }
+    *known = -1;
+    if (all) {
+        int64_t slot, w = g->rows.width;
+        *known = probe(&g->rows, rec, (int)w, hash_bytes(rec, (int)w), &slot);
+    }
+    return n;
 }
 
-/* the states' hashes are computed again from their packings (as the search computed them),
- * a batch at a time: the insertions' cache misses then overlap, as they would not with a hash
- * between each two */
-#define REHASH_BATCH 1024
-
-static int rehash(Graph *g) {
-    int64_t ns = g->nslots * 2;
-    uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
-    if (!slots) return -1;
-    uint32_t h32[REHASH_BATCH];
-    for (int64_t lo = 0; lo < g->n; lo += REHASH_BATCH) {
-        int64_t hi = lo + REHASH_BATCH < g->n ? lo + REHASH_BATCH : g->n;
-        for (int64_t i = lo; i < hi; i++)
-            h32[i - lo] = hash_bytes(g->arena + AT_OFFSET(g->at[i]), (int)AT_LEN(g->at[i]));
-        for (int64_t i = lo; i < hi; i++) {
-            int64_t k = home_slot(h32[i - lo], ns);
-            while (slots[k]) k = (k + 1) & (ns - 1);
-            slots[k] = (uint64_t)(i + 1) << 24 | (h32[i - lo] >> 8);
-        }
+/* the state of a record (collapse), inserting its parts and its row if new (*fresh = 1); -1
+ * on memory failure */
+static int64_t intern_record(Graph *g, const uint8_t *rec, int *fresh) {
+    int w = g->rows.width;
+    uint8_t row[(MAXR + 2) * sizeof(uint32_t)];
+    memcpy(row, rec, (size_t)w);
+    const uint8_t *at = rec + w;
+    for (int p = 0; p < w / (int)sizeof(uint32_t); p++) {
+        uint32_t id;
+        memcpy(&id, row + 4 * p, 4);
+        if (id != LEAF_UNKNOWN) continue;
+        uint16_t plen;
+        uint32_t h32;
+        memcpy(&plen, at, 2);
+        memcpy(&h32, at + 2, 4);
+        int new_leaf;
+        int64_t leaf = intern(&g->leaves, at + 6, plen, h32, &new_leaf);
+        if (leaf < 0) return -1;
+        id = (uint32_t)leaf;
+        memcpy(row + 4 * p, &id, 4);
+        at += 6 + plen;
     }
-    free(g->slots);
-    g->slots = slots;
-    g->nslots = ns;
-    return 0;
-}
-
-/* the index of the state `enc` (its hash h32), or -1 with *slot the empty slot it would take;
- * reads the set only, so workers may call it while no one inserts */
-static int64_t probe(const Graph *g, const uint8_t *enc, int len, uint32_t h32, int64_t *slot) {
-    int64_t k = home_slot(h32, g->nslots);
-    uint64_t tag = h32 >> 8;
-    while (g->slots[k]) {
-        int64_t i = (int64_t)(g->slots[k] >> 24) - 1;
-        if ((g->slots[k] & 0xFFFFFF) == tag && AT_LEN(g->at[i]) == (uint64_t)len &&
-            !memcmp(g->arena + AT_OFFSET(g->at[i]), enc, (size_t)len))
-            return i;
-        k = (k + 1) & (g->nslots - 1);
-    }
-    *slot = k;
-    return -1;
-}
-
-/* the index of the state `enc` (its hash h32), inserting it if new (*fresh = 1); -1 on
- * memory failure */
-static int64_t intern(Graph *g, const uint8_t *enc, int len, uint32_t h32, int *fresh) {
-    int64_t k = 0;
-    int64_t found = probe(g, enc, len, h32, &k);
-    if (found >= 0) {
-        *fresh = 0;
-        return found;
-    }
-    if (g->n + 1 >= g->alloc) {
+    int64_t i = intern(&g->rows, row, w, hash_bytes(row, w), fresh);
+    if (i >= 0 && *fresh && states(g) + 1 >= g->alloc) {
         g->alloc *= 2;
         if (grow_states(g)) return -1;
     }
-    while (g->used + (size_t)len > g->cap) {
-        g->cap *= 2;
-        if (grow((void **)&g->arena, 1, (int64_t)g->cap)) return -1;
-    }
-    int64_t i = g->n++;
-    memcpy(g->arena + g->used, enc, (size_t)len);
-    g->at[i] = (uint64_t)g->used << 16 | (uint64_t)len;
-    g->used += (size_t)len;
-    g->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
-    *fresh = 1;
-    if (g->n * 2 > g->nslots && rehash(g)) return -1;
     return i;
 }
 
-/* the bytes the explored graph holds: the packed encodings, each state's arrays, the hash
+/* the encoding of state i (ENC_MAX + 8 bytes: kv_unpack writes zeros up to a multiple of 8
+ * after each part, which the next part's bytes then overwrite) */
+static void encoding_of(const Graph *g, const Parts *pt, int64_t i, uint8_t *enc) {
+    int w;
+    const uint8_t *row = entry_at(&g->rows, i, &w);
+    int at = 0;
+    for (int p = 0; p < pt->nparts; p++) {
+        uint32_t id;
+        memcpy(&id, row + 4 * p, 4);
+        int len;
+        const uint8_t *leaf = entry_at(&g->leaves, id, &len);
+        kv_unpack(leaf, len, enc + at);
+        if (p < pt->nparts - 1) at += part_bytes(pt, p, enc + at);
+    }
+}
+
+/* the bytes the explored graph holds: the leaves, the rows, each state's arrays, the hash
  * slots and the edges */
 static size_t graph_bytes(const Graph *g) {
-    size_t per_state = sizeof *g->at + sizeof *g->parent + sizeof *g->via + sizeof *g->efirst;
+    size_t per_state = sizeof *g->parent + sizeof *g->via + sizeof *g->efirst;
     size_t per_edge = sizeof *g->edst + sizeof *g->eindex + sizeof *g->eclass;
-    return g->used + (size_t)g->n * per_state + (size_t)g->nslots * sizeof *g->slots +
+    return table_bytes(&g->leaves) + table_bytes(&g->rows) + (size_t)states(g) * per_state +
            (size_t)g->nedges * per_edge;
 }
 
@@ -503,6 +685,7 @@ struct Search {
     Tables t;
     int32_t *rows;
     int nrows;
+    Parts parts;          /* the parts of its encodings */
     Graph g;
     Result r;
     uint32_t *trace;
@@ -522,7 +705,7 @@ struct Search {
 
 static void state_of(Search *x, int64_t i, State *s) {
     uint8_t enc[ENC_MAX + 8];
-    kv_unpack(x->g.arena + AT_OFFSET(x->g.at[i]), (int)AT_LEN(x->g.at[i]), enc);
+    encoding_of(&x->g, &x->parts, i, enc);
     kv_decode(&x->b, enc, s);
 }
 
@@ -582,7 +765,7 @@ typedef struct {
 static int64_t fair_scc(Search *x, const uint32_t *waiting, uint32_t bit, Tarjan *tj) {
     Graph *g = &x->g;
 #define bad(v) (waiting[v] & bit)
-    int64_t n = g->n, sp = 0;
+    int64_t n = states(g), sp = 0;
     uint32_t counter = 0, next_id = RI_TOP;
     uint32_t *ri = tj->rindex;
     for (int64_t v = 0; v < n; v++) ri[v] = RI_NONE;
@@ -692,12 +875,12 @@ static int comp_path(Search *x, Tarjan *tj, uint32_t id, int32_t from, int32_t t
 static int lasso(Search *x, Tarjan *tj, uint32_t id) {
     Graph *g = &x->g;
     int32_t entry = -1;
-    for (int64_t v = 0; v < g->n && entry < 0; v++)
+    for (int64_t v = 0; v < states(g) && entry < 0; v++)
         if (tj->rindex[v] == id) entry = (int32_t)v;
     int n = path_to(x, entry, x->trace, x->trace_cap);
     if (n < 0) return -1;
     x->r.nprefix = n;
-    for (int64_t v = 0; v < g->n; v++) tj->prev[v] = -1;
+    for (int64_t v = 0; v < states(g); v++) tj->prev[v] = -1;
     int start = n;
     int32_t cur = entry;
     uint64_t inter = enabled_of(g, entry), taken = 0;
@@ -786,7 +969,7 @@ static void note_scratch(Search *x, size_t scratch) {
 /* the members that search instances side by side: each holds a Tarjan scratch, and together
  * they may take at most as much memory as the explored graph already does */
 static int live_members(const Search *x, int ninst) {
-    size_t each = TARJAN_BYTES * (size_t)x->g.n + 1;
+    size_t each = TARJAN_BYTES * (size_t)states(&x->g) + 1;
     int64_t k = (int64_t)(graph_bytes(&x->g) / each);
     if (k > x->members) k = x->members;
     if (k > ninst) k = ninst;
@@ -802,8 +985,8 @@ static void waiting_task(Search *x, int member) {
     uint32_t any = 0;
     for (;;) {
         int64_t lo = atomic_fetch_add(&x->next, 4096);
-        if (lo >= x->g.n) break;
-        int64_t hi = lo + 4096 < x->g.n ? lo + 4096 : x->g.n;
+        if (lo >= states(&x->g)) break;
+        int64_t hi = lo + 4096 < states(&x->g) ? lo + 4096 : states(&x->g);
         for (int64_t v = lo; v < hi; v++) {
             State s;
             state_of(x, v, &s);
@@ -829,7 +1012,7 @@ static void instance_task(Search *x, int member) {
         if (k >= lv->ninst) break;
         if (k > atomic_load(&lv->first) || !((atomic_load(&lv->any) >> k) & 1)) continue;
         if (!ready) {
-            if (tarjan_alloc(&tj, x->g.n, 0)) { atomic_store(&lv->nomem, 1); break; }
+            if (tarjan_alloc(&tj, states(&x->g), 0)) { atomic_store(&lv->nomem, 1); break; }
             ready = 1;
         }
         if (fair_scc(x, lv->waiting, 1u << k, &tj) < 0) continue;
@@ -851,9 +1034,9 @@ static void liveness(Search *x) {
     lv.members = live_members(x, lv.ninst);
     atomic_init(&lv.any, 0);
     atomic_init(&lv.nomem, 0);
-    lv.waiting = malloc(sizeof(uint32_t) * (size_t)x->g.n);
+    lv.waiting = malloc(sizeof(uint32_t) * (size_t)states(&x->g));
     if (!lv.waiting) { x->r.verdict = V_MEMORY; return; }
-    note_scratch(x, (sizeof *lv.waiting + TARJAN_BYTES * (size_t)lv.members) * (size_t)x->g.n);
+    note_scratch(x, (sizeof *lv.waiting + TARJAN_BYTES * (size_t)lv.members) * (size_t)states(&x->g));
     x->liveness = &lv;
     atomic_store(&x->next, 0);
     run_round(x, waiting_task);
@@ -864,8 +1047,8 @@ static void liveness(Search *x) {
     if (atomic_load(&lv.nomem)) x->r.verdict = V_MEMORY;
     else if (k < lv.ninst) {  /* the first instance with a fair cycle, again, for its lasso */
         Tarjan tj;
-        note_scratch(x, (sizeof *lv.waiting + LASSO_BYTES) * (size_t)x->g.n);
-        int64_t id = tarjan_alloc(&tj, x->g.n, 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
+        note_scratch(x, (sizeof *lv.waiting + LASSO_BYTES) * (size_t)states(&x->g));
+        int64_t id = tarjan_alloc(&tj, states(&x->g), 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
         x->r.verdict = V_LIVENESS;
         x->r.invariant = lv.prop[k];
         x->r.request = PROP_PER_REQUEST[lv.prop[k]] ? lv.req[k] : -1;
@@ -879,7 +1062,7 @@ static void liveness(Search *x) {
 /* the old progress check: a quiescent state reachable from every state */
 static void stuck(Search *x) {
     Graph *g = &x->g;
-    int64_t n = g->n;
+    int64_t n = states(g);
     uint8_t *good = calloc((size_t)n, 1);
     int64_t *rfirst = calloc((size_t)n + 1, sizeof(int64_t));
     int32_t *rsrc = malloc(sizeof(int32_t) * (size_t)(g->nedges + 1));
@@ -945,10 +1128,9 @@ typedef struct Succ {     /* an enabled event of a batch's state, as a member fo
     uint8_t index;        /* the event's index among the state's events (its stamp) */
     uint8_t klass;        /* its fairness class (fair_bit), for its edge */
     int8_t rc, inside_inv, hook, inv;  /* inv: the invariant its successor breaks, -1 none */
-    uint16_t len;         /* its successor's encoding (rc ERR_NONE), at `at` */
-    uint32_t hash;
     int64_t known;        /* the successor's index if it was in the visited set, else -1 */
-    int64_t at;           /* in the member's buffer: the encoding, or a finding's message */
+    int64_t at;           /* in the member's buffer: the successor's record (collapse), or a
+                           * finding's message */
 } Succ;
 
 typedef struct Expansion {  /* a batch's state: its events in member `member`'s list */
@@ -1069,7 +1251,7 @@ static void expand_task(Search *x, int member) {
                 int rc = kv_apply(&x->b, &x->t, x->faults, &s, evs[k], &nxt, m->fired,
                                   STAMP(i, k), 1, x->without, &inside_inv, &hook, msg);
                 if (rc == ERR_NOT_ENABLED) continue;
-                if (reserve(m, PACK_MAX)) { m->failed = 1; break; }
+                if (reserve(m, RECORD_MAX)) { m->failed = 1; break; }
                 Succ *u = &m->succ[m->nsucc++];
                 u->ev = evs[k];
                 u->index = (uint8_t)k;
@@ -1079,7 +1261,6 @@ static void expand_task(Search *x, int member) {
                 u->hook = (int8_t)hook;
                 u->inv = -1;
                 u->known = -1;
-                u->len = 0;
                 u->at = (int64_t)m->used;
                 if (rc != ERR_NONE) {
                     memcpy(m->buf + m->used, msg, sizeof msg);
@@ -1088,12 +1269,8 @@ static void expand_task(Search *x, int member) {
                 }
                 if (inside_inv >= 0) continue;
                 kv_canonical(&nxt);
-                uint8_t *packed = m->buf + m->used;
-                int len = kv_pack(enc, kv_encode(&x->b, &nxt, enc), packed);
-                int64_t slot;
-                u->len = (uint16_t)len;
-                u->hash = hash_bytes(packed, len);
-                u->known = probe(&x->g, packed, len, u->hash, &slot);
+                int len = collapse(&x->g, &x->parts, enc, kv_encode(&x->b, &nxt, enc),
+                                   m->buf + m->used, &u->known);
                 if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, &nxt, 0, x->without);
                 m->used += (size_t)len;
             }
@@ -1119,7 +1296,8 @@ void *kv_search_new(const Bounds *b, const int32_t *rows, int nrows, int trace_c
     x->rows = malloc(sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
     x->trace = malloc(sizeof(uint32_t) * (size_t)trace_cap);
     x->trace_cap = trace_cap;
-    if (!x->rows || !x->trace || graph_init(&x->g)) return NULL;
+    x->parts = parts_for(b);
+    if (!x->rows || !x->trace || graph_init(&x->g, x->parts.nparts)) return NULL;
     memcpy(x->rows, rows, sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
     if (kv_tables_init(&x->t, x->rows, nrows)) return NULL;
     return x;
@@ -1141,7 +1319,7 @@ const uint32_t *kv_search_trace(void *h) { return ((Search *)h)->trace; }
 /* state i's encoding (unpacked, decoded and encoded again: its own length) */
 int kv_search_state(void *h, int64_t i, uint8_t *out) {
     Search *x = h;
-    if (i < 0 || i >= x->g.n) return -1;
+    if (i < 0 || i >= states(&x->g)) return -1;
     State s;
     state_of(x, i, &s);
     return kv_encode(&x->b, &s, out);
@@ -1158,7 +1336,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
     if (i == x->level_end) {  /* i is the first state of the next level: every state of that
                                  * level is known, and none after it */
         x->level++;
-        x->level_end = g->n;
+        x->level_end = states(g);
     }
     g->efirst[i] = g->nedges;
     for (int32_t k = 0; k < e->count; k++) {
@@ -1177,7 +1355,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
             return 1;
         }
         int fresh = 0;
-        int64_t j = u->known >= 0 ? u->known : intern(g, m->buf + u->at, u->len, u->hash, &fresh);
+        int64_t j = u->known >= 0 ? u->known : intern_record(g, m->buf + u->at, &fresh);
         if (j < 0) { r->verdict = V_MEMORY; return 1; }
         if (fresh) {
             g->parent[j] = (int32_t)i;
@@ -1189,7 +1367,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
                 r->nprefix = path_to(x, j, x->trace, x->trace_cap);
                 return 1;
             }
-            if (progress && (j & 0xFFFF) == 0) progress(g->n, r->edges, r->depth);
+            if (progress && (j & 0xFFFF) == 0) progress(states(g), r->edges, r->depth);
         }
         if (do_edges && add_edge(g, j, u->index, u->klass)) { r->verdict = V_MEMORY; return 1; }
     }
@@ -1222,11 +1400,13 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->exp_cap = (int64_t)BATCH * x->members;
     if (grow((void **)&x->exp, sizeof(Expansion), x->exp_cap)) { r->verdict = V_MEMORY; goto out; }
     State s;
-    uint8_t enc[ENC_MAX], packed[PACK_MAX];
+    uint8_t enc[ENC_MAX], rec[RECORD_MAX];
     kv_initial(&x->b, &s);
     kv_canonical(&s);
-    int fresh, len = kv_pack(enc, kv_encode(&x->b, &s, enc), packed);
-    if (intern(g, packed, len, hash_bytes(packed, len), &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
+    int64_t known;
+    int fresh;
+    collapse(g, &x->parts, enc, kv_encode(&x->b, &s, enc), rec, &known);
+    if (intern_record(g, rec, &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
     g->parent[0] = -1;
     g->via[0] = 0;
     x->level = 0;
@@ -1234,16 +1414,16 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     int inv = kv_check_invariants(&x->b, &s, 0, without);
     if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; stop = 0; goto out; }
     int do_edges = do_liveness || do_stuck;
-    for (int64_t lo = 0; lo < g->n;) {
+    for (int64_t lo = 0; lo < states(g);) {
         x->batch_lo = lo;
-        x->batch_hi = lo + x->exp_cap < g->n ? lo + x->exp_cap : g->n;
+        x->batch_hi = lo + x->exp_cap < states(g) ? lo + x->exp_cap : states(g);
         atomic_store(&x->next, lo);
         run_round(x, expand_task);
         for (int k = 0; k < x->members; k++)
             if (x->member[k].failed) { r->verdict = V_MEMORY; goto out; }
         for (int64_t i = lo; i < x->batch_hi; i++) {
             if (merge(x, i, do_edges, progress, &stop)) goto out;
-            if (max_states > 0 && g->n >= max_states) { r->complete = 0; goto searched; }
+            if (max_states > 0 && states(g) >= max_states) { r->complete = 0; goto searched; }
         }
         lo = x->batch_hi;
     }
@@ -1255,7 +1435,7 @@ out:
     note_scratch(x, 0);
     if (coverage) coverage_of(x, stop, coverage);
     crew_stop(x);
-    r->states = g->n;
+    r->states = states(g);
     r->seconds = now() - t0;
     *out = *r;
     return 0;
