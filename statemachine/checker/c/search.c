@@ -172,40 +172,42 @@ void kv_decode(const Bounds *b, const uint8_t *o, State *s) {
  * (their count, then the records), and the rest (the manager, the core's counters, the
  * data's truth). A request's part and a job record each have one length for the bounds
  * (put_req and put_job of a zero record). */
+#define MAX_PARTS (MAXR + 2)
+
 typedef struct {
-    int req, job;         /* the bytes of a request's part, of a job record */
+    int req, job, rest;   /* the bytes of a request's part, of a job record, of the rest */
     int nparts;           /* the requests' parts, the job records', the rest */
 } Parts;
 
 static Parts parts_for(const Bounds *b) {
+    static State zero;    /* no job records: its encoding is the parts but the jobs' count */
     uint8_t o[ENC_MAX];
-    Req q;
-    Job j;
-    memset(&q, 0, sizeof q);
-    memset(&j, 0, sizeof j);
-    return (Parts){put_req(b, mask_bytes(b), &q, o), put_job(b, mask_bytes(b), &j, o),
-                   b->requests + 2};
+    Parts pt = {put_req(b, mask_bytes(b), &zero.req[0], o),
+                put_job(b, mask_bytes(b), &zero.job[0], o), 0, b->requests + 2};
+    pt.rest = kv_encode(b, &zero, o) - b->requests * pt.req - 1;
+    return pt;
 }
 
-/* the length of part p, which starts at `part`; -1 for the last (the rest of the encoding) */
+/* the length of part p, which starts at `part` */
 static int part_bytes(const Parts *pt, int p, const uint8_t *part) {
     if (p < pt->nparts - 2) return pt->req;
     if (p == pt->nparts - 2) return 1 + part[0] * pt->job;
-    return -1;
+    return pt->rest;
 }
 
-/* where each part of an encoding of `len` bytes starts (start[nparts] = len) */
-static void parts_of(const Parts *pt, const uint8_t *enc, int len, int *start) {
+/* where each part of an encoding starts (start[nparts]: its length, which it returns) */
+static int parts_of(const Parts *pt, const uint8_t *enc, int *start) {
     start[0] = 0;
-    for (int p = 0; p < pt->nparts - 1; p++) start[p + 1] = start[p] + part_bytes(pt, p, enc + start[p]);
-    start[pt->nparts] = len;
+    for (int p = 0; p < pt->nparts; p++) start[p + 1] = start[p] + part_bytes(pt, p, enc + start[p]);
+    return start[pt->nparts];
 }
 
-/* the parts of an encoding, for the tests: their count, and where each starts */
+/* the parts of an encoding of `len` bytes, for the tests: their count, and where each starts;
+ * -1 if they do not end where it does */
 int kv_parts(const Bounds *b, const uint8_t *enc, int len, int32_t *start) {
     Parts pt = parts_for(b);
-    int at[MAXR + 3];
-    parts_of(&pt, enc, len, at);
+    int at[MAX_PARTS + 1];
+    if (parts_of(&pt, enc, at) != len) return -1;
     for (int p = 0; p <= pt.nparts; p++) start[p] = at[p];
     return pt.nparts;
 }
@@ -308,6 +310,20 @@ static uint32_t hash_bytes(const uint8_t *p, int n) {
     return (uint32_t)(h ^ (h >> 32));
 }
 
+/* whether n bytes at a and at b are equal (entries are short: no call into the C library) */
+static inline int same_bytes(const uint8_t *a, const uint8_t *b, int n) {
+    uint64_t diff = 0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t u, v;
+        memcpy(&u, a + i, 8);
+        memcpy(&v, b + i, 8);
+        diff |= u ^ v;
+    }
+    for (; i < n; i++) diff |= (uint64_t)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
 static int grow(void **p, size_t elem, int64_t count) {
     void *q = realloc(*p, elem * (size_t)count);
     if (!q) return -1;
@@ -392,7 +408,7 @@ static int64_t probe(const Table *t, const uint8_t *bytes, int len, uint32_t h32
         int n;
         if ((t->slots[k] & 0xFFFFFF) == tag) {
             const uint8_t *e = entry_at(t, i, &n);
-            if (n == len && !memcmp(e, bytes, (size_t)len)) return i;
+            if (n == len && same_bytes(e, bytes, len)) return i;
         }
         k = (k + 1) & (t->nslots - 1);
     }
@@ -460,46 +476,80 @@ static void graph_free(Graph *g) {
 /* the number of states the graph holds */
 static int64_t states(const Graph *g) { return g->rows.n; }
 
+/* a state as the search holds it: its encoding, where its parts start, their leaves */
+typedef struct {
+    uint8_t enc[ENC_MAX + 8];  /* kv_unpack writes zeros up to a multiple of 8 bytes after
+                                * each part, which the next part's bytes then overwrite */
+    int start[MAX_PARTS + 1];
+    uint32_t leaf[MAX_PARTS];
+} Held;
+
+/* state i as the search holds it (its encoding, its parts' starts and leaves) */
+static void held_of(const Graph *g, const Parts *pt, int64_t i, Held *h) {
+    int w;
+    const uint8_t *row = entry_at(&g->rows, i, &w);
+    memcpy(h->leaf, row, (size_t)w);
+    h->start[0] = 0;
+    for (int p = 0; p < pt->nparts; p++) {
+        int len;
+        const uint8_t *leaf = entry_at(&g->leaves, h->leaf[p], &len);
+        kv_unpack(leaf, len, h->enc + h->start[p]);
+        h->start[p + 1] = h->start[p] + part_bytes(pt, p, h->enc + h->start[p]);
+    }
+}
+
 /* The row of a state's encoding as a worker finds it (a record in its buffer): the leaf of
  * each part, LEAF_UNKNOWN for a part not in the leaves yet, then each such part packed (its
  * length, 2 bytes, its hash, 4, then the packing). The merge interns the unknown parts and
  * then the row (intern_record). */
-#define RECORD_MAX ((MAXR + 2) * (4 + 2 + 4 + 2) + PACK_MAX)
+#define RECORD_MAX (MAX_PARTS * (4 + 2 + 4 + 2) + PACK_MAX)
 
-/* the record of the encoding `enc` into `rec` (its length), and the state's index if the
- * visited set holds it (else -1); reads the tables only, so workers may call it while no
- * one inserts */
-static int collapse(const Graph *g, const Parts *pt, const uint8_t *enc, int len, uint8_t *rec,
-                    int64_t *known) {
-    int start[MAXR + 3], n = pt->nparts * (int)sizeof(uint32_t), all = 1;
-    parts_of(pt, enc, len, start);
+/* the record of the encoding `enc` into `rec` (its length); *whole: whether the leaves hold
+ * all its parts, and then *h32 is its row's hash (look_up finds the state). A part equal to
+ * the same part of `from` (the state it was reached from, or NULL) is that part's leaf: most
+ * events change a part or two. Reads the tables only, so workers may call it while no one
+ * inserts. */
+static int collapse(const Graph *g, const Parts *pt, const uint8_t *enc, const Held *from,
+                    uint8_t *rec, int *whole, uint32_t *h32) {
+    int start[MAX_PARTS + 1], n = pt->nparts * (int)sizeof(uint32_t), all = 1;
+    parts_of(pt, enc, start);
     for (int p = 0; p < pt->nparts; p++) {
+        int len = start[p + 1] - start[p];
+        if (from && len == from->start[p + 1] - from->start[p] &&
+            same_bytes(enc + start[p], from->enc + from->start[p], len)) {
+            memcpy(rec + 4 * p, &from->leaf[p], 4);
+            continue;
+        }
         uint8_t *packed = rec + n + 6;
-        int plen = kv_pack(enc + start[p], start[p + 1] - start[p], packed);
-        uint32_t h32 = hash_bytes(packed, plen);
-        int64_t slot, leaf = probe(&g->leaves, packed, plen, h32, &slot);
+        int plen = kv_pack(enc + start[p], len, packed);
+        uint32_t leaf_hash = hash_bytes(packed, plen);
+        int64_t slot, leaf = probe(&g->leaves, packed, plen, leaf_hash, &slot);
         uint32_t id = leaf >= 0 ? (uint32_t)leaf : LEAF_UNKNOWN;
         memcpy(rec + 4 * p, &id, 4);
         if (leaf >= 0) continue;
         all = 0;
         uint16_t l16 = (uint16_t)plen;
         memcpy(rec + n, &l16, 2);
-        memcpy(rec + n + 2, &h32, 4);
+        memcpy(rec + n + 2, &leaf_hash, 4);
         n += 6 + plen;
     }
-    *known = -1;
-    if (all) {
-        int64_t slot, w = g->rows.width;
-        *known = probe(&g->rows, rec, (int)w, hash_bytes(rec, (int)w), &slot);
-    }
+    *whole = all;
+    if (all) *h32 = hash_bytes(rec, g->rows.width);
     return n;
+}
+
+/* the state of a whole record (collapse) of row hash h32, or -1 if the visited set does not
+ * hold it */
+static int64_t look_up(const Graph *g, const uint8_t *rec, uint32_t h32) {
+    int64_t slot;
+    return probe(&g->rows, rec, g->rows.width, h32, &slot);
 }
 
 /* the state of a record (collapse), inserting its parts and its row if new (*fresh = 1); -1
  * on memory failure */
 static int64_t intern_record(Graph *g, const uint8_t *rec, int *fresh) {
     int w = g->rows.width;
-    uint8_t row[(MAXR + 2) * sizeof(uint32_t)];
+    uint8_t row[MAX_PARTS * sizeof(uint32_t)];
     memcpy(row, rec, (size_t)w);
     const uint8_t *at = rec + w;
     for (int p = 0; p < w / (int)sizeof(uint32_t); p++) {
@@ -523,22 +573,6 @@ static int64_t intern_record(Graph *g, const uint8_t *rec, int *fresh) {
         if (grow_states(g)) return -1;
     }
     return i;
-}
-
-/* the encoding of state i (ENC_MAX + 8 bytes: kv_unpack writes zeros up to a multiple of 8
- * after each part, which the next part's bytes then overwrite) */
-static void encoding_of(const Graph *g, const Parts *pt, int64_t i, uint8_t *enc) {
-    int w;
-    const uint8_t *row = entry_at(&g->rows, i, &w);
-    int at = 0;
-    for (int p = 0; p < pt->nparts; p++) {
-        uint32_t id;
-        memcpy(&id, row + 4 * p, 4);
-        int len;
-        const uint8_t *leaf = entry_at(&g->leaves, id, &len);
-        kv_unpack(leaf, len, enc + at);
-        if (p < pt->nparts - 1) at += part_bytes(pt, p, enc + at);
-    }
 }
 
 /* the bytes the explored graph holds: the leaves, the rows, each state's arrays, the hash
@@ -704,9 +738,9 @@ struct Search {
 };
 
 static void state_of(Search *x, int64_t i, State *s) {
-    uint8_t enc[ENC_MAX + 8];
-    encoding_of(&x->g, &x->parts, i, enc);
-    kv_decode(&x->b, enc, s);
+    Held h;
+    held_of(&x->g, &x->parts, i, &h);
+    kv_decode(&x->b, h.enc, s);
 }
 
 /* the events of state i (kv_events, in its order): the graph keeps an event as its index
@@ -1227,12 +1261,33 @@ static int reserve(Member *m, size_t bytes) {
     return 0;
 }
 
+/* A successor a member has made but not yet looked up: the look-up of each overlaps the
+ * making of the next, while the slot it will read is fetched (a look-up waits on memory). */
+typedef struct {
+    int64_t succ;         /* its index in the member's list, -1 for none */
+    int whole;            /* collapse's answers */
+    uint32_t h32;
+    const State *state;
+} Waiting;
+
+/* the successor waiting, looked up; its invariants checked if it is new */
+static void settle(Search *x, Member *m, Waiting *w) {
+    if (w->succ < 0) return;
+    Succ *u = &m->succ[w->succ];
+    u->known = w->whole ? look_up(&x->g, m->buf + u->at, w->h32) : -1;
+    if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, w->state, 0, x->without);
+    w->succ = -1;
+}
+
 /* a round: the members take the batch's states a slice at a time */
 static void expand_task(Search *x, int member) {
     Member *m = &x->member[member];
     m->nsucc = 0;
     m->used = 0;
-    State s, nxt;
+    State s, made[2];     /* the successor made now, and the one waiting */
+    int now = 0;
+    Waiting waiting = {.succ = -1};
+    Held from;
     uint32_t evs[MAX_EVENTS];
     uint8_t enc[ENC_MAX];
     char msg[200];
@@ -1244,11 +1299,13 @@ static void expand_task(Search *x, int member) {
             Expansion *e = &x->exp[i - x->batch_lo];
             e->member = member;
             e->first = m->nsucc;
-            state_of(x, i, &s);
+            held_of(&x->g, &x->parts, i, &from);
+            kv_decode(&x->b, from.enc, &s);
             int n = kv_events(&x->b, &s, evs);
             for (int k = 0; k < n; k++) {
                 int inside_inv = -1, hook = -1;
-                int rc = kv_apply(&x->b, &x->t, x->faults, &s, evs[k], &nxt, m->fired,
+                State *nxt = &made[now];
+                int rc = kv_apply(&x->b, &x->t, x->faults, &s, evs[k], nxt, m->fired,
                                   STAMP(i, k), 1, x->without, &inside_inv, &hook, msg);
                 if (rc == ERR_NOT_ENABLED) continue;
                 if (reserve(m, RECORD_MAX)) { m->failed = 1; break; }
@@ -1268,15 +1325,22 @@ static void expand_task(Search *x, int member) {
                     continue;
                 }
                 if (inside_inv >= 0) continue;
-                kv_canonical(&nxt);
-                int len = collapse(&x->g, &x->parts, enc, kv_encode(&x->b, &nxt, enc),
-                                   m->buf + m->used, &u->known);
-                if (u->known < 0) u->inv = (int8_t)kv_check_invariants(&x->b, &nxt, 0, x->without);
+                kv_canonical(nxt);
+                kv_encode(&x->b, nxt, enc);
+                int whole;
+                uint32_t h32 = 0;
+                int len = collapse(&x->g, &x->parts, enc, &from, m->buf + m->used, &whole, &h32);
                 m->used += (size_t)len;
+                if (whole)
+                    __builtin_prefetch(&x->g.rows.slots[home_slot(h32, x->g.rows.nslots)]);
+                settle(x, m, &waiting);
+                waiting = (Waiting){m->nsucc - 1, whole, h32, nxt};
+                now ^= 1;
             }
             e->count = (int32_t)(m->nsucc - e->first);
         }
     }
+    settle(x, m, &waiting);
 }
 
 /* the rows fired at or before `stop`, over every member */
@@ -1403,9 +1467,10 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     uint8_t enc[ENC_MAX], rec[RECORD_MAX];
     kv_initial(&x->b, &s);
     kv_canonical(&s);
-    int64_t known;
-    int fresh;
-    collapse(g, &x->parts, enc, kv_encode(&x->b, &s, enc), rec, &known);
+    int whole, fresh;
+    uint32_t h32;
+    kv_encode(&x->b, &s, enc);
+    collapse(g, &x->parts, enc, NULL, rec, &whole, &h32);
     if (intern_record(g, rec, &fresh) < 0) { r->verdict = V_MEMORY; goto out; }
     g->parent[0] = -1;
     g->via[0] = 0;
