@@ -258,7 +258,7 @@ void kv_unpack(const uint8_t *packed, int len, uint8_t *out) {
  * SPIN", 1997): each part of an encoding (parts_of) is kept once, packed, in a table of
  * leaves, and a state is the row of its parts' leaf indices, 4 bytes a part. Few parts recur
  * in many states (in store-admission-three-requests, 2.4 million states hold 637 distinct
- * request parts, 3,670 job parts and 24,863 rests), so a state costs its row and not its
+ * request parts, 3,628 job parts and 24,660 rests), so a state costs its row and not its
  * packing. Two states are equal if and only if their rows are: an encoding's parts are a
  * function of it (each part says its own length), and two parts at one place are equal if
  * and only if their packings are (a part of job records says how many by its first byte). */
@@ -1380,7 +1380,7 @@ void kv_search_free(void *h) {
 
 const uint32_t *kv_search_trace(void *h) { return ((Search *)h)->trace; }
 
-/* state i's encoding (unpacked, decoded and encoded again: its own length) */
+/* state i's encoding (its parts unpacked, decoded and encoded again: its own length) */
 int kv_search_state(void *h, int64_t i, uint8_t *out) {
     Search *x = h;
     if (i < 0 || i >= states(&x->g)) return -1;
