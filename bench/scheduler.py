@@ -314,9 +314,9 @@ class VLLM(Side):
 
     def acks(self, meta: Any) -> Any:
         if meta is None:
-            return self.env.connector_output(self.setup, {})
+            return self.env.connector_output({})
         return self.env.connector_output(
-            self.setup, dict.fromkeys(self.meta_job_ids(meta), 1),
+            dict.fromkeys(self.meta_job_ids(meta), 1),
             finished_recving={j.req_id for j in meta.load_jobs.values()})
 
     def meta_counts(self, meta: Any, counts: Counts) -> None:

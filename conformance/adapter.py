@@ -425,7 +425,7 @@ class VLLMAdapter:
         failed_recving = set(recving) if failed_load else set()
         count = done + failed
         out = self.connector.update_connector_output(
-            E.connector_output(self.setup, {job: count} if count else {},
+            E.connector_output({job: count} if count else {},
                                finished_recving=set(recving),
                                failed_jobs={job} if failed else frozenset(),
                                failed_recving=failed_recving))

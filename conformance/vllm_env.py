@@ -597,7 +597,7 @@ def scheduler_output(setup: VLLMSetup, *,
     return out
 
 
-def connector_output(setup: VLLMSetup, completed_jobs: Mapping[int, int], *,
+def connector_output(completed_jobs: Mapping[int, int], *,
                      finished_recving: set[str] | frozenset[str] | None = None,
                      finished_sending: set[str] | frozenset[str] | None = None,
                      failed_jobs: set[int] | frozenset[int] = frozenset(),

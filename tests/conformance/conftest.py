@@ -76,6 +76,15 @@ NEEDS: dict[str, tuple[str, ...]] = {
     # the manager call for call: every release with the request-access API (the module
     # skips 0.25 and before); field names by release in the test (`vllm_name`)
     "test_manager_vs_vllm.py::runTest": (),
+    # vLLM's worker side: sync loads (0.33), and a worker's failure reports (0.34)
+    "test_worker_vllm.py::test_a_completed_store_and_sync_load_are_reported_as_the_harness_"
+    "builds_them": ("sync_loads",),
+    "test_worker_vllm.py::test_a_failed_async_load_is_reported_as_the_harness_builds_it": (
+        "failure_reports",),
+    "test_worker_vllm.py::test_a_failed_sync_load_raises_in_vllm_where_the_spec_recomputes": (
+        "failure_reports",),
+    "test_worker_vllm.py::test_before_failure_reports_any_failed_transfer_trips_the_workers_"
+    "assert": ("sync_loads",),
 }
 """Tests (file::name, with or without parameters) -> the features (conformance/releases.py)
 they need; each is skipped, naming what is missing, on a release without them. The
