@@ -198,7 +198,8 @@ static int part_bytes(const Parts *pt, int p, const uint8_t *part) {
 /* where each part of an encoding starts (start[nparts]: its length, which it returns) */
 static int parts_of(const Parts *pt, const uint8_t *enc, int *start) {
     start[0] = 0;
-    for (int p = 0; p < pt->nparts; p++) start[p + 1] = start[p] + part_bytes(pt, p, enc + start[p]);
+    for (int p = 0; p < pt->nparts; p++)
+        start[p + 1] = start[p] + part_bytes(pt, p, enc + start[p]);
     return start[pt->nparts];
 }
 
@@ -1068,9 +1069,10 @@ static void liveness(Search *x) {
     lv.members = live_members(x, lv.ninst);
     atomic_init(&lv.any, 0);
     atomic_init(&lv.nomem, 0);
-    lv.waiting = malloc(sizeof(uint32_t) * (size_t)states(&x->g));
+    int64_t n = states(&x->g);
+    lv.waiting = malloc(sizeof(uint32_t) * (size_t)n);
     if (!lv.waiting) { x->r.verdict = V_MEMORY; return; }
-    note_scratch(x, (sizeof *lv.waiting + TARJAN_BYTES * (size_t)lv.members) * (size_t)states(&x->g));
+    note_scratch(x, (sizeof *lv.waiting + TARJAN_BYTES * (size_t)lv.members) * (size_t)n);
     x->liveness = &lv;
     atomic_store(&x->next, 0);
     run_round(x, waiting_task);
@@ -1081,8 +1083,8 @@ static void liveness(Search *x) {
     if (atomic_load(&lv.nomem)) x->r.verdict = V_MEMORY;
     else if (k < lv.ninst) {  /* the first instance with a fair cycle, again, for its lasso */
         Tarjan tj;
-        note_scratch(x, (sizeof *lv.waiting + LASSO_BYTES) * (size_t)states(&x->g));
-        int64_t id = tarjan_alloc(&tj, states(&x->g), 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
+        note_scratch(x, (sizeof *lv.waiting + LASSO_BYTES) * (size_t)n);
+        int64_t id = tarjan_alloc(&tj, n, 1) ? -1 : fair_scc(x, lv.waiting, 1u << k, &tj);
         x->r.verdict = V_LIVENESS;
         x->r.invariant = lv.prop[k];
         x->r.request = PROP_PER_REQUEST[lv.prop[k]] ? lv.req[k] : -1;
@@ -1268,10 +1270,10 @@ typedef struct {
     int whole;            /* collapse's answers */
     uint32_t h32;
     const State *state;
-} Waiting;
+} Unsettled;
 
-/* the successor waiting, looked up; its invariants checked if it is new */
-static void settle(Search *x, Member *m, Waiting *w) {
+/* the successor not yet looked up, looked up; its invariants checked if it is new */
+static void settle(Search *x, Member *m, Unsettled *w) {
     if (w->succ < 0) return;
     Succ *u = &m->succ[w->succ];
     u->known = w->whole ? look_up(&x->g, m->buf + u->at, w->h32) : -1;
@@ -1284,9 +1286,9 @@ static void expand_task(Search *x, int member) {
     Member *m = &x->member[member];
     m->nsucc = 0;
     m->used = 0;
-    State s, made[2];     /* the successor made now, and the one waiting */
+    State s, made[2];     /* the successor made now, and the one not yet looked up */
     int now = 0;
-    Waiting waiting = {.succ = -1};
+    Unsettled unsettled = {.succ = -1};
     Held from;
     uint32_t evs[MAX_EVENTS];
     uint8_t enc[ENC_MAX];
@@ -1333,14 +1335,14 @@ static void expand_task(Search *x, int member) {
                 m->used += (size_t)len;
                 if (whole)
                     __builtin_prefetch(&x->g.rows.slots[home_slot(h32, x->g.rows.nslots)]);
-                settle(x, m, &waiting);
-                waiting = (Waiting){m->nsucc - 1, whole, h32, nxt};
+                settle(x, m, &unsettled);
+                unsettled = (Unsettled){m->nsucc - 1, whole, h32, nxt};
                 now ^= 1;
             }
             e->count = (int32_t)(m->nsucc - e->first);
         }
     }
-    settle(x, m, &waiting);
+    settle(x, m, &unsettled);
 }
 
 /* the rows fired at or before `stop`, over every member */
