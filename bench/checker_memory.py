@@ -4,6 +4,7 @@ search runs in a process of its own, so its peak resident set is its own. Prints
 timings never go in tests.
 
     python bench/checker_memory.py [--against REV] [--threads N] [--from STATES] [--reps N]
+    python bench/checker_memory.py --parts [SCENARIO] [--every N]
 
 The searches: every scenario of more than --from states (default 1,000,000) and the README's
 example of three groups (`kvspec check --bounds groups=full+sliding+mamba,...`), liveness
@@ -13,11 +14,20 @@ peak (`Run.memory`; `-` where the revision has none), and bytes a state of each.
 (states, transitions, depth, verdict) are asserted equal between the two trees. With --reps N
 each search runs N times in each tree, the trees' order alternating, and the fastest run of
 each is shown (the peak resident set is the same in each run).
+
+With --parts, what the collapsed visited set rests on, for one scenario (default
+store-admission-three-requests): the distinct parts its states hold (each request's, the job
+records', the rest, cut by the search's own split, `compiled.parts`, of the states the search
+visits), and how many of a state's parts a successor changes (a part it shares with the
+state it was made from takes that part's leaf without a look-up): the successors of every
+N-th state (--every, default 50), each made by the compiled model (`kv_step`, canonical).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import json
 import os
 import subprocess
@@ -57,14 +67,58 @@ def _mb(n: object) -> str:
     return "-" if n is None else f"{int(n) / 1e6:,.0f}"  # type: ignore[call-overload]
 
 
+def count_parts(scenario: str, every: int) -> None:
+    """Prints the distinct parts of the scenario's states and the parts its successors change
+    (--parts)."""
+    from spec import model as M
+    from spec.scenarios import by_name
+    from statemachine.checker import compiled
+
+    b = by_name(scenario).bounds
+    lib = compiled.library().lib
+    cb = compiled.c_bounds(b)
+    rows, nrows = compiled.rows_of(M.SPEC_TABLES)
+    events = (ctypes.c_uint32 * compiled.MAX_EVENTS)()
+    out = ctypes.create_string_buffer(compiled.ENC_MAX)
+    kinds = ("request", "jobs", "rest")
+    distinct: dict[str, set[bytes]] = {k: set() for k in kinds}
+    changed: collections.Counter[int] = collections.Counter()
+    states = 0
+    for i, enc in enumerate(compiled.all_states(b)):
+        states += 1
+        parts = compiled.parts(b, enc)
+        distinct["request"].update(parts[:b.requests])
+        distinct["jobs"].add(parts[b.requests])
+        distinct["rest"].add(parts[-1])
+        if i % every:
+            continue
+        for k in range(lib.kv_events_of(ctypes.byref(cb), enc, events)):
+            n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, events[k], out)
+            if n >= 0:
+                after = compiled.parts(b, out.raw[:n])
+                changed[sum(a != c for a, c in zip(parts, after, strict=True))] += 1
+    print(f"{scenario}: {states:,} states; distinct parts: "
+          + ", ".join(f"{len(distinct[k]):,} {k}" for k in kinds))
+    total = sum(changed.values())
+    print(f"parts a successor changes, of {b.requests + 2} (the successors of every "
+          f"{every}th state, {total:,}): "
+          + ", ".join(f"{n} {100 * c / total:.1f}%" for n, c in sorted(changed.items())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", help="a git revision to measure side by side")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--from", dest="floor", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--parts", nargs="?", const="store-admission-three-requests",
+                    metavar="SCENARIO", help="count the parts of a scenario's states instead")
+    ap.add_argument("--every", type=int, default=50)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.parts:
+        count_parts(args.parts, args.every)
+        return
     from spec.scenarios import SCENARIOS
 
     searches = [sc.name for sc in SCENARIOS

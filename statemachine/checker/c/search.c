@@ -507,9 +507,10 @@ static void held_of(const Graph *g, const Parts *pt, int64_t i, Held *h) {
 
 /* the record of the encoding `enc` into `rec` (its length); *whole: whether the leaves hold
  * all its parts, and then *h32 is its row's hash (look_up finds the state). A part equal to
- * the same part of `from` (the state it was reached from, or NULL) is that part's leaf: most
- * events change a part or two. Reads the tables only, so workers may call it while no one
- * inserts. */
+ * the same part of `from` (the state it was reached from, or NULL) is that part's leaf: an
+ * event leaves some parts as they were (of store-admission-three-requests' five, most
+ * successors change two or three). Reads the tables only, so workers may call it while no
+ * one inserts. */
 static int collapse(const Graph *g, const Parts *pt, const uint8_t *enc, const Held *from,
                     uint8_t *rec, int *whole, uint32_t *h32) {
     int start[MAX_PARTS + 1], n = pt->nparts * (int)sizeof(uint32_t), all = 1;
