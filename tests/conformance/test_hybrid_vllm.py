@@ -237,8 +237,7 @@ def _window_chunk_stored_in_part(E: Any, sliding_window: int, max_num_new_tokens
     assert list(window_stores.values()) == [expected], (
         f"vLLM no longer stores window chunk 1 from block 9 and nothing of block 8 "
         f"({window_stores}, expected {expected}): F4 may be fixed; see CONFORMANCE.md")
-    conn.update_connector_output(E.connector_output(
-        setup, {j: 1 for j in meta.store_jobs}))
+    conn.update_connector_output(E.connector_output({j: 1 for j in meta.store_jobs}))
 
     # step 3: r2 looks up; the core skips the tokens before the window of the first token
     # it computes (63 for F4's hit, 47 or 48 for a bounded one): blocks 0 and 1 of the window
@@ -362,7 +361,7 @@ def test_d5_a_hybrid_hit_under_max_load_tokens_reaches_the_cap_from_0_34(
     meta = conn.build_connector_meta(E.scheduler_output(
         setup, new={"r0": (r0, table0)}, num_scheduled_tokens={"r0": 5 * BLOCK}))
     r0.num_computed_tokens = 5 * BLOCK
-    conn.update_connector_output(E.connector_output(setup, {j: 1 for j in meta.store_jobs}))
+    conn.update_connector_output(E.connector_output({j: 1 for j in meta.store_jobs}))
     hit, _ = conn.get_num_new_matched_tokens(r1, 0)
     expected = 2 * BLOCK if E.has("hybrid_hit_at_the_cap") else BLOCK
     assert hit == expected, (hit, expected)
