@@ -17,8 +17,8 @@ each is shown (the peak resident set is the same in each run).
 
 With --parts, what the collapsed visited set rests on, for one scenario (default
 store-admission-three-requests): the distinct parts its states hold (each request's, the job
-records', the rest, cut by the search's own split, `compiled.parts`, of the states the search
-visits), and how many of a state's parts a successor changes (a part it shares with the
+records', the rest, cut by the search's own split, `compiled.part_splitter`, of the states
+the search visits), and how many of a state's parts a successor changes (a part it shares with the
 state it was made from takes that part's leaf without a look-up): the successors of every
 N-th state (--every, default 50), each made by the compiled model (`kv_step`, canonical).
 """
@@ -77,6 +77,7 @@ def count_parts(scenario: str, every: int) -> None:
     b = by_name(scenario).bounds
     lib = compiled.library().lib
     cb = compiled.c_bounds(b)
+    split = compiled.part_splitter(b)
     rows, nrows = compiled.rows_of(M.SPEC_TABLES)
     events = (ctypes.c_uint32 * compiled.MAX_EVENTS)()
     out = ctypes.create_string_buffer(compiled.ENC_MAX)
@@ -86,7 +87,7 @@ def count_parts(scenario: str, every: int) -> None:
     states = 0
     for i, enc in enumerate(compiled.all_states(b)):
         states += 1
-        parts = compiled.parts(b, enc)
+        parts = split(enc)
         distinct["request"].update(parts[:b.requests])
         distinct["jobs"].add(parts[b.requests])
         distinct["rest"].add(parts[-1])
@@ -95,7 +96,7 @@ def count_parts(scenario: str, every: int) -> None:
         for k in range(lib.kv_events_of(ctypes.byref(cb), enc, events)):
             n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, events[k], out)
             if n >= 0:
-                after = compiled.parts(b, out.raw[:n])
+                after = split(out.raw[:n])
                 changed[sum(a != c for a, c in zip(parts, after, strict=True))] += 1
     print(f"{scenario}: {states:,} states; distinct parts: "
           + ", ".join(f"{len(distinct[k]):,} {k}" for k in kinds))

@@ -93,9 +93,10 @@ def test_the_parts_of_an_encoding_are_its_requests_its_jobs_and_the_rest(name: s
     """Every part is a function of the encoding: they join to it, each request's part has one
     length for the bounds, and the job records' part is its count byte and the records."""
     b = by_name(name).bounds
+    split = compiled.part_splitter(b)
     request_lengths, job_lengths = set(), set()
     for enc in compiled.all_states(b):
-        parts = compiled.parts(b, enc)
+        parts = split(enc)
         assert len(parts) == b.requests + 2
         assert b"".join(parts) == enc
         request_lengths.update(len(p) for p in parts[:b.requests])
@@ -117,7 +118,8 @@ def test_the_memory_counts_the_distinct_parts_the_rows_and_the_records(name: str
     run = compiled.search(b, liveness=False)
     encodings = list(compiled.all_states(b))
     assert len(encodings) == run.states == len(set(encodings))
-    leaves = {_pack(p) for e in encodings for p in compiled.parts(b, e)}
+    split = compiled.part_splitter(b)
+    leaves = {_pack(p) for e in encodings for p in split(e)}
     assert len(leaves) < run.states / 4
     nparts = b.requests + 2
     assert run.memory == (

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -411,12 +411,18 @@ def writes_in_part(b: M.Bounds) -> bool:
     return bool(b.window_groups()) and b.blocks_per_chunk > 1
 
 
-def parts(b: M.Bounds, enc: bytes) -> list[bytes]:
-    """The parts the compiled search's visited set holds an encoding as (parts_of of
-    search.c): each request's, the job records', the rest."""
+def part_splitter(b: M.Bounds) -> Callable[[bytes], list[bytes]]:
+    """The split of an encoding of bounds `b` into the parts the compiled search's visited
+    set holds it as (parts_of of search.c): each request's, the job records', the rest. The
+    C bounds are built once, for every encoding split."""
+    lib, cb = library().lib, c_bounds(b)
     start = (ctypes.c_int32 * (MAXR + 3))()
-    n = library().lib.kv_parts(ctypes.byref(c_bounds(b)), enc, len(enc), start)
-    return [enc[start[p]:start[p + 1]] for p in range(n)]
+
+    def split(enc: bytes) -> list[bytes]:
+        n = lib.kv_parts(ctypes.byref(cb), enc, len(enc), start)
+        return [enc[start[p]:start[p + 1]] for p in range(n)]
+
+    return split
 
 
 # ==================================================================== the search

@@ -105,11 +105,16 @@ def _step(worker: Any, meta: Any) -> tuple[set[str], set[str]]:
     return worker.get_finished(set())
 
 
+def _jobs(meta: Any) -> tuple[dict[int, int], set[int]]:
+    """A worker metadata's jobs: each completed one's count, and the failed ones (none
+    before 0.34.0, which has no `failed_jobs`)."""
+    return dict(meta.completed_jobs), set(getattr(meta, "failed_jobs", set()))
+
+
 def _as_built(out: Any) -> tuple[dict[int, int], set[int], set[str], set[str]]:
     """A connector output's fields the scheduler side reads."""
-    meta = out.kv_connector_worker_meta
-    return (dict(meta.completed_jobs), set(getattr(meta, "failed_jobs", set())),
-            set(out.finished_recving or ()), set(getattr(out, "failed_recving", ()) or ()))
+    return (*_jobs(out.kv_connector_worker_meta), set(out.finished_recving or ()),
+            set(getattr(out, "failed_recving", ()) or ()))
 
 
 def test_a_completed_store_and_sync_load_are_reported_as_the_harness_builds_them(
@@ -125,8 +130,7 @@ def test_a_completed_store_and_sync_load_are_reported_as_the_harness_builds_them
     _, recving = _step(worker, _metadata(loads={5: ("r1", True)}))
     assert medium.submitted == [("store", 3, False), ("load", 5, True)]
     assert medium.waited == [{5}]
-    meta = worker.build_connector_worker_meta()
-    got = (dict(meta.completed_jobs), set(getattr(meta, "failed_jobs", set())), recving)
+    got = (*_jobs(worker.build_connector_worker_meta()), recving)
     built = _as_built(E.connector_output({3: 1, 5: 1}))
     assert got == built[:3] == ({3: 1, 5: 1}, set(), set())
 
@@ -141,8 +145,7 @@ def test_a_failed_async_load_is_reported_as_the_harness_builds_it(vllm_ready: An
     worker, medium = _connector_worker(fail={7})
     _, recving = _step(worker, _metadata(loads={7: ("r0", False)}))
     failed_recving = worker.take_failed_recving()
-    meta = worker.build_connector_worker_meta()
-    got = (dict(meta.completed_jobs), set(meta.failed_jobs), recving, failed_recving)
+    got = (*_jobs(worker.build_connector_worker_meta()), recving, failed_recving)
     built = _as_built(E.connector_output({7: 1}, finished_recving={"r0"}, failed_jobs={7},
                                          failed_recving={"r0"}))
     assert got == built == ({7: 1}, {7}, {"r0"}, {"r0"})
