@@ -20,9 +20,17 @@ from hypothesis import strategies as st
 from spec.scenarios import by_name
 from statemachine.checker import compiled
 
-STATE_BYTES = 4 + 1 + 8
+STATE_BYTES = 4 + 1
 """The arrays of each state the graph holds besides its row (search.c, Graph): the parent,
-the event from it (its index among the parent's events), the first edge."""
+the event from it (its index among the parent's events)."""
+
+FIRST_EDGE_BYTES = 8
+"""Each state's first edge (search.c, Graph's efirst), held only by a search that keeps the
+edges (liveness or the stuck pass)."""
+
+SLOT_BYTES = 4
+"""A hash slot (search.c, Table): the entry's index + 1 and, in the bits it leaves free, the
+top bits of the entry's hash."""
 
 PART_BYTES = 4
 """A part's entry in a state's row: the index of its leaf (search.c, the visited set)."""
@@ -124,8 +132,9 @@ def test_the_memory_counts_the_distinct_parts_the_rows_and_the_records(name: str
     nparts = b.requests + 2
     assert run.memory == (
         sum(len(leaf) for leaf in leaves) + LEAF_BYTES * len(leaves)
-        + 8 * _slots(len(leaves), 1 << 13)
-        + (PART_BYTES * nparts + STATE_BYTES) * run.states + 8 * _slots(run.states, 1 << 17))
+        + SLOT_BYTES * _slots(len(leaves), 1 << 13)
+        + (PART_BYTES * nparts + STATE_BYTES) * run.states
+        + SLOT_BYTES * _slots(run.states, 1 << 17))
 
 
 def test_the_edges_and_each_pass_add_to_the_memory() -> None:
@@ -133,7 +142,7 @@ def test_the_edges_and_each_pass_add_to_the_memory() -> None:
     bare = compiled.search(b, liveness=False)
     live = compiled.search(b)
     stuck = compiled.search(b, liveness=False, stuck=True)
-    edges = EDGE_BYTES * live.edges
+    edges = EDGE_BYTES * live.edges + FIRST_EDGE_BYTES * live.states
     assert live.memory > bare.memory + edges
     assert stuck.memory > bare.memory + edges
     assert compiled.search(b, liveness=False, threads=3).memory == bare.memory
@@ -147,13 +156,15 @@ stack, the depth-first path, the edge cursor."""
 
 @pytest.mark.parametrize("name", ["hybrid", "reset-during-transfers"])
 def test_on_one_thread_liveness_adds_its_edges_and_one_scratch(name: str) -> None:
-    """A search that finds no fair cycle keeps an edge for each transition and, on one
-    thread, one scratch: its memory is the bare search's plus those, to the byte."""
+    """A search that finds no fair cycle keeps an edge for each transition, each state's first
+    edge and, on one thread, one scratch: its memory is the bare search's plus those, to the
+    byte."""
     b = by_name(name).bounds
     bare = compiled.search(b, liveness=False)
     live = compiled.search(b, threads=1)
     assert live.verdict == "ok" and live.edges == bare.edges
-    assert live.memory == bare.memory + EDGE_BYTES * live.edges + LIVENESS_BYTES * live.states
+    assert live.memory == (bare.memory + EDGE_BYTES * live.edges
+                           + (FIRST_EDGE_BYTES + LIVENESS_BYTES) * live.states)
 
 
 def test_the_check_table_shows_the_memory(capsys: pytest.CaptureFixture[str]) -> None:

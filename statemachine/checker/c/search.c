@@ -270,8 +270,10 @@ typedef struct {          /* byte strings, each kept once, by index */
     uint64_t *at;         /* the leaves: entry i's offset in the arena << 16 | its length
                            * (one word: a lookup reads both from one cache line) */
     int64_t n, alloc;
-    uint64_t *slots;      /* open addressing: (index + 1) << 24 | 24 bits of its hash; 0 empty */
-    int64_t nslots;
+    uint32_t *slots;      /* open addressing, 4 bytes a slot: (index + 1) << tag_bits | the
+                           * hash's top tag_bits bits; 0 empty */
+    int64_t nslots;       /* 2^k, more than twice the entries: an index + 1 takes k bits */
+    int tag_bits;         /* 32 - k: a probe reads an entry only if its tag matches */
 } Table;
 
 typedef struct {
@@ -281,6 +283,8 @@ typedef struct {
     uint8_t *via;         /* the event from the parent: its index among the parent's events
                            * (event_of gives it back) */
     int64_t alloc;        /* the states the arrays above and efirst have room for */
+    int edges;            /* whether it keeps the edges (liveness, the stuck pass): efirst and
+                           * the edges' arrays are read only then */
     /* edges, in BFS order of their source */
     int32_t *edst;
     uint8_t *eindex;      /* the edge's event: its index among its source's events */
@@ -332,6 +336,23 @@ static int grow(void **p, size_t elem, int64_t count) {
     return 0;
 }
 
+/* the bits of a hash a slot keeps beside the index, in a table of nslots (a power of two) */
+static int tag_bits_for(int64_t nslots) {
+    int k = 0;
+    while ((1ll << k) < nslots) k++;
+    return 32 - k;
+}
+
+/* the tag of hash h32: its top tag_bits bits */
+static uint32_t tag_of(uint32_t h32, int tag_bits) {
+    return tag_bits ? h32 >> (32 - tag_bits) : 0;
+}
+
+/* the slot of entry i of hash h32 */
+static uint32_t slot_of(int64_t i, uint32_t h32, int tag_bits) {
+    return (uint32_t)((uint64_t)(i + 1) << tag_bits) | tag_of(h32, tag_bits);
+}
+
 /* a table of `width`-byte entries, or of leaves (width 0), with room for `alloc` of them */
 static int table_init(Table *t, int width, int64_t alloc, int64_t nslots) {
     memset(t, 0, sizeof *t);
@@ -339,8 +360,9 @@ static int table_init(Table *t, int width, int64_t alloc, int64_t nslots) {
     t->alloc = alloc;
     t->cap = width ? (size_t)(width * alloc) : (size_t)alloc * 64;
     t->nslots = nslots;
+    t->tag_bits = tag_bits_for(nslots);
     t->arena = malloc(t->cap);
-    t->slots = calloc((size_t)nslots, sizeof(uint64_t));
+    t->slots = calloc((size_t)nslots, sizeof *t->slots);
     if (!t->arena || !t->slots) return -1;
     return width ? 0 : grow((void **)&t->at, sizeof *t->at, alloc);
 }
@@ -377,7 +399,9 @@ static int64_t home_slot(uint32_t h32, int64_t nslots) {
 
 static int rehash(Table *t) {
     int64_t ns = t->nslots * 2;
-    uint64_t *slots = calloc((size_t)ns, sizeof(uint64_t));
+    if (ns > (1ll << 32)) return -1;  /* an index + 1 would not fit a slot */
+    int tag_bits = tag_bits_for(ns);
+    uint32_t *slots = calloc((size_t)ns, sizeof *slots);
     if (!slots) return -1;
     uint32_t h32[REHASH_BATCH];
     for (int64_t lo = 0; lo < t->n; lo += REHASH_BATCH) {
@@ -390,12 +414,13 @@ static int rehash(Table *t) {
         for (int64_t i = lo; i < hi; i++) {
             int64_t k = home_slot(h32[i - lo], ns);
             while (slots[k]) k = (k + 1) & (ns - 1);
-            slots[k] = (uint64_t)(i + 1) << 24 | (h32[i - lo] >> 8);
+            slots[k] = slot_of(i, h32[i - lo], tag_bits);
         }
     }
     free(t->slots);
     t->slots = slots;
     t->nslots = ns;
+    t->tag_bits = tag_bits;
     return 0;
 }
 
@@ -403,11 +428,11 @@ static int rehash(Table *t) {
  * take; reads the table only, so workers may call it while no one inserts */
 static int64_t probe(const Table *t, const uint8_t *bytes, int len, uint32_t h32, int64_t *slot) {
     int64_t k = home_slot(h32, t->nslots);
-    uint64_t tag = h32 >> 8;
+    uint32_t tag_mask = (1u << t->tag_bits) - 1, tag = tag_of(h32, t->tag_bits);
     while (t->slots[k]) {
-        int64_t i = (int64_t)(t->slots[k] >> 24) - 1;
+        int64_t i = (int64_t)(t->slots[k] >> t->tag_bits) - 1;
         int n;
-        if ((t->slots[k] & 0xFFFFFF) == tag) {
+        if ((t->slots[k] & tag_mask) == tag) {
             const uint8_t *e = entry_at(t, i, &n);
             if (n == len && same_bytes(e, bytes, len)) return i;
         }
@@ -436,7 +461,7 @@ static int64_t intern(Table *t, const uint8_t *bytes, int len, uint32_t h32, int
     memcpy(t->arena + t->used, bytes, (size_t)len);
     if (t->at) t->at[i] = (uint64_t)t->used << 16 | (uint64_t)len;
     t->used += (size_t)len;
-    t->slots[k] = (uint64_t)(i + 1) << 24 | (h32 >> 8);
+    t->slots[k] = slot_of(i, h32, t->tag_bits);
     *fresh = 1;
     if (t->n * 2 > t->nslots && rehash(t)) return -1;
     return i;
@@ -446,7 +471,7 @@ static int64_t intern(Table *t, const uint8_t *bytes, int len, uint32_t h32, int
 static int grow_states(Graph *g) {
     return grow((void **)&g->parent, sizeof *g->parent, g->alloc) ||
            grow((void **)&g->via, sizeof *g->via, g->alloc) ||
-           grow((void **)&g->efirst, sizeof *g->efirst, g->alloc + 1);
+           (g->edges && grow((void **)&g->efirst, sizeof *g->efirst, g->alloc + 1));
 }
 
 /* the arrays of an edge, for g->ecap edges */
@@ -456,8 +481,9 @@ static int grow_edges(Graph *g) {
            grow((void **)&g->eclass, sizeof *g->eclass, g->ecap);
 }
 
-static int graph_init(Graph *g, int nparts) {
+static int graph_init(Graph *g, int nparts, int edges) {
     memset(g, 0, sizeof *g);
+    g->edges = edges;
     g->alloc = 1 << 16;
     g->ecap = 1 << 18;
     if (table_init(&g->leaves, 0, 1 << 12, 1 << 13) ||
@@ -580,7 +606,7 @@ static int64_t intern_record(Graph *g, const uint8_t *rec, int *fresh) {
 /* the bytes the explored graph holds: the leaves, the rows, each state's arrays, the hash
  * slots and the edges */
 static size_t graph_bytes(const Graph *g) {
-    size_t per_state = sizeof *g->parent + sizeof *g->via + sizeof *g->efirst;
+    size_t per_state = sizeof *g->parent + sizeof *g->via + (g->edges ? sizeof *g->efirst : 0);
     size_t per_edge = sizeof *g->edst + sizeof *g->eindex + sizeof *g->eclass;
     return table_bytes(&g->leaves) + table_bytes(&g->rows) + (size_t)states(g) * per_state +
            (size_t)g->nedges * per_edge;
@@ -1364,7 +1390,7 @@ void *kv_search_new(const Bounds *b, const int32_t *rows, int nrows, int trace_c
     x->trace = malloc(sizeof(uint32_t) * (size_t)trace_cap);
     x->trace_cap = trace_cap;
     x->parts = parts_for(b);
-    if (!x->rows || !x->trace || graph_init(&x->g, x->parts.nparts)) return NULL;
+    if (!x->rows || !x->trace) return NULL;
     memcpy(x->rows, rows, sizeof(int32_t) * (size_t)(nrows * ROW_WIDTH));
     if (kv_tables_init(&x->t, x->rows, nrows)) return NULL;
     return x;
@@ -1405,7 +1431,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
         x->level++;
         x->level_end = states(g);
     }
-    g->efirst[i] = g->nedges;
+    if (do_edges) g->efirst[i] = g->nedges;
     for (int32_t k = 0; k < e->count; k++) {
         const Succ *u = &m->succ[e->first + k];
         *stop = STAMP(i, u->index);
@@ -1438,7 +1464,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
         }
         if (do_edges && add_edge(g, j, u->index, u->klass)) { r->verdict = V_MEMORY; return 1; }
     }
-    g->efirst[i + 1] = g->nedges;
+    if (do_edges) g->efirst[i + 1] = g->nedges;
     *stop = STAMP(i, 0xFF);
     return 0;
 }
@@ -1456,6 +1482,12 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->without = without;
     double t0 = now();
     uint64_t stop = ALL;
+    int do_edges = do_liveness || do_stuck;
+    if (graph_init(g, x->parts.nparts, do_edges)) {  /* before the crew: nothing to stop */
+        r->verdict = V_MEMORY;
+        *out = *r;
+        return 0;
+    }
     crew_start(x, threads < 1 ? 1 : threads);
     r->threads = x->members;
     for (int k = 0; k < x->members; k++) {
@@ -1481,7 +1513,6 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->level_end = 1;
     int inv = kv_check_invariants(&x->b, &s, 0, without);
     if (inv >= 0) { r->verdict = V_INVARIANT; r->invariant = inv; stop = 0; goto out; }
-    int do_edges = do_liveness || do_stuck;
     for (int64_t lo = 0; lo < states(g);) {
         x->batch_lo = lo;
         x->batch_hi = lo + x->exp_cap < states(g) ? lo + x->exp_cap : states(g);
