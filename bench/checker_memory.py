@@ -4,11 +4,12 @@ search runs in a process of its own, so its peak resident set is its own. Prints
 timings never go in tests.
 
     python bench/checker_memory.py [--against REV] [--threads N] [--from STATES] [--reps N]
+                                   [--no-liveness]
     python bench/checker_memory.py --parts [SCENARIO] [--every N]
 
 The searches: every scenario of more than --from states (default 1,000,000) and the README's
 example of three groups (`kvspec check --bounds groups=full+sliding+mamba,...`), liveness
-included. The figures per search: seconds, peak resident set (what the kernel counts: the
+included (--no-liveness: the safety search alone, `kvspec check --no-liveness`). The figures per search: seconds, peak resident set (what the kernel counts: the
 interpreter and the compiled library included), the search's own count of its data at its
 peak (`Run.memory`; `-` where the revision has none), and bytes a state of each. The answers
 (states, transitions, depth, verdict) are asserted equal between the two trees. With --reps N
@@ -45,10 +46,10 @@ _ONE = """
 import json, resource, sys
 from spec.scenarios import SCENARIOS, by_name, parse_bounds
 from statemachine.checker import compiled
-name, threads = sys.argv[1], int(sys.argv[2])
+name, threads, liveness = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 b = (parse_bounds(name[7:], SCENARIOS[0].bounds) if name.startswith("bounds:")  # as kvspec check
      else by_name(name).bounds)
-r = compiled.search(b, threads=threads)
+r = compiled.search(b, threads=threads, liveness=liveness)
 print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
                   "verdict": r.verdict, "seconds": r.seconds,
                   "memory": getattr(r, "memory", None),
@@ -56,9 +57,10 @@ print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
 """
 
 
-def one(tree: Path, search: str, threads: int) -> dict[str, object]:
+def one(tree: Path, search: str, threads: int, liveness: bool) -> dict[str, object]:
     """One search in a process of its own, in `tree`."""
-    out = subprocess.run([sys.executable, "-c", _ONE, search, str(threads)], cwd=tree,
+    out = subprocess.run([sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))],
+                         cwd=tree,
                          check=True, capture_output=True, text=True).stdout
     return dict(json.loads(out.splitlines()[-1]))
 
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--from", dest="floor", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--no-liveness", dest="liveness", action="store_false",
+                    help="the safety search alone")
     ap.add_argument("--parts", nargs="?", const="store-admission-three-requests",
                     metavar="SCENARIO", help="count the parts of a scenario's states instead")
     ap.add_argument("--every", type=int, default=50)
@@ -134,6 +138,7 @@ def main() -> None:
             trees.insert(0, (args.against, other))
         try:
             print(f"machine: {os.cpu_count()} cores; {args.threads} threads a search; "
+                  f"liveness {'included' if args.liveness else 'not searched'}; "
                   "MB: 10^6 bytes; B/state: of the peak resident set")
             head = (f"{'search':32} {'tree':>10} {'states':>11} {'seconds':>8} "
                     f"{'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
@@ -143,7 +148,7 @@ def main() -> None:
                 best: dict[str, dict[str, object]] = {}
                 for rep in range(args.reps):
                     for label, tree in trees[::-1] if rep % 2 else trees:
-                        r = one(tree, search, args.threads)
+                        r = one(tree, search, args.threads, args.liveness)
                         if label not in best or r["seconds"] < best[label]["seconds"]:  # type: ignore[operator]
                             best[label] = r
                 runs = [best[label] for label, _ in trees]

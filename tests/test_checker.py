@@ -112,6 +112,30 @@ def test_cli_check_exit_codes_and_json(capsys: pytest.CaptureFixture[str],
     assert cli.main(["check", "--scenario", "late-reports", "--without", "INV-99"]) == 2
 
 
+def test_check_without_liveness_searches_safety_alone_in_less_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-liveness: the same states and transitions, every invariant, no progress property
+    (the PR #48102 hang with INV-1 off passes: only P-2 finds it), and fewer bytes."""
+    argv = ["check", "--mutant", "reset-keeps-transfer-jobs", "--without", "INV-1", "--json"]
+    assert cli.main(argv + ["--no-liveness"]) == 0
+    bare = json.loads(capsys.readouterr().out)
+    assert bare["counterexample"] is None and bare["scenarios"][0]["liveness"] == []
+    assert cli.main(argv) == 1
+    live = json.loads(capsys.readouterr().out)
+    assert live["counterexample"]["property"] == "P-2"
+    assert cli.main(["check", "--scenario", "hybrid", "--json", "--no-liveness"]) == 0
+    bare_row = json.loads(capsys.readouterr().out)["scenarios"][0]
+    assert cli.main(["check", "--scenario", "hybrid", "--json"]) == 0
+    live_row = json.loads(capsys.readouterr().out)["scenarios"][0]
+    assert bare_row["expected"] == live_row["expected"] == "as expected"
+    assert (bare_row["states"], bare_row["transitions"]) == (live_row["states"],
+                                                             live_row["transitions"])
+    assert 2 * bare_row["memory_bytes"] < live_row["memory_bytes"]
+    assert cli.main(["check", "--mutate", "--no-liveness"]) == 2
+    assert cli.main(["check", "--tiering", "--no-liveness"]) == 2
+    assert "--no-liveness" in capsys.readouterr().err
+
+
 def test_cli_json_gives_the_lasso(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["check", "--mutant", "reset-keeps-transfer-jobs", "--without", "INV-1",
                      "--json"]) == 1

@@ -138,6 +138,10 @@ def cmd_check(args: argparse.Namespace) -> int:
                            + ("--mutate runs the mutants in --jobs processes of one thread "
                               "each" if args.mutate else "the tiering checker runs in Python "
                               "on one thread"))
+    if not args.liveness and (tiering or args.mutate):
+        return usage_error("check", "--no-liveness searches the spec's scenarios for safety "
+                           "alone; " + ("a mutant's verdict may be a liveness one" if args.mutate
+                                        else "the tiering checker has no liveness pass"))
     if tiering:
         from statemachine.cli.tiering import cmd_check_tiering
 
@@ -181,7 +185,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
         r = check(sc.bounds, faults, max_states=args.max_states,
                   progress=None if args.json else report, stuck=args.stuck, without=without,
-                  engine=args.engine, threads=threads)
+                  engine=args.engine, threads=threads, liveness=args.liveness)
         show.close()
         if r.engine.startswith("python (") and sc is scenarios[0]:
             note(f"the compiled checker is not available ({r.engine[8:-1]}); the reference "
@@ -218,9 +222,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         if full_suite:
             print(f"\ncoverage: {len(covered)} of {len(M.coverage_universe())} table "
                   "transitions fired")
-            print("liveness: " + ", ".join(p.id for p in PROGRESS) + " under weak fairness "
-                  "of " + ", ".join(f.name for f in FAIRNESS) + " (none for "
-                  + ", ".join(UNFAIR) + ")")
+            print("liveness: " + (", ".join(p.id for p in PROGRESS) + " under weak fairness "
+                                  "of " + ", ".join(f.name for f in FAIRNESS) + " (none for "
+                                  + ", ".join(UNFAIR) + ")" if args.liveness
+                                  else "not searched (--no-liveness)"))
         for m, i, t in uncovered if full_suite else []:
             print(f"  never fired: {m} #{i + 1} {t.trigger} {list(t.sources)} -> {t.dest} "
                   f"[{t.guard_text}]")
@@ -276,6 +281,10 @@ def register(sub: Any) -> None:
     c.add_argument("--threads", type=int, default=None,
                    help="the compiled search's threads, at most 64 (default: every core this "
                    "process may use); the result is the same, state for state, on any number")
+    c.add_argument("--no-liveness", dest="liveness", action="store_false",
+                   help="safety alone: every invariant and table row's legality in every "
+                   "state, no progress property (the compiled search then keeps no edges: "
+                   "about a third of the bytes a state, so larger bounds fit)")
     c.add_argument("--stuck", action="store_true",
                    help="also run the older reachability check (a quiescent state reachable "
                    "from every state; implied by liveness P-3)")
