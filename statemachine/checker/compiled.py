@@ -453,7 +453,8 @@ class Run:
     """The threads that searched (every other field is the same for any number)."""
     memory: int
     """The bytes of the search's data at its peak: the explored graph (the packed parts of
-    the encodings, each state's row of parts and its records, the hash slots, the edges) and
+    the encodings, each state's row of parts and its records, the hash slots, the edges and
+    each state's first edge where the search keeps them) and
     the scratch of the liveness or stuck pass after it. The same on any number of threads
     but for the liveness scratch (one per instance searched side by side)."""
 

@@ -262,7 +262,10 @@ void kv_unpack(const uint8_t *packed, int len, uint8_t *out) {
  * request parts, 3,628 job parts and 24,660 rests), so a state costs its row and not its
  * packing. Two states are equal if and only if their rows are: an encoding's parts are a
  * function of it (each part says its own length), and two parts at one place are equal if
- * and only if their packings are (a part of job records says how many by its first byte). */
+ * and only if their packings are (a part of job records says how many by its first byte).
+ * Each table finds its entries by hash in slots of 4 bytes: the entry's index, and as many
+ * bits of its hash as the index leaves free (7 in a table of 2^25 slots), so that a probe
+ * reads a row only when that tag matches. */
 typedef struct {          /* byte strings, each kept once, by index */
     uint8_t *arena;
     size_t used, cap;
