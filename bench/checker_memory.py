@@ -9,9 +9,10 @@ timings never go in tests.
 
 The searches: every scenario of more than --from states (default 1,000,000) and the README's
 example of three groups (`kvspec check --bounds groups=full+sliding+mamba,...`), liveness
-included (--no-liveness: the safety search alone, `kvspec check --no-liveness`). The figures per search: seconds, peak resident set (what the kernel counts: the
-interpreter and the compiled library included), the search's own count of its data at its
-peak (`Run.memory`; `-` where the revision has none), and bytes a state of each. The answers
+included (--no-liveness: the safety search alone, as `kvspec check --no-liveness` runs it).
+The figures per search: seconds, peak resident set (what the kernel counts: the interpreter
+and the compiled library included), the search's own count of its data at its peak
+(`Run.memory`; `-` where the revision has none), and bytes a state of each. The answers
 (states, transitions, depth, verdict) are asserted equal between the two trees. With --reps N
 each search runs N times in each tree, the trees' order alternating, and the fastest run of
 each is shown (the peak resident set is the same in each run).

@@ -4,13 +4,14 @@ that a change to the search (its memory, its threads, its speed) leaves what it 
     python scripts/checker_answers.py REV [--long]
 
 The searches: every scenario whole, for safety alone (`liveness=False`: no edges kept), cut at
-3,000 states and with the older progress check (`stuck`), and every fault's finding with INV-1 on and off (invariants, illegal events,
-lassos); `--long` adds the two longest scenarios whole. The fields: states, transitions,
-depth, completeness, verdict, invariant, hook, request, the counterexample's prefix and cycle
-(its events), stuck states, rows covered, properties held. Each tree runs in a process of its
-own whose working directory is the tree, and the script asserts that the process imported
-the tree's own `spec` and checker: a script run by its path from the tree would import the
-editable install instead, and compare this tree with itself. Exits 1 on any difference.
+3,000 states and with the older progress check (`stuck`), and every fault's finding with INV-1
+on and off (invariants, illegal events, lassos); `--long` adds the two longest scenarios
+whole. The fields: states, transitions, depth, completeness, verdict, invariant, hook,
+request, the counterexample's prefix and cycle (its events), stuck states, rows covered,
+properties held. Each tree runs in a process of its own whose working directory is the
+tree, and the script asserts that the process imported the tree's own `spec` and checker: a
+script run by its path from the tree would import the editable install instead, and compare
+this tree with itself. Exits 1 on any difference.
 """
 
 from __future__ import annotations

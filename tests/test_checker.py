@@ -117,7 +117,7 @@ def test_check_without_liveness_searches_safety_alone_in_less_memory(
     """--no-liveness: the same states and transitions, every invariant, no progress property
     (the PR #48102 hang with INV-1 off passes: only P-2 finds it), and fewer bytes."""
     argv = ["check", "--mutant", "reset-keeps-transfer-jobs", "--without", "INV-1", "--json"]
-    assert cli.main(argv + ["--no-liveness"]) == 0
+    assert cli.main([*argv, "--no-liveness"]) == 0
     bare = json.loads(capsys.readouterr().out)
     assert bare["counterexample"] is None and bare["scenarios"][0]["liveness"] == []
     assert cli.main(argv) == 1
