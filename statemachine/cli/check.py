@@ -141,7 +141,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.liveness and (tiering or args.mutate):
         return usage_error("check", "--no-liveness searches the spec's scenarios for safety "
                            "alone; " + ("a mutant's verdict may be a liveness one" if args.mutate
-                                        else "the tiering checker has no liveness pass"))
+                                        else "the tiering checker has no such switch"))
     if tiering:
         from statemachine.cli.tiering import cmd_check_tiering
 
