@@ -61,8 +61,7 @@ print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
 def one(tree: Path, search: str, threads: int, liveness: bool) -> dict[str, object]:
     """One search in a process of its own, in `tree`."""
     out = subprocess.run([sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))],
-                         cwd=tree,
-                         check=True, capture_output=True, text=True).stdout
+                         cwd=tree, check=True, capture_output=True, text=True).stdout
     return dict(json.loads(out.splitlines()[-1]))
 
 
