@@ -108,9 +108,8 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
             const Req *q = &s->req[r];
             if (!tracked(q)) continue;
             int loads = 0, async = 0;
-            for (int id = 0; id < MAXID; id++) {
-                if (!((q->jobs >> id) & 1)) continue;
-                const Job *j = find(s, id);
+            EACH_BIT(id, q->jobs) {
+                const Job *j = find(s, (int)id);
                 if (j && live(j) && j->kind == KIND_LOAD) {
                     loads++;
                     if (!(j->flags & JF_SYNC)) async = 1;
@@ -122,10 +121,8 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
     /* INV-7 block-fence */
     if (ON(7)) {
         for (int blk = 0; blk < MAXB; blk++) {
-            uint32_t ids = s->block_fence[blk];
-            for (int id = 0; id < MAXID; id++) {
-                if (!((ids >> id) & 1)) continue;
-                const Job *j = find(s, id);
+            EACH_BIT(id, s->block_fence[blk]) {
+                const Job *j = find(s, (int)id);
                 if (!j || !live(j) || j->kind != KIND_STORE) return 7;
                 if (!(((j->deferred | j->fenced) >> blk) & 1)) return 7;
             }
@@ -136,8 +133,8 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
             const Req *o = &s->req[j->owner];
             uint16_t must = j->fenced;  /* and, once its owner finished, the deferred ones */
             if (tracked(o) && (o->flags & RF_FINISHED)) must |= j->deferred;
-            for (int blk = 0; blk < MAXB; blk++)
-                if ((must >> blk) & 1 && !((s->block_fence[blk] >> j->id) & 1)) return 7;
+            EACH_BIT(blk, must)
+                if (!((s->block_fence[blk] >> j->id) & 1)) return 7;
         }
     }
     /* INV-8 chunks-being-loaded */
@@ -179,13 +176,13 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
             const Job *j = &s->job[i];
             int counted = live(j) + quarantined(j);
             if (counted && j->kind == KIND_LOAD)
-                for (int k = 0; k < MAXK; k++) readers[k] += (j->keys >> k) & 1;
+                EACH_BIT(k, j->keys) readers[k]++;
         }
         for (int i = 0; i < s->njobs; i++) {
             const Job *j = &s->job[i];
             if (live(j) && j->kind == KIND_STORE && !(j->flags & JF_FAILED))
-                for (int k = 0; k < MAXK; k++)
-                    if ((j->keys >> k) & 1 && s->chunk[k] != -1) return 12;
+                EACH_BIT(k, j->keys)
+                    if (s->chunk[k] != -1) return 12;
         }
         for (int k = 0; k < MAXK; k++) {
             int8_t ref = s->chunk[k];
@@ -266,16 +263,15 @@ int kv_check_invariants(const Bounds *b, const State *s, int step_open, uint32_t
         for (int r = 0; r < R; r++) {
             const Req *q = &s->req[r];
             if (!tracked(q) || !(q->flags & RF_LOAD_INVALID)) continue;
-            for (int id = 0; id < MAXID; id++) {
-                if (!((q->jobs >> id) & 1)) continue;
-                const Job *j = find(s, id);
+            EACH_BIT(id, q->jobs) {
+                const Job *j = find(s, (int)id);
                 if (j && live(j) && j->kind == KIND_STORE && !(j->flags & JF_FAILED)) return 19;
             }
         }
     /* INV-20 valid-kv-published */
     if (ON(20))
-        for (int k = 0; k < MAXK; k++)
-            if ((s->bad_chunks >> k) & 1 && s->chunk[k] != CH_ABSENT && s->chunk[k] >= 0) return 20;
+        EACH_BIT(k, s->bad_chunks)
+            if (s->chunk[k] != CH_ABSENT && s->chunk[k] >= 0) return 20;
     /* INV-21 store-cursor-reset */
     if (ON(21) && s->reset_since_step && !step_open)
         for (int r = 0; r < R; r++)

@@ -27,6 +27,12 @@
 
 typedef uint32_t KeyMask;  /* a set of chunk keys (bit k: key index k) */
 
+/* each set bit of a 32-bit mask, lowest first: `v` is its position (a loop, so `continue`
+ * and `return` work as in any loop) */
+#define EACH_BIT(v, mask) \
+    for (uint32_t v##_left = (mask), v = 0; v##_left && (v = (uint32_t)__builtin_ctz(v##_left), 1); \
+         v##_left &= v##_left - 1)
+
 enum { KIND_LOAD = 0, KIND_STORE = 1 };
 enum { C_NONE = 0, C_WAITING, C_REMOTE, C_RUNNING, C_FINISHED };
 
