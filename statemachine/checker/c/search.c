@@ -341,9 +341,7 @@ static int grow(void **p, size_t elem, int64_t count) {
 
 /* the bits of a hash a slot keeps beside the index, in a table of nslots (a power of two) */
 static int tag_bits_for(int64_t nslots) {
-    int k = 0;
-    while ((1ll << k) < nslots) k++;
-    return 32 - k;
+    return 32 - __builtin_ctzll((uint64_t)nslots);
 }
 
 /* the tag of hash h32: its top tag_bits bits */
@@ -1424,7 +1422,7 @@ int kv_search_state(void *h, int64_t i, uint8_t *out) {
 int64_t kv_search_parent(void *h, int64_t i) { return ((Search *)h)->g.parent[i]; }
 
 /* merges the expansion of state i (see the search); 1: the search stops at *stop */
-static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_t *stop) {
+static int merge(Search *x, int64_t i, Progress *progress, uint64_t *stop) {
     Graph *g = &x->g;
     Result *r = &x->r;
     const Expansion *e = &x->exp[i - x->batch_lo];
@@ -1434,7 +1432,7 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
         x->level++;
         x->level_end = states(g);
     }
-    if (do_edges) g->efirst[i] = g->nedges;
+    if (g->edges) g->efirst[i] = g->nedges;
     for (int32_t k = 0; k < e->count; k++) {
         const Succ *u = &m->succ[e->first + k];
         *stop = STAMP(i, u->index);
@@ -1465,9 +1463,9 @@ static int merge(Search *x, int64_t i, int do_edges, Progress *progress, uint64_
             }
             if (progress && (j & 0xFFFF) == 0) progress(states(g), r->edges, r->depth);
         }
-        if (do_edges && add_edge(g, j, u->index, u->klass)) { r->verdict = V_MEMORY; return 1; }
+        if (g->edges && add_edge(g, j, u->index, u->klass)) { r->verdict = V_MEMORY; return 1; }
     }
-    if (do_edges) g->efirst[i + 1] = g->nedges;
+    if (g->edges) g->efirst[i + 1] = g->nedges;
     *stop = STAMP(i, 0xFF);
     return 0;
 }
@@ -1485,8 +1483,7 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->without = without;
     double t0 = now();
     uint64_t stop = ALL;
-    int do_edges = do_liveness || do_stuck;
-    if (graph_init(g, x->parts.nparts, do_edges)) {  /* before the crew: nothing to stop */
+    if (graph_init(g, x->parts.nparts, do_liveness || do_stuck)) {  /* before the crew: nothing to stop */
         r->verdict = V_MEMORY;
         *out = *r;
         return 0;
@@ -1524,7 +1521,7 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
         for (int k = 0; k < x->members; k++)
             if (x->member[k].failed) { r->verdict = V_MEMORY; goto out; }
         for (int64_t i = lo; i < x->batch_hi; i++) {
-            if (merge(x, i, do_edges, progress, &stop)) goto out;
+            if (merge(x, i, progress, &stop)) goto out;
             if (max_states > 0 && states(g) >= max_states) { r->complete = 0; goto searched; }
         }
         lo = x->batch_hi;
