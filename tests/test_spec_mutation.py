@@ -1,8 +1,9 @@
 """Mutation of the spec itself (`kvspec check --mutate`): the mutants are generated from the
 tables, each is checked over the scenarios and the directed programs, and the survivors must
 be exactly the ones `spec.equivalents` lists with a reason. The whole matrix (about 6 minutes
-on 2 cores) runs in `make mutate` and CI; here, the mechanism on a few mutants, and the proof
-that lets a run at an unchanged fingerprint skip searching the listed survivors again."""
+on 2 cores) runs in `make mutate` and CI; here, the mechanism on a few mutants over the
+cheapest scenarios of the matrix (`small_matrix`), and the proof that lets a run at an
+unchanged fingerprint skip searching the listed survivors again."""
 
 from __future__ import annotations
 
@@ -16,13 +17,38 @@ from spec import model as M
 from spec.checker import CheckResult
 from spec.equivalents import EQUIVALENT, Survivor
 from spec.regressions import by_name
+from spec.scenarios import Scenario
 from statemachine.checker import mutation
 from statemachine.checker.mutation import SpecMutant, matrix_scenarios, run_mutant, spec_mutants
 from statemachine.cli import main
 
+SMALL = 8
+"""The cheapest scenarios of the matrix the mechanism runs on: a survivor searched over the
+whole matrix takes about 30 s (`make mutate` searches it there); over these, under a second."""
+
+
+@pytest.fixture(autouse=True)
+def small_matrix(monkeypatch: pytest.MonkeyPatch) -> list[Scenario]:
+    whole = matrix_scenarios
+
+    def small(full: bool = False) -> list[Scenario]:
+        return whole(full)[:SMALL]
+
+    monkeypatch.setattr(mutation, "matrix_scenarios", small)
+    monkeypatch.setattr("statemachine.cli.mutate.matrix_scenarios", small)
+    return small()
+
 
 def _named(name: str) -> SpecMutant:
     return next(m for m in spec_mutants() if m.name == name)
+
+
+def test_the_small_matrix_is_the_cheapest_of_the_whole() -> None:
+    whole = matrix_scenarios()
+    assert len(whole) > SMALL
+    assert mutation.matrix_scenarios() == whole[:SMALL]
+    cost = [sc.expect.states if sc.expect else 0 for sc in whole]
+    assert cost == sorted(cost)
 
 
 def test_one_mutant_per_effect_and_per_guard_of_every_row() -> None:
@@ -37,18 +63,18 @@ def test_one_mutant_per_effect_and_per_guard_of_every_row() -> None:
     assert set(before.unless) ^ set(after.unless) == {negated.target}
 
 
-def test_a_fence_that_never_drains_is_killed_as_liveness() -> None:
+def test_a_fence_that_never_drains_is_killed_as_liveness(small_matrix: list[Scenario]) -> None:
     mutant = _named("job: ack(STALE)->STALE_DRAINED [reports_complete] drop leave_reset_fence")
-    kill = run_mutant(mutant, matrix_scenarios())
+    kill = run_mutant(mutant, small_matrix)
     assert kill.killed and kill.by == "liveness P-1" and kill.steps > 0
     ce = mutation.counterexample_of(kill, mutant)  # the kill's whole lasso, found again
     assert ce is not None and ce.verdict == kill.by and len(ce) == kill.steps
     assert ce.cycle and ce.summary == kill.detail
 
 
-def test_a_listed_survivor_survives_with_its_reason() -> None:
+def test_a_listed_survivor_survives_with_its_reason(small_matrix: list[Scenario]) -> None:
     name = "request: add(ABSENT)->IDLE drop create_request_status"
-    kill = run_mutant(_named(name), matrix_scenarios())
+    kill = run_mutant(_named(name), small_matrix)
     assert not kill.killed and kill.equivalent == EQUIVALENT[name]
     assert isinstance(kill.equivalent, Survivor) and kill.equivalent.reason
 
@@ -166,7 +192,7 @@ def test_a_proof_counts_only_at_its_fingerprint_and_scenarios(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proof = tmp_path / "proof.json"
     monkeypatch.setattr(mutation, "PROOF", proof)
-    scenarios = matrix_scenarios()
+    scenarios = mutation.matrix_scenarios()
     assert mutation.proven_survivors(scenarios) == {}  # no file
     survivor = "request: add(ABSENT)->IDLE drop create_request_status"
     kill = mutation.Kill(survivor, "survived", None, 0, 123, equivalent=EQUIVALENT[survivor])
