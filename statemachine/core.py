@@ -11,8 +11,9 @@ its state space canonical; it follows the same state groups of `spec`.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from statemachine.errors import KVSpecError
@@ -52,35 +53,50 @@ def blocks_needed(tokens: int, block_size: int, held: int) -> int:
 
 class BlockPool:
     """GPU block ids in a FIFO free list, as vLLM's free block queue hands them out: the
-    first freed is the first reused. Ids `first` .. `first + num_blocks - 1`."""
+    first freed is the first reused. Ids `first` .. `first + num_blocks - 1`.
+
+    The list is the ids never handed out, in order (`_fresh` .. the end, kept as a range, so
+    a pool of a million blocks costs nothing to make), then the freed ones in the order they
+    were freed."""
 
     def __init__(self, num_blocks: int, first: int = 0) -> None:
         self.first, self.num_blocks = first, num_blocks
-        self._free: deque[int] = deque(range(first, first + num_blocks))
-        self._free_set = set(self._free)
+        self._fresh = first
+        self._freed: deque[int] = deque()
+        self._freed_set: set[int] = set()
+
+    @property
+    def _end(self) -> int:
+        return self.first + self.num_blocks
 
     def __len__(self) -> int:
-        return len(self._free)
+        return self._end - self._fresh + len(self._freed)
 
-    def __iter__(self) -> Iterable[int]:
-        return iter(self._free)
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(range(self._fresh, self._end), self._freed)
 
     def __contains__(self, block: object) -> bool:
-        return block in self._free_set
+        return (type(block) is int and self._fresh <= block < self._end) or \
+            block in self._freed_set
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CoreError(f"allocate {n} blocks with {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
-        self._free_set.difference_update(out)
+        if n > len(self):
+            raise CoreError(f"allocate {n} blocks with {len(self)} free")
+        take = min(n, self._end - self._fresh)
+        out = list(range(self._fresh, self._fresh + take))
+        self._fresh += take
+        for _ in range(n - take):
+            b = self._freed.popleft()
+            self._freed_set.discard(b)
+            out.append(b)
         return out
 
     def free(self, blocks: Iterable[int]) -> None:
         for b in blocks:
-            if b in self._free_set or not self.first <= b < self.first + self.num_blocks:
+            if b in self or not self.first <= b < self._end:
                 raise CoreError(f"GPU block {b} freed twice (or out of range)")
-            self._free_set.add(b)
-            self._free.append(b)
+            self._freed_set.add(b)
+            self._freed.append(b)
 
 
 def as_block_table(table: BlockTable | Sequence[int] | Sequence[Sequence[int]]) -> BlockTable:
