@@ -4,7 +4,7 @@ search runs in a process of its own, so its peak resident set is its own. Prints
 timings never go in tests.
 
     python bench/checker_memory.py [--against REV] [--threads N] [--from STATES] [--reps N]
-                                   [--no-liveness]
+                                   [--no-liveness] [--only NAME,...] [--instructions]
     python bench/checker_memory.py --parts [SCENARIO] [--every N]
 
 The searches: every scenario of more than --from states (default 1,000,000) and the README's
@@ -15,7 +15,15 @@ and the compiled library included), the search's own count of its data at its pe
 (`Run.memory`; `-` where the revision has none), and bytes a state of each. The answers
 (states, transitions, depth, verdict) are asserted equal between the two trees. With --reps N
 each search runs N times in each tree, the trees' order alternating, and the fastest run of
-each is shown (the peak resident set is the same in each run).
+each is shown (the peak resident set is the same in each run). --only names the scenarios to
+search instead.
+
+With --instructions, each search runs under valgrind's callgrind, which counts the
+instructions executed in the compiled library's own functions: a count that is the same from
+run to run, where a shared machine's timings of one search vary by half. The table then
+shows those instructions and their ratio; a search runs on one thread unless --threads says
+otherwise, and about 50 times slower than without callgrind, so pick searches of a few
+hundred thousand states (--only). Needs `valgrind` (and its `callgrind_annotate`).
 
 With --parts, what the collapsed visited set rests on, for one scenario (default
 store-admission-three-requests): the distinct parts its states hold (each request's, the job
@@ -32,6 +40,7 @@ import collections
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,11 +67,38 @@ print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
 """
 
 
-def one(tree: Path, search: str, threads: int, liveness: bool) -> dict[str, object]:
-    """One search in a process of its own, in `tree`."""
-    out = subprocess.run([sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))],
-                         cwd=tree, check=True, capture_output=True, text=True).stdout
-    return dict(json.loads(out.splitlines()[-1]))
+def one(tree: Path, search: str, threads: int, liveness: bool,
+        instructions: bool = False) -> dict[str, object]:
+    """One search in a process of its own, in `tree`; under callgrind with `instructions`
+    (the result's "instructions": those of `kv_search_run` and all it calls)."""
+    command = [sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))]
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = Path(tmp) / "callgrind.out"
+        if instructions:
+            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={counts}",
+                       *command]
+        out = subprocess.run(command, cwd=tree, check=True, capture_output=True,
+                             text=True).stdout
+        r = dict(json.loads(out.splitlines()[-1]))
+        if instructions:
+            r["instructions"] = library_instructions(counts)
+    return r
+
+
+def library_instructions(counts: Path) -> int:
+    """The instructions a callgrind profile counts in the compiled library's own functions
+    (each function's own, the libc it calls not included). Not a count inside one entry
+    point: the model's `longjmp` (a rejected event) leaves callgrind's call stack unmatched,
+    so it cannot tell what runs under `kv_search_run`."""
+    table = subprocess.run(["callgrind_annotate", "--inclusive=no", "--threshold=100",
+                            str(counts)], check=True, capture_output=True, text=True).stdout
+    return sum(int(line.split()[0].replace(",", "")) for line in table.splitlines()
+               if "kvspec_checker" in line and line.strip()[:1].isdigit())
+
+
+def _ratio(runs: list[dict[str, object]], key: str) -> float:
+    """This tree's figure over the revision's."""
+    return float(runs[1][key]) / float(runs[0][key])  # type: ignore[arg-type]
 
 
 def _mb(n: object) -> str:
@@ -111,24 +147,35 @@ def count_parts(scenario: str, every: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", help="a git revision to measure side by side")
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", type=int,
+                    help="threads a search (default: every core; one with --instructions)")
     ap.add_argument("--from", dest="floor", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--no-liveness", dest="liveness", action="store_false",
                     help="the safety search alone")
+    ap.add_argument("--only", help="the scenarios to search (comma-separated), not --from's")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count each search's instructions under callgrind instead of timing it")
     ap.add_argument("--parts", nargs="?", const="store-admission-three-requests",
                     metavar="SCENARIO", help="count the parts of a scenario's states instead")
     ap.add_argument("--every", type=int, default=50)
     args = ap.parse_args()
+    if args.threads is None:  # a crew's waits would count as instructions
+        args.threads = 1 if args.instructions else len(os.sched_getaffinity(0))
     sys.path.insert(0, str(ROOT))
     if args.parts:
         count_parts(args.parts, args.every)
         return
     from spec.scenarios import SCENARIOS
 
-    searches = [sc.name for sc in SCENARIOS
-                if sc.expect is not None and sc.expect.states > args.floor]
-    searches.append("bounds:" + EXAMPLE)
+    if args.only:
+        searches = args.only.split(",")
+    else:
+        searches = [sc.name for sc in SCENARIOS
+                    if sc.expect is not None and sc.expect.states > args.floor]
+        searches.append("bounds:" + EXAMPLE)
+    if args.instructions and shutil.which("valgrind") is None:
+        sys.exit("--instructions needs valgrind on the PATH (Debian: apt-get install valgrind)")
     with tempfile.TemporaryDirectory() as tmp:
         trees = [("this tree", ROOT)]
         if args.against:
@@ -139,31 +186,38 @@ def main() -> None:
         try:
             print(f"machine: {os.cpu_count()} cores; {args.threads} threads a search; "
                   f"liveness {'included' if args.liveness else 'not searched'}; "
-                  "MB: 10^6 bytes; B/state: of the peak resident set")
-            head = (f"{'search':32} {'tree':>10} {'states':>11} {'seconds':>8} "
-                    f"{'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
+                  + ("instructions: the compiled library's own, under callgrind"
+                     if args.instructions else
+                     "MB: 10^6 bytes; B/state: of the peak resident set"))
+            head = f"{'search':32} {'tree':>10} {'states':>11} " + (
+                f"{'10^6 instructions':>17} {'a state':>8}" if args.instructions else
+                f"{'seconds':>8} {'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
             print(head)
             print("-" * len(head))
             for search in searches:
                 best: dict[str, dict[str, object]] = {}
                 for rep in range(args.reps):
                     for label, tree in trees[::-1] if rep % 2 else trees:
-                        r = one(tree, search, args.threads, args.liveness)
+                        r = one(tree, search, args.threads, args.liveness, args.instructions)
                         if label not in best or r["seconds"] < best[label]["seconds"]:  # type: ignore[operator]
                             best[label] = r
                 runs = [best[label] for label, _ in trees]
                 for (label, _), r in zip(trees, runs, strict=True):
                     name = "README example" if search.startswith("bounds:") else search
-                    print(f"{name:32} {label[:10]:>10} {r['states']:11,} "
-                          f"{r['seconds']:8.2f} {_mb(r['rss']):>11} "
-                          f"{int(r['rss']) // int(r['states']):7} "  # type: ignore[call-overload]
-                          f"{_mb(r['memory']):>9}", flush=True)
+                    n = int(r["states"])  # type: ignore[call-overload]
+                    print(f"{name:32} {label[:10]:>10} {n:11,} " + (
+                        f"{int(r['instructions']) / 1e6:17,.0f} "  # type: ignore[call-overload]
+                        f"{int(r['instructions']) // n:8,}"  # type: ignore[call-overload]
+                        if args.instructions else
+                        f"{r['seconds']:8.2f} {_mb(r['rss']):>11} "
+                        f"{int(r['rss']) // n:7} "  # type: ignore[call-overload]
+                        f"{_mb(r['memory']):>9}"), flush=True)
                 if len(runs) == 2:
                     key = ("states", "edges", "depth", "verdict")
                     assert [runs[0][k] for k in key] == [runs[1][k] for k in key], search
-                    print(f"{'':32} {'ratio':>10} {'':11} "
-                          f"{runs[1]['seconds'] / runs[0]['seconds']:7.2f}x "  # type: ignore[operator]
-                          f"{runs[1]['rss'] / runs[0]['rss']:10.2f}x")  # type: ignore[operator]
+                    print(f"{'':32} {'ratio':>10} {'':11} " + (
+                        f"{_ratio(runs, 'instructions'):16.2f}x" if args.instructions else
+                        f"{_ratio(runs, 'seconds'):7.2f}x {_ratio(runs, 'rss'):10.2f}x"))
         finally:
             if args.against:
                 subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
