@@ -12,6 +12,7 @@ its state space canonical; it follows the same state groups of `spec`.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,11 @@ class BlockPool:
         return itertools.chain(range(self._fresh, self._end), self._freed)
 
     def __contains__(self, block: object) -> bool:
-        return (type(block) is int and self._fresh <= block < self._end) or \
-            block in self._freed_set
+        try:
+            b = operator.index(block)  # type: ignore[arg-type]  # any int-like id
+        except TypeError:
+            return False
+        return self._fresh <= b < self._end or b in self._freed_set
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self):

@@ -45,12 +45,21 @@ def test_the_pool_hands_out_and_takes_back_as_a_fifo_free_list(
     assert "0" not in pool  # ids are ints
 
 
+class _IntLike:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
 def test_a_pool_of_a_million_blocks_answers_at_its_edges() -> None:
     pool = BlockPool(1 << 20)
     assert len(pool) == 1 << 20 and pool.allocate(2) == [0, 1]
     pool.free([0])
     assert 0 in pool and 1 not in pool and (1 << 20) - 1 in pool and 1 << 20 not in pool
     assert len(pool) == (1 << 20) - 1
+    assert _IntLike(5) in pool and _IntLike(1) not in pool  # an id as numpy or torch holds it
     with pytest.raises(CoreError, match="freed twice"):
         pool.free([0])
     with pytest.raises(CoreError, match="out of range"):
