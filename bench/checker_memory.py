@@ -70,7 +70,7 @@ print(json.dumps({"states": r.states, "edges": r.edges, "depth": r.depth,
 def one(tree: Path, search: str, threads: int, liveness: bool,
         instructions: bool = False) -> dict[str, object]:
     """One search in a process of its own, in `tree`; under callgrind with `instructions`
-    (the result's "instructions": those of `kv_search_run` and all it calls)."""
+    (the result's "instructions": `library_instructions`)."""
     command = [sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))]
     with tempfile.TemporaryDirectory() as tmp:
         counts = Path(tmp) / "callgrind.out"

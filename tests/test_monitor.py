@@ -47,13 +47,11 @@ def reference_log(path: Path, seed: int = 1, mutant: str | None = None,
                   model: str = "full") -> Path:
     cfg = simulate.SimConfig(seed=seed, model=model, check_invariants=mutant is None,
                              monitor_log=str(path))
-    if mutant is not None:
-        cfg = replace(cfg, max_drain_steps=MUTANT_DRAIN_STEPS)
     if mutant is None:
         simulate.run(cfg)
     else:
         with next(m for m in MUTANTS if m.name == mutant).patch():
-            simulate.run(cfg)
+            simulate.run(replace(cfg, max_drain_steps=MUTANT_DRAIN_STEPS))
     return path
 
 
