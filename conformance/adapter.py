@@ -539,16 +539,18 @@ def _flat(table: Any) -> tuple[int, ...]:
 
 def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
     """`make_setup`'s arguments for the bounds' KV cache groups (none for one full-attention
-    group), and the retention interval in vLLM's tokens. With a sliding window the model's
-    window of W tokens is vLLM's `16 (W - 1) + 1`, where vLLM's reachable-block mask counts
-    one block less than the spec's (finding F4): the two agree where neither mask leaves a
-    block out, so under dense retention the window must span a chunk and the one before it
-    (vLLM's `W - 1` blocks cover a chunk)."""
+    group; a group of another kind alone is a model whose every layer is of that kind, such
+    as a pure Mamba model), and the retention interval in vLLM's tokens. With a sliding
+    window the model's window of W tokens is vLLM's `16 (W - 1) + 1`, where vLLM's
+    reachable-block mask counts one block less than the spec's (finding F4): the two agree
+    where neither mask leaves a block out, so under dense retention the window must span a
+    chunk and the one before it (vLLM's `W - 1` blocks cover a chunk)."""
     if bounds.groups == ("full",):
         return {}
-    if len(bounds.groups) != E.NUM_LAYERS or set(bounds.groups) == {"full"}:
-        raise ValueError(f"the conformance setup takes one group, or {E.NUM_LAYERS} groups "
-                         f"with a sliding window or a Mamba group; got {bounds.groups}")
+    if len(bounds.groups) not in (1, E.NUM_LAYERS) or set(bounds.groups) == {"full"}:
+        raise ValueError(f"the conformance setup takes one group (over every layer), or "
+                         f"{E.NUM_LAYERS} groups (one layer each) with a sliding window or a "
+                         f"Mamba group; got {bounds.groups}")
     retention = bounds.retention_interval
     kept = {} if retention is None else {
         "retention_interval": retention * tokens_per_model_token(bounds)}
@@ -688,7 +690,7 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
         b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
         if "sliding" in b.groups else b.sliding_window))
       for b in (*HYBRID_BOUNDS, *(s for s in (*SETTINGS_BOUNDS, *DECODE_BOUNDS) if s.hybrid))
-      if len(b.groups) <= E.NUM_LAYERS  # one layer per group
+      if len(b.groups) <= E.NUM_LAYERS  # a group over every layer, or one layer per group
       and b.retention_interval is None),  # a bound of its own below (MASK-SPAN)
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
@@ -701,13 +703,14 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
              sliding_window=4, blocks_per_chunk=2, retention_interval=0),
 )
 """The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
-groups (one layer per group) and their hybrid settings and decoding bounds (requests that
-decode beside a sliding window over 2-block chunks, and in blocks of 2 model tokens),
-without worker failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block
-chunks: a full-attention and a sliding-window group (either
-order) with 1, 2 and 4 blocks per chunk, a full-attention and a Mamba group, one
-full-attention group of 2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a
-model token is 16 vLLM tokens, or 8 where a block holds 2 model tokens)."""
+groups (one group over both layers, such as a pure Mamba model, or one layer per group) and
+their hybrid settings and decoding bounds (requests that decode beside a sliding window over
+2-block chunks, and in blocks of 2 model tokens), without worker failures and with a window
+that spans a chunk (`hybrid_setup`), plus 4-block chunks: a full-attention and a
+sliding-window group (either order) with 1, 2 and 4 blocks per chunk, a full-attention and a
+Mamba group, a Mamba group alone, one full-attention group of 2-block chunks, and blocks of
+2 model tokens (vLLM block size 16: a model token is 16 vLLM tokens, or 8 where a block
+holds 2 model tokens)."""
 
 
 def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:

@@ -175,7 +175,7 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     extra: dict[str, Any] = {
         "spec_name": "CPUOffloadingSpec",
         "cpu_bytes_to_use": num_cpu_chunks * _chunk_bytes(block_size, 1, num_workers,
-                                                          chunk_layers(hybrid)),
+                                                          chunk_layers(groups)),
         "eviction_policy": "lru",
         "offload_prompt_only": False,
     }

@@ -266,15 +266,28 @@ class VLLMSetup:
 
 
 def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
-    """One layer per KV cache group: a sliding window, or a Mamba group."""
+    """A group other than full attention (a sliding window or a Mamba group), whose kept
+    blocks vLLM's prefix-cache retention interval decides."""
     return sliding_window is not None or "mamba" in groups
 
 
-def chunk_layers(hybrid: bool) -> int:
-    """The layers one CPU chunk holds: its group's where the KV tensors describe their
-    layers (0.29+: one layer per group in a hybrid setup here); before, the CPU spec sums
-    every tensor per block (offloading/config.py:90-103 in 0.26.0): all the layers."""
-    return 1 if hybrid and has("kv_tensor_layers") else NUM_LAYERS
+def model_groups(sliding_window: int | None, groups: Sequence[str]) -> tuple[str, ...]:
+    """The model's KV cache groups, in order: `groups` where a sliding window or a Mamba
+    group makes it more than one full-attention group. Its layers are split evenly among
+    them: a model of one group (full attention, or a pure Mamba model) has every layer in
+    it, a hybrid one of NUM_LAYERS groups one layer in each."""
+    kinds = tuple(groups) if _hybrid(sliding_window, groups) else ("full",)
+    if NUM_LAYERS % len(kinds):
+        raise ValueError(f"{NUM_LAYERS} layers do not split evenly into the groups {kinds}")
+    return kinds
+
+
+def chunk_layers(groups: Sequence[str]) -> int:
+    """The layers one CPU chunk holds, in a model of the KV cache groups `groups`
+    (`model_groups`): its group's where the KV tensors describe their layers (0.29+);
+    before, the CPU spec sums every tensor per block (offloading/config.py:90-103 in
+    0.26.0): all the layers."""
+    return NUM_LAYERS // len(groups) if has("kv_tensor_layers") else NUM_LAYERS
 
 
 def _kv_tensor(v: Any, size: int, layers: list[str], page: int, num_gpu_blocks: int) -> Any:
@@ -291,27 +304,26 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int,
                      sliding_window: int | None = None,
                      groups: Sequence[str] = ("full", "sliding")) -> Any:
     v = _v()
+    kinds = model_groups(sliding_window, groups)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
+    full = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
-    page = spec.page_size_bytes
-    if _hybrid(sliding_window, groups):  # a hybrid model: one layer per group, in order
-        if len(groups) != NUM_LAYERS:
-            raise ValueError(f"a hybrid configuration has {NUM_LAYERS} groups (one per layer)")
-        kinds: dict[str, Any] = {"full": spec}
-        if "sliding" in groups:
-            kinds["sliding"] = v.SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
-                dtype=v.torch.float32, sliding_window=sliding_window)
-        if "mamba" in groups:  # align mode (what prefix caching turns on); a state of one
-            kinds["mamba"] = v.MambaSpec(  # attention page, as vLLM pads it to
-                block_size=block_size, shapes=((page // 4,),), dtypes=(v.torch.float32,),
-                mamba_cache_mode="align")
+    page = full.page_size_bytes
+    specs: dict[str, Any] = {"full": full}
+    if "sliding" in kinds:
+        specs["sliding"] = v.SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+            dtype=v.torch.float32, sliding_window=sliding_window)
+    if "mamba" in kinds:  # align mode (what prefix caching turns on); a state of one
+        specs["mamba"] = v.MambaSpec(  # attention page, as vLLM pads it to
+            block_size=block_size, shapes=((page // 4,),), dtypes=(v.torch.float32,),
+            mamba_cache_mode="align")
+    if len(kinds) > 1:  # a hybrid model: one layer per group, in order
         tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
                    for name in layers]
         return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                               kv_cache_groups=[v.KVCacheGroupSpec([name], kinds[kind])
-                                                for name, kind in zip(layers, groups,
+                               kv_cache_groups=[v.KVCacheGroupSpec([name], specs[kind])
+                                                for name, kind in zip(layers, kinds,
                                                                       strict=True)])
     if has("kv_tensor_layers"):  # one backing allocation for all layers, layer-outermost
         tensors = [_kv_tensor(v, page * NUM_LAYERS * num_gpu_blocks, layers, page,
@@ -320,7 +332,7 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int,
         tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
                    for name in layers]
     return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                           kv_cache_groups=[v.KVCacheGroupSpec(layers, spec)])
+                           kv_cache_groups=[v.KVCacheGroupSpec(layers, specs[kinds[0]])])
 
 
 def _chunk_bytes(block_size: int, blocks_per_chunk: int, num_workers: int,
@@ -355,11 +367,12 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
-    every job then waits for that many acks. With `sliding_window` (tokens) the model is
-    hybrid: one layer per KV cache group, of the kinds `groups` names in order (default: a
-    full-attention group, then a sliding window; 0.33 only); `retention_interval` is
-    vLLM's `prefix_cache_retention_interval` (None, the default here: every chunk's window
-    tail is retained and offloaded; vLLM's own default is 0). `prefix_match_unit`
+    every job then waits for that many acks. With `sliding_window` (tokens) or a Mamba
+    group the model has the KV cache groups `groups` names, in order (`model_groups`;
+    default a full-attention group, then a sliding window; a pure Mamba model is
+    `("mamba",)`), else one full-attention group; `retention_interval` is vLLM's
+    `prefix_cache_retention_interval` (None, the default here: every chunk's window tail is
+    retained and offloaded; vLLM's own default is 0). `prefix_match_unit`
     (tokens, dividing `block_size`) hashes requests finer than a block: with a Mamba group,
     vLLM's partial tails are on."""
     v = _v()
@@ -367,8 +380,9 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     if num_cpu_chunks is not None:
         if cpu_bytes is not None:
             raise ValueError("give cpu_bytes or num_cpu_chunks, not both")
+        layers = chunk_layers(model_groups(sliding_window, groups))
         cpu_bytes = num_cpu_chunks * _chunk_bytes(block_size, blocks_per_chunk, num_workers,
-                                                  chunk_layers(_hybrid(sliding_window, groups)))
+                                                  layers)
     if cpu_bytes is None:
         cpu_bytes = 64 << 20
     extra: dict[str, Any] = {

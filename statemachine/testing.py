@@ -320,6 +320,8 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=6, gpu_blocks=14,
              resets=1, failures=2, preemptions=1, groups=("full", "mamba"),
              tokens_per_block=2, partial_tails=True, rules=VLLM_0_34),
+    M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=3, gpu_blocks=8,
+             resets=2, failures=1, preemptions=1, groups=("mamba",)),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
@@ -330,7 +332,8 @@ offload cap that leaves it unstored), vLLM's default retention (only the replay 
 window tail and Mamba state), block-aligned prompts in blocks of 2 tokens beside a window
 (the hit's bound at the hash block before the last token); partial tails under vLLM 0.34.0's
 rules (a tail searched past the full-attention prefix when a failed store left no state at
-a chunk edge)."""
+a chunk edge), and a Mamba group alone (a pure Mamba model: the state a load ended on is
+handed off and stored again, and the request waits for that store)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

@@ -138,8 +138,6 @@ def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_do
     if E.vllm_version() < (0, 26, 0):
         pytest.skip("hybrid KV cache configurations need vLLM 0.33")
     from spec.groups import NULL_BLOCK
-    from statemachine import KVCacheGroup, OffloadingConfig, OffloadingScheduler
-    from statemachine.messages import NewRequestData, Request, SchedulerOutput
 
     setup = E.make_setup(num_gpu_blocks=16, block_size=BLOCK, groups=("full", "mamba"))
     conn = setup.connector
@@ -157,21 +155,79 @@ def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_do
     [state_job] = [j for j, s in setup.scheduler._jobs.items() if s.fenced_block_ids]
     assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
 
+    mine = ((0, 1, 2), (NULL_BLOCK, 4, NULL_BLOCK))  # vLLM's ids less one, -1 for null
+    assert _reference_store_jobs(("full", "mamba"), mine, ((1, 4, 2 * BLOCK),)) == vllm_jobs
+
+
+def test_a_pure_mamba_model_stores_each_state_handed_off_as_the_reference_does(
+        vllm_ready: Any) -> None:
+    """A Mamba group alone (a pure Mamba model, as the witnesses of `loaded-state-handoff`
+    run on vLLM): one `MambaSpec` group over both layers, so a CPU chunk holds both layers'
+    states and vLLM makes as many chunks of the CPU bytes as the setup asked for. Nothing is
+    stored by position; the state handed off after two blocks is one store of its block,
+    fenced at creation, and the reference makes the same job."""
+    E = vllm_ready
+    if not E.has("block_state_handoffs"):
+        pytest.skip("the core's Mamba hand-offs need vLLM 0.29.0")
+    from spec.groups import NULL_BLOCK
+
+    setup = E.make_setup(num_gpu_blocks=16, block_size=BLOCK, num_cpu_chunks=3,
+                         groups=("mamba",))
+    [group] = setup.kv_cache_config.kv_cache_groups
+    assert type(group.kv_cache_spec).__name__ == "MambaSpec"
+    assert list(group.layer_names) == [f"model.layers.{i}.self_attn.attn"
+                                       for i in range(E.NUM_LAYERS)]
+    assert setup.num_cpu_chunks == 3
+    conn = setup.connector
+    r0 = E.make_request(setup, "r0", _prompt(0))
+    conn.on_new_request(r0)
+    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
+    table = ([0, 5, 0],)  # the state after two blocks lies in block 5
+    conn.update_state_after_alloc(r0, E.kv_blocks(table), 0)
+    r0.status = E.request_status().RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (r0, table)}, num_scheduled_tokens={"r0": 2 * BLOCK},
+        boundary_state_offloads={"r0": [(0, 5, 2 * BLOCK)]}))
+    vllm_jobs = _jobs_by_groups(meta)
+    assert vllm_jobs == {(1,): ([5], [1])}
+    [state_job] = setup.scheduler._jobs
+    assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
+    mine = ((NULL_BLOCK, 4, NULL_BLOCK),)  # vLLM's ids less one, -1 for null
+    assert _reference_store_jobs(("mamba",), mine, ((0, 4, 2 * BLOCK),)) == vllm_jobs
+
+
+def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], ...],
+                          offloads: tuple[tuple[int, int, int], ...]) -> dict[Any, Any]:
+    """The store jobs the reference scheduler makes for r0 (three blocks, `table` per
+    group, the core's hand-offs `offloads`) in its first step of two blocks, keyed and
+    numbered as `_jobs_by_groups` reads vLLM's."""
+    from statemachine import KVCacheGroup, OffloadingConfig, OffloadingScheduler
+    from statemachine.messages import (
+        GPULoadStoreSpec,
+        NewRequestData,
+        Request,
+        SchedulerOutput,
+    )
+
     ours = OffloadingScheduler(OffloadingConfig(
-        block_size=BLOCK, groups=(KVCacheGroup("full"), KVCacheGroup("mamba"))))
-    hashes = [b + 1 for b in range(3)]
-    req = Request("r0", _prompt(0), block_hashes=hashes)
+        block_size=BLOCK, groups=tuple(KVCacheGroup(k) for k in kinds)))
+    req = Request("r0", _prompt(0), block_hashes=[b + 1 for b in range(3)])
     ours.on_new_request(req)
     ours.get_num_new_matched_tokens(req, 0)
-    mine = ((0, 1, 2), (NULL_BLOCK, 4, NULL_BLOCK))  # vLLM's ids less one, -1 for null
-    ours.update_state_after_alloc(req, mine, 0)
+    ours.update_state_after_alloc(req, table, 0)
     out = ours.build_connector_meta(SchedulerOutput(
-        (NewRequestData("r0", mine),), (), {"r0": 2 * BLOCK},
-        boundary_state_offloads={"r0": ((1, 4, 2 * BLOCK),)}))
-    our_jobs = {tuple(j.src.group_sizes): ([b + 1 for b in j.src.block_ids],  # type: ignore[attr-defined]
-                                           list(j.src.block_indices))  # type: ignore[attr-defined]
-                for j in out.store_jobs.values()}
-    assert our_jobs == vllm_jobs
+        (NewRequestData("r0", table),), (), {"r0": 2 * BLOCK},
+        boundary_state_offloads={"r0": offloads}))
+    jobs = {}
+    for j in out.store_jobs.values():
+        src = j.src
+        assert isinstance(src, GPULoadStoreSpec)
+        # one group: the reference names the first block by `first_block_index` alone,
+        # where vLLM's spec always carries the sizes and the first indices
+        sizes = src.group_sizes or (len(src.block_ids),)
+        firsts = src.block_indices or (src.first_block_index,)
+        jobs[tuple(sizes)] = ([b + 1 for b in src.block_ids], list(firsts))
+    return jobs
 
 
 # ============================================================================ finding F4
