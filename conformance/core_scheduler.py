@@ -126,8 +126,9 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"))
-"""The hybrid models the harness builds: one layer per KV cache group, in this order."""
+HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"), ("mamba",))
+"""The models beyond one full-attention group the harness builds: one layer per KV cache
+group, in this order, or a pure Mamba model (one Mamba group over every layer)."""
 
 
 def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_chunks: int,
@@ -149,7 +150,8 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     default retention): `("full", "sliding")`, what `sliding_window` (tokens) alone asks
     for, or `("full", "mamba")`, a Mamba group in align mode (`mamba_cache_mode="align"`,
     what prefix caching selects): the core then splits prefills at block edges and hands
-    the connector the states it commits (`boundary_state_offloads`).
+    the connector the states it commits (`boundary_state_offloads`); `("mamba",)` is a
+    pure Mamba model, its one group over every layer.
     `retention_interval` is `prefix_cache_retention_interval` (0.30+; vLLM's default 0:
     beside the last block of each window and each Mamba state, the core and the connector
     keep only what a replay of the prompt reads; None: all of them), which the engine

@@ -260,13 +260,18 @@ HYBRID_GPU_BLOCKS = 18
 """GPU blocks for both groups together: tight enough that the Scheduler preempts."""
 
 
-HYBRID_CORES = {
+HYBRID_CORES: dict[str, tuple[dict[str, Any], list[str], tuple[str, ...], dict[str, Any]]] = {
     "sliding": ({"sliding_window": HYBRID_WINDOW}, ["FullAttentionSpec", "SlidingWindowSpec"],
-                ("retention_interval",)),
+                ("retention_interval",), {}),
     "mamba": ({"groups": ("full", "mamba")}, ["FullAttentionSpec", "MambaSpec"],
-              ("retention_interval", "block_state_handoffs")),
+              ("retention_interval", "block_state_handoffs"), {}),
+    # a request holds a block or two: few blocks, so that the core evicts and preempts;
+    # its requests are done in 28 steps, so the reset comes by step 15
+    "pure-mamba": ({"groups": ("mamba",), "num_gpu_blocks": 6}, ["MambaSpec"],
+                   ("retention_interval", "block_state_handoffs"), {"reset_latest": 15}),
 }
-"""Per hybrid model: the core's arguments, its KV cache groups, the features it needs."""
+"""Per model beyond one full-attention group: the core's arguments, its KV cache groups,
+the features it needs, the scenario's arguments."""
 
 
 @pytest.mark.parametrize("model", sorted(HYBRID_CORES))
@@ -274,25 +279,26 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
         tmp_path: Path, model: str) -> None:
     """The monitored connector in vLLM's real core Scheduler with a full-attention group
     and a sliding-window group, or a Mamba group in align mode (the core then commits the
-    states at block edges and hands them to the connector), at vLLM's default retention:
+    states at block edges and hands them to the connector), or a pure Mamba model (one
+    Mamba group over every layer), at vLLM's default retention:
     the scenario preempts, loads, resets with jobs in flight and decodes (past the window),
     and the monitor (every hook, the whole state each step) finds nothing, live or in
     replay."""
-    kwargs, specs, features = HYBRID_CORES[model]
+    kwargs, specs, features, moments = HYBRID_CORES[model]
     lacking = conformance.vllm_env.missing(*features, "finished_signal")
     if not FIXED or lacking:
         pytest.skip(f"a hybrid core ({model}) with the #48102 fix needs {lacking or 'it'}")
     log = tmp_path / f"{model}.jsonl"
     run = make_core_scheduler(
-        num_gpu_blocks=HYBRID_GPU_BLOCKS, num_cpu_chunks=CPU_CHUNKS, num_workers=2,
+        num_cpu_chunks=CPU_CHUNKS, num_workers=2,
         kv_connector="MonitoredOffloadingConnector",
         kv_connector_module_path="statemachine.monitor.connector",
         extra_config={"kvspec_mode": "warn", "kvspec_log": str(log),
                       "kvspec_stuck_after_steps": STUCK_AFTER, "kvspec_whole_every": 1},
-        **kwargs)
+        **{"num_gpu_blocks": HYBRID_GPU_BLOCKS, **kwargs})
     assert [type(g.kv_cache_spec).__name__ for g in run.kv_cache_config.kv_cache_groups] == \
         specs
-    summary = scenario(run, seed=0)
+    summary = scenario(run, seed=0, **moments)
     run.connector.kvspec.close()
     assert summary.idle and not summary.stuck and summary.error is None
     assert summary.preemptions >= 1 and summary.loads and summary.stores
@@ -309,8 +315,9 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
                    for r, out in summary.output_tokens.items())
     else:
         # the core's state hand-offs became stores of one Mamba block each
+        state = (0, 1) if model == "mamba" else (1,)
         assert any(rec.handoffs for rec in summary.records)
-        assert any(sizes == (0, 1) for rec in summary.records
+        assert any(sizes == state for rec in summary.records
                    for _, sizes, _ in rec.store_sources.values())
 
 
