@@ -708,9 +708,9 @@ their hybrid settings and decoding bounds (requests that decode beside a sliding
 2-block chunks, and in blocks of 2 model tokens), without worker failures and with a window
 that spans a chunk (`hybrid_setup`), plus 4-block chunks: a full-attention and a
 sliding-window group (either order) with 1, 2 and 4 blocks per chunk, a full-attention and a
-Mamba group, a Mamba group alone, one full-attention group of 2-block chunks, and blocks of
-2 model tokens (vLLM block size 16: a model token is 16 vLLM tokens, or 8 where a block
-holds 2 model tokens)."""
+Mamba group, a Mamba group alone, a sliding window alone, one full-attention group of
+2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a model token is 16 vLLM
+tokens, or 8 where a block holds 2 model tokens)."""
 
 
 def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:

@@ -126,9 +126,11 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"), ("mamba",))
+HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"),
+                                              ("mamba",), ("sliding",))
 """The models beyond one full-attention group the harness builds: one layer per KV cache
-group, in this order, or a pure Mamba model (one Mamba group over every layer)."""
+group, in this order, or one group over every layer (a pure Mamba model, a sliding window
+on every layer)."""
 
 
 def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_chunks: int,

@@ -322,6 +322,9 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
              tokens_per_block=2, partial_tails=True, rules=VLLM_0_34),
     M.Bounds(requests=3, tokens=3, families=2, workers=2, cpu_chunks=3, gpu_blocks=8,
              resets=2, failures=1, preemptions=1, groups=("mamba",)),
+    M.Bounds(requests=3, tokens=4, families=2, workers=2, cpu_chunks=5, gpu_blocks=10,
+             resets=2, failures=1, preemptions=1, groups=("sliding",), sliding_window=3,
+             blocks_per_chunk=2),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
@@ -332,8 +335,9 @@ offload cap that leaves it unstored), vLLM's default retention (only the replay 
 window tail and Mamba state), block-aligned prompts in blocks of 2 tokens beside a window
 (the hit's bound at the hash block before the last token); partial tails under vLLM 0.34.0's
 rules (a tail searched past the full-attention prefix when a failed store left no state at
-a chunk edge), and a Mamba group alone (a pure Mamba model: the state a load ended on is
-handed off and stored again, and the request waits for that store)."""
+a chunk edge), and a group alone over every layer: a pure Mamba model (the state a load
+ended on is handed off and stored again, and the request waits for that store), and a
+sliding window on every layer (2-block chunks, a window of 3)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (

@@ -269,6 +269,11 @@ HYBRID_CORES: dict[str, tuple[dict[str, Any], list[str], tuple[str, ...], dict[s
     # its requests are done in 28 steps, so the reset comes by step 15
     "pure-mamba": ({"groups": ("mamba",), "num_gpu_blocks": 6}, ["MambaSpec"],
                    ("retention_interval", "block_state_handoffs"), {"reset_latest": 15}),
+    # a window on every layer; every tail kept (at retention 0 the scenario's requests
+    # find no window tail to load), 8 blocks: fewer and the core cannot fit a window
+    "pure-sliding": ({"groups": ("sliding",), "sliding_window": HYBRID_WINDOW,
+                      "num_gpu_blocks": 8, "retention_interval": None},
+                     ["SlidingWindowSpec"], ("retention_interval",), {"reset_latest": 15}),
 }
 """Per model beyond one full-attention group: the core's arguments, its KV cache groups,
 the features it needs, the scenario's arguments."""
@@ -279,11 +284,11 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
         tmp_path: Path, model: str) -> None:
     """The monitored connector in vLLM's real core Scheduler with a full-attention group
     and a sliding-window group, or a Mamba group in align mode (the core then commits the
-    states at block edges and hands them to the connector), or a pure Mamba model (one
-    Mamba group over every layer), at vLLM's default retention:
-    the scenario preempts, loads, resets with jobs in flight and decodes (past the window),
-    and the monitor (every hook, the whole state each step) finds nothing, live or in
-    replay."""
+    states at block edges and hands them to the connector), or one group over every layer
+    (a pure Mamba model, a sliding window on every layer), at vLLM's default retention
+    (every window tail kept on the pure window model): the scenario preempts, loads, resets
+    with jobs in flight and decodes (past the window), and the monitor (every hook, the
+    whole state each step) finds nothing, live or in replay."""
     kwargs, specs, features, moments = HYBRID_CORES[model]
     lacking = conformance.vllm_env.missing(*features, "finished_signal")
     if not FIXED or lacking:
@@ -308,7 +313,7 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
     v = replay(log)
     assert v.clean, v.text()
     prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
-    if model == "sliding":
+    if "sliding" in model:
         # the window at work: requests run past it by two blocks and more (the core frees
         # their window blocks as they go; the live monitor does not observe its tables)
         assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
