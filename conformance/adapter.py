@@ -539,12 +539,12 @@ def _flat(table: Any) -> tuple[int, ...]:
 
 def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
     """`make_setup`'s arguments for the bounds' KV cache groups (none for one full-attention
-    group; a group of another kind alone is a model whose every layer is of that kind, such
-    as a pure Mamba model), and the retention interval in vLLM's tokens. With a sliding
-    window the model's window of W tokens is vLLM's `16 (W - 1) + 1`, where vLLM's
-    reachable-block mask counts one block less than the spec's (finding F4): the two agree
-    where neither mask leaves a block out, so under dense retention the window must span a
-    chunk and the one before it (vLLM's `W - 1` blocks cover a chunk)."""
+    group; a group of another kind alone is a model whose every layer is of that kind: a
+    pure Mamba model, a sliding window on every layer), and the retention interval in vLLM's
+    tokens. With a sliding window the model's window of W tokens is vLLM's `16 (W - 1) + 1`,
+    where vLLM's reachable-block mask counts one block less than the spec's (finding F4):
+    the two agree where neither mask leaves a block out, so under dense retention the window
+    must span a chunk and the one before it (vLLM's `W - 1` blocks cover a chunk)."""
     if bounds.groups == ("full",):
         return {}
     if len(bounds.groups) not in (1, E.NUM_LAYERS) or set(bounds.groups) == {"full"}:

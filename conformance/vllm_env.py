@@ -274,8 +274,9 @@ def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
 def model_groups(sliding_window: int | None, groups: Sequence[str]) -> tuple[str, ...]:
     """The model's KV cache groups, in order: `groups` where a sliding window or a Mamba
     group makes it more than one full-attention group. Its layers are split evenly among
-    them: a model of one group (full attention, or a pure Mamba model) has every layer in
-    it, a hybrid one of NUM_LAYERS groups one layer in each."""
+    them: a model of one group (full attention, a pure Mamba model, a sliding window on
+    every layer) has every layer in it, a hybrid one of NUM_LAYERS groups one layer in
+    each."""
     kinds = tuple(groups) if _hybrid(sliding_window, groups) else ("full",)
     if NUM_LAYERS % len(kinds):
         raise ValueError(f"{NUM_LAYERS} layers do not split evenly into the groups {kinds}")
@@ -367,14 +368,14 @@ def make_setup(*, num_gpu_blocks: int, block_size: int = 16, blocks_per_chunk: i
     """A fresh scheduler-side connector over `num_gpu_blocks` GPU blocks (block 0 is vLLM's
     null block: never hand it to a request) and `num_cpu_chunks` CPU chunks (or `cpu_bytes`
     of CPU memory; default 64 MiB). `num_workers` is the world size (tensor-parallel ranks):
-    every job then waits for that many acks. With `sliding_window` (tokens) or a Mamba
-    group the model has the KV cache groups `groups` names, in order (`model_groups`;
-    default a full-attention group, then a sliding window; a pure Mamba model is
-    `("mamba",)`), else one full-attention group; `retention_interval` is vLLM's
-    `prefix_cache_retention_interval` (None, the default here: every chunk's window tail is
-    retained and offloaded; vLLM's own default is 0). `prefix_match_unit`
-    (tokens, dividing `block_size`) hashes requests finer than a block: with a Mamba group,
-    vLLM's partial tails are on."""
+    every job then waits for that many acks. With `sliding_window` (tokens) or a Mamba group
+    the model has the KV cache groups `groups` names, in order (`model_groups`; default a
+    full-attention group, then a sliding window; `("mamba",)` is a pure Mamba model,
+    `("sliding",)` a window on every layer), else one full-attention group;
+    `retention_interval` is vLLM's `prefix_cache_retention_interval` (None, the default
+    here: every chunk's window tail is retained and offloaded; vLLM's own default is 0).
+    `prefix_match_unit` (tokens, dividing `block_size`) hashes requests finer than a block:
+    with a Mamba group, vLLM's partial tails are on."""
     v = _v()
     version = vllm_version()
     if num_cpu_chunks is not None:
