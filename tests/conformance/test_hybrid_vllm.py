@@ -140,17 +140,8 @@ def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_do
     from spec.groups import NULL_BLOCK
 
     setup = E.make_setup(num_gpu_blocks=16, block_size=BLOCK, groups=("full", "mamba"))
-    conn = setup.connector
-    r0 = E.make_request(setup, "r0", _prompt(0))
-    conn.on_new_request(r0)
-    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
-    table = ([1, 2, 3], [0, 5, 0])  # the state after two blocks lies in block 5
-    conn.update_state_after_alloc(r0, E.kv_blocks(table), 0)
-    r0.status = E.request_status().RUNNING
-    meta = conn.build_connector_meta(E.scheduler_output(
-        setup, new={"r0": (r0, table)}, num_scheduled_tokens={"r0": 2 * BLOCK},
-        boundary_state_offloads={"r0": [(1, 5, 2 * BLOCK)]}))
-    vllm_jobs = _jobs_by_groups(meta)
+    # the state after two blocks lies in block 5
+    vllm_jobs = _vllm_store_jobs(E, setup, ([1, 2, 3], [0, 5, 0]), [(1, 5, 2 * BLOCK)])
     assert vllm_jobs == {(2, 0): ([1, 2], [0, 0]), (0, 1): ([5], [0, 1])}
     [state_job] = [j for j, s in setup.scheduler._jobs.items() if s.fenced_block_ids]
     assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
@@ -178,22 +169,30 @@ def test_a_pure_mamba_model_stores_each_state_handed_off_as_the_reference_does(
     assert list(group.layer_names) == [f"model.layers.{i}.self_attn.attn"
                                        for i in range(E.NUM_LAYERS)]
     assert setup.num_cpu_chunks == 3
-    conn = setup.connector
-    r0 = E.make_request(setup, "r0", _prompt(0))
-    conn.on_new_request(r0)
-    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
-    table = ([0, 5, 0],)  # the state after two blocks lies in block 5
-    conn.update_state_after_alloc(r0, E.kv_blocks(table), 0)
-    r0.status = E.request_status().RUNNING
-    meta = conn.build_connector_meta(E.scheduler_output(
-        setup, new={"r0": (r0, table)}, num_scheduled_tokens={"r0": 2 * BLOCK},
-        boundary_state_offloads={"r0": [(0, 5, 2 * BLOCK)]}))
-    vllm_jobs = _jobs_by_groups(meta)
+    # the state after two blocks lies in block 5
+    vllm_jobs = _vllm_store_jobs(E, setup, ([0, 5, 0],), [(0, 5, 2 * BLOCK)])
     assert vllm_jobs == {(1,): ([5], [1])}
     [state_job] = setup.scheduler._jobs
     assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
     mine = ((NULL_BLOCK, 4, NULL_BLOCK),)  # vLLM's ids less one, -1 for null
     assert _reference_store_jobs(("mamba",), mine, ((0, 4, 2 * BLOCK),)) == vllm_jobs
+
+
+def _vllm_store_jobs(E: Any, setup: Any, table: tuple[list[int], ...],
+                     offloads: list[tuple[int, int, int]]) -> dict[Any, Any]:
+    """The store jobs vLLM's connector makes for r0 (three blocks, no hit, `table` per
+    group, the core's hand-offs `offloads`) in its first step of two blocks
+    (`_jobs_by_groups`)."""
+    conn = setup.connector
+    r0 = E.make_request(setup, "r0", _prompt(0))
+    conn.on_new_request(r0)
+    assert conn.get_num_new_matched_tokens(r0, 0) == (0, False)
+    conn.update_state_after_alloc(r0, E.kv_blocks(table), 0)
+    r0.status = E.request_status().RUNNING
+    meta = conn.build_connector_meta(E.scheduler_output(
+        setup, new={"r0": (r0, table)}, num_scheduled_tokens={"r0": 2 * BLOCK},
+        boundary_state_offloads={"r0": offloads}))
+    return _jobs_by_groups(meta)
 
 
 def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], ...],
