@@ -153,7 +153,8 @@ def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_ch
     for, or `("full", "mamba")`, a Mamba group in align mode (`mamba_cache_mode="align"`,
     what prefix caching selects): the core then splits prefills at block edges and hands
     the connector the states it commits (`boundary_state_offloads`); `("mamba",)` is a
-    pure Mamba model, its one group over every layer.
+    pure Mamba model and `("sliding",)` a window on every layer, one group over every
+    layer.
     `retention_interval` is `prefix_cache_retention_interval` (0.30+; vLLM's default 0:
     beside the last block of each window and each Mamba state, the core and the connector
     keep only what a replay of the prompt reads; None: all of them), which the engine
