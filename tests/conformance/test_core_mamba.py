@@ -229,15 +229,16 @@ LOAD_GPU_BLOCKS = {"hybrid": 24, "pure": 8}
 """GPU blocks of `_load_then_step`: few enough that the requests after `a` evict its."""
 
 
-def _evict(driver: CoreDriver, model: str, rng: random.Random, long: int) -> None:
-    """Requests that evict what the GPU prefix cache holds: one of `long` tokens beside full
-    attention; six short ones in a pure Mamba model, where a request holds a block or two
-    and each leaves its own state cached."""
+def _evict(driver: CoreDriver, model: str, rng: random.Random, long: int,
+           steps: int) -> None:
+    """Requests that evict what the GPU prefix cache holds, each done within `steps`: one of
+    `long` tokens beside full attention; six short ones in a pure Mamba model, where a
+    request holds a block or two and each leaves its own state cached."""
     bs = driver.run.block_size
     for x, n in ((("x", long),) if model == "hybrid" else
                  ((f"x{i}", 3 * bs + 8) for i in range(6))):
         driver.add_request(x, _tokens(rng, n), 2)
-        assert driver.run_until_idle(60).idle
+        assert driver.run_until_idle(steps).idle
 
 
 def _load_then_step(model: str, reset: bool, retention_interval: int | None = None,
@@ -252,7 +253,7 @@ def _load_then_step(model: str, reset: bool, retention_interval: int | None = No
     prefix = _tokens(rng, 3 * run.block_size)
     driver.add_request("a", prefix + _tokens(rng, 8), 2)
     assert driver.run_until_idle(40).idle
-    _evict(driver, model, rng, 330)
+    _evict(driver, model, rng, 330, steps=40)
     driver.add_request("b", prefix + _tokens(rng, b_tail), 2)
     loaded = next(rec for rec in (driver.step() for _ in range(20))
                   if "b" in rec.finished_recving)
@@ -334,7 +335,7 @@ def test_a_loaded_request_the_core_cannot_schedule_waits_with_the_store_of_its_s
     prefix = _tokens(rng, 3 * bs)
     driver.add_request("a", prefix + _tokens(rng, 8), 2)
     assert driver.run_until_idle(60).idle
-    _evict(driver, model, rng, 550)
+    _evict(driver, model, rng, 550, steps=60)
     driver.add_request("b", prefix + _tokens(rng, 8), 2)
     first = driver.step()
     assert first.scheduled == {} and list(first.load_jobs.values()) == ["b"]
