@@ -761,7 +761,7 @@ class Engine:
             gpu = job.src if job.is_store else job.dst
             assert isinstance(gpu, GPULoadStoreSpec)
             self._job_groups[job_id] = tuple(
-                g for g, n in enumerate(gpu.group_sizes or (len(gpu.block_ids),)) if n)
+                g for g, n in enumerate(gpu.sizes_per_group) if n)
             for g in self._job_groups[job_id]:
                 self.group_stats[g]["stores" if job.is_store else "loads"] += 1
         if self.tiering is not None:
@@ -775,8 +775,7 @@ class Engine:
             where = {h: i for i, h in enumerate(r.request.block_hashes)}
             spec = job.src
             assert isinstance(spec, GPULoadStoreSpec)
-            sizes = spec.group_sizes or (len(spec.block_ids),)
-            firsts = spec.block_indices or (spec.first_block_index,)
+            sizes, firsts = spec.sizes_per_group, spec.first_index_per_group
             block_groups = [g for g, n in enumerate(sizes) for _ in range(n)]
             positions: list[int] = []
             begun: set[int] = set()

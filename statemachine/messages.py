@@ -82,6 +82,18 @@ class GPULoadStoreSpec:
     """With several groups: each group's first logical block index (vLLM's
     `block_indices`); empty for one group (`first_block_index`)."""
 
+    @property
+    def sizes_per_group(self) -> tuple[int, ...]:
+        """How many of `block_ids` belong to each group, one group included (vLLM's
+        `group_sizes`, which vLLM's spec carries for one group too)."""
+        return self.group_sizes or (len(self.block_ids),)
+
+    @property
+    def first_index_per_group(self) -> tuple[int, ...]:
+        """Each group's first logical block index, one group included (vLLM's
+        `block_indices`)."""
+        return self.block_indices or (self.first_block_index,)
+
 
 @dataclass(frozen=True)
 class CPULoadStoreSpec:

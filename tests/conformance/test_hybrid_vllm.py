@@ -223,9 +223,8 @@ def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], 
         assert isinstance(src, GPULoadStoreSpec)
         # one group: the reference names the first block by `first_block_index` alone,
         # where vLLM's spec always carries the sizes and the first indices
-        sizes = src.group_sizes or (len(src.block_ids),)
-        firsts = src.block_indices or (src.first_block_index,)
-        jobs[tuple(sizes)] = ([b + 1 for b in src.block_ids], list(firsts))
+        jobs[src.sizes_per_group] = ([b + 1 for b in src.block_ids],
+                                     list(src.first_index_per_group))
     return jobs
 
 
