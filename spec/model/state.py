@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from functools import cache, cached_property
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from spec import fence as F
 from spec import job as J
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from spec.model.interpreter import Tables
 
 
+@cache
 def _spec_tables() -> Tables:
     from spec.model.interpreter import SPEC_TABLES
 
@@ -325,12 +327,36 @@ class Bounds:
 
     def template(self, req_id: str) -> Template:
         """Request `req_id`'s template."""
-        for t in self.templates():
-            if t.req_id == req_id:
-                return t
-        raise ModelError(f"no request template {req_id!r}")
+        t = self._templates_by_id.get(req_id)
+        if t is None:
+            raise ModelError(f"no request template {req_id!r}")
+        return t
 
     def templates(self) -> tuple[Template, ...]:
+        return self._templates
+
+    # -- built once per bounds: a frozen dataclass keeps a cached property in its instance
+    # dict, outside eq; every state of a search hashes its bounds, and the model asks for a
+    # template at every hook. A copy or a pickle leaves them behind (a string's hash differs
+    # from one interpreter to the next).
+    _CACHED: ClassVar[tuple[str, ...]] = ("_hash", "_templates", "_templates_by_id")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._CACHED}
+
+    @cached_property
+    def _templates_by_id(self) -> dict[str, Template]:
+        return {t.req_id: t for t in self._templates}
+
+    @cached_property
+    def _templates(self) -> tuple[Template, ...]:
         def family(i: int) -> int:
             if self.families is not None:
                 return i % self.families
@@ -505,7 +531,7 @@ class World:
     budget: list[int]
     faults: Faults = NO_FAULTS
     """Faults switched on (the mutant catalogue); none for the spec itself."""
-    tables: Tables = field(default_factory=lambda: _spec_tables())
+    tables: Tables = field(default_factory=_spec_tables)
     """The tables the interpreter runs on (the spec's, or a mutated copy)."""
     step_open: bool = False
     batch_jobs: set[int] = field(default_factory=set)
@@ -546,9 +572,9 @@ class World:
 
     def freeze(self) -> ModelState:
         return ModelState(
-            self.bounds, tuple(sorted(self.reqs.values(), key=lambda r: r.id)),
-            tuple(sorted(self.jobs.values(), key=lambda j: j.id)),
-            tuple(sorted(self.held.values(), key=lambda j: j.id)), self.counter,
+            self.bounds, tuple(self.reqs[k] for k in sorted(self.reqs)),
+            tuple(self.jobs[k] for k in sorted(self.jobs)),
+            tuple(self.held[k] for k in sorted(self.held)), self.counter,
             self.threshold, self.fence_state, tuple(sorted(self.chunks.items())),
             frozenset(self.being_loaded),
             tuple(sorted((b, ids) for b, ids in self.block_fence.items() if ids)),
