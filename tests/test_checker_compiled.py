@@ -438,21 +438,29 @@ def test_the_lookup_converges_over_full_and_window_groups(
     assert _successors_c(b, compiled.encode(s)) == _successors_py(s)
 
 
+def _events_c(b: M.Bounds, enc: bytes) -> list[int]:
+    """The compiled twin's events in `enc`, in the order it tries them."""
+    evs = (ctypes.c_uint32 * compiled.MAX_EVENTS)()
+    n = compiled.library().lib.kv_events_of(ctypes.byref(compiled.c_bounds(b)), enc, evs)
+    return list(evs[:n])
+
+
+def _model_label(label: int) -> int:
+    """A compiled event's label as the model's event has it: a stray report is a report."""
+    return (label & ~7) | compiled.EV_REPORT if label & 7 == compiled.EV_STRAY else label
+
+
 def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
     lib = compiled.library().lib
     cb = compiled.c_bounds(b)
     rows, nrows = compiled.rows_of(M.SPEC_TABLES)
-    evs = (ctypes.c_uint32 * compiled.MAX_EVENTS)()
     buf = ctypes.create_string_buffer(compiled.ENC_MAX)
     out: Counter[tuple[int, bytes | int]] = Counter()
-    for i in range(lib.kv_events_of(ctypes.byref(cb), enc, evs)):
-        n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, evs[i], buf)
+    for ev in _events_c(b, enc):
+        n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, ev, buf)
         if n == -2:  # not enabled
             continue
-        label = evs[i]
-        if label & 7 == compiled.EV_STRAY:  # a stray report is a report to the model
-            label = (label & ~7) | compiled.EV_REPORT
-        out[label, buf.raw[:n] if n >= 0 else n] += 1
+        out[_model_label(ev), buf.raw[:n] if n >= 0 else n] += 1
     return out
 
 
@@ -489,7 +497,12 @@ def test_the_same_successors_of_sampled_states(scenario: object) -> None:
         pytest.skip(f"the compiled model does not take {scenario.name}: "
                     f"{compiled.fits(scenario.bounds)}")
     for s in _sample(scenario.bounds, 40, seed=len(scenario.name)):
-        assert _successors_c(scenario.bounds, compiled.encode(s)) == _successors_py(s), s
+        enc = compiled.encode(s)
+        assert _successors_c(scenario.bounds, enc) == _successors_py(s), s
+        # the same events offered, in the same order (none that needs a spent budget): a
+        # breadth-first search meets states, and so counterexamples, in the same order
+        assert [_model_label(ev) for ev in _events_c(scenario.bounds, enc)] == [
+            compiled.event_label(canonical_event(ev, s)) for ev in M.events(s)], s
 
 
 DECODING_SAMPLED = {

@@ -368,8 +368,11 @@ def apply(s: ModelState, ev: Event, faults: Faults = NO_FAULTS,
 
 
 def events(s: ModelState) -> Iterator[Event]:
-    """Every event the environment may send in `s` (the checker tries each)."""
+    """Every event the environment may send in `s` (the checker tries each; `apply` raises
+    NotEnabled on those it cannot take after all). None that needs a spent budget: a reset,
+    a preemption, a failed report (`apply` checks the same budgets)."""
     b = s.bounds
+    resets, failures, preemptions = s.budget
     core = dict(s.core)
     for t in b.templates():
         if t.req_id not in core:
@@ -384,7 +387,8 @@ def events(s: ModelState) -> Iterator[Event]:
         if c.status == "running":
             if c.computed >= b.tokens:
                 yield Event("finish", r)
-            yield Event("preempt", r)
+            if preemptions < b.preemptions:
+                yield Event("preempt", r)
         if c.status != "finished":
             yield Event("abort", r)
     for j in (*s.jobs, *s.held):
@@ -395,13 +399,15 @@ def events(s: ModelState) -> Iterator[Event]:
         counts = sorted({1, j.unreported}) if b.partial_reports else [j.unreported]
         for n in counts:
             yield Event("report", job=j.id, count=n)
-            yield Event("report", job=j.id, count=n, failed=True)
+            if failures < b.failures:
+                yield Event("report", job=j.id, count=n, failed=True)
     if b.stray_reports:
         for jid in range(s.threshold):
             if all(j.id != jid for j in s.held):
                 yield Event("report", job=jid, count=1)
                 break
-    yield Event("reset")
+    if resets < b.resets:
+        yield Event("reset")
 
 
 FairClass = tuple[str, str | int | None]

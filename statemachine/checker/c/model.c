@@ -1761,7 +1761,8 @@ static void apply(World *w, uint32_t ev) {
     }
 }
 
-/* events(s): every event the environment may send, in spec.model's order */
+/* events(s): every event the environment may send, in spec.model's order (none that needs a
+ * spent budget) */
 int kv_events(const Bounds *b, const State *s, uint32_t *out) {
     int n = 0;
     for (int r = 0; r < b->requests; r++)
@@ -1779,7 +1780,7 @@ int kv_events(const Bounds *b, const State *s, uint32_t *out) {
         }
         if (c->cstatus == C_RUNNING) {
             if (c->computed >= b->tokens) out[n++] = EV(EV_FINISH, r, 0, 0, 0, 0);
-            out[n++] = EV(EV_PREEMPT, r, 0, 0, 0, 0);
+            if (s->budget[2] < b->preemptions) out[n++] = EV(EV_PREEMPT, r, 0, 0, 0, 0);
         }
         if (c->cstatus != C_FINISHED) out[n++] = EV(EV_ABORT, r, 0, 0, 0, 0);
     }
@@ -1794,7 +1795,7 @@ int kv_events(const Bounds *b, const State *s, uint32_t *out) {
             counts[nc++] = j->unreported;
             for (int k = 0; k < nc; k++) {
                 out[n++] = EV(EV_REPORT, 0, j->id, counts[k], 0, 0);
-                out[n++] = EV(EV_REPORT, 0, j->id, counts[k], 1, 0);
+                if (s->budget[1] < b->failures) out[n++] = EV(EV_REPORT, 0, j->id, counts[k], 1, 0);
             }
         }
     if (b->stray_reports)
@@ -1803,7 +1804,7 @@ int kv_events(const Bounds *b, const State *s, uint32_t *out) {
             for (int i = 0; i < s->njobs; i++) held |= (s->job[i].flags & JF_HELD) && s->job[i].id == id;
             if (!held) { out[n++] = EV(EV_STRAY, 0, id, 1, 0, 0); break; }
         }
-    out[n++] = EV(EV_RESET, 0, 0, 0, 0, 0);
+    if (s->budget[0] < b->resets) out[n++] = EV(EV_RESET, 0, 0, 0, 0, 0);
     return n;
 }
 
