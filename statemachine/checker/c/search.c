@@ -1483,7 +1483,8 @@ int kv_search_run(void *h, uint32_t faults, uint32_t without, int64_t max_states
     x->without = without;
     double t0 = now();
     uint64_t stop = ALL;
-    if (graph_init(g, x->parts.nparts, do_liveness || do_stuck)) {  /* before the crew: nothing to stop */
+    /* out of memory before the crew starts: nothing to stop */
+    if (graph_init(g, x->parts.nparts, do_liveness || do_stuck)) {
         r->verdict = V_MEMORY;
         *out = *r;
         return 0;
