@@ -547,10 +547,9 @@ def hybrid_setup(bounds: M.Bounds) -> dict[str, Any]:
     must span a chunk and the one before it (vLLM's `W - 1` blocks cover a chunk)."""
     if bounds.groups == ("full",):
         return {}
-    if len(bounds.groups) not in (1, E.NUM_LAYERS) or set(bounds.groups) == {"full"}:
-        raise ValueError(f"the conformance setup takes one group (over every layer), or "
-                         f"{E.NUM_LAYERS} groups (one layer each) with a sliding window or a "
-                         f"Mamba group; got {bounds.groups}")
+    if set(bounds.groups) == {"full"}:
+        raise ValueError(f"the conformance setup takes one full-attention group, or groups "
+                         f"with a sliding window or a Mamba group; got {bounds.groups}")
     retention = bounds.retention_interval
     kept = {} if retention is None else {
         "retention_interval": retention * tokens_per_model_token(bounds)}
@@ -690,8 +689,7 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
         b, failures=0, sliding_window=max(b.sliding_window, b.tokens_per_chunk + 1)
         if "sliding" in b.groups else b.sliding_window))
       for b in (*HYBRID_BOUNDS, *(s for s in (*SETTINGS_BOUNDS, *DECODE_BOUNDS) if s.hybrid))
-      if len(b.groups) <= E.NUM_LAYERS  # a group over every layer, or one layer per group
-      and b.retention_interval is None),  # a bound of its own below (MASK-SPAN)
+      if b.retention_interval is None),  # a bound of its own below (MASK-SPAN)
     M.Bounds(requests=2, tokens=6, workers=1, cpu_chunks=4, gpu_blocks=16, resets=1,
              failures=0, preemptions=1, groups=("full", "sliding"), sliding_window=5,
              blocks_per_chunk=4),
@@ -701,16 +699,22 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=14,
              resets=1, failures=0, preemptions=1, groups=("full", "sliding"),
              sliding_window=4, blocks_per_chunk=2, retention_interval=0),
+    # the same with a Mamba group beside them: the three kinds in one model (one layer
+    # each), the states retained at the same replay boundaries as the window tails
+    M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=6, gpu_blocks=18,
+             resets=1, failures=0, preemptions=1, groups=("full", "sliding", "mamba"),
+             sliding_window=4, blocks_per_chunk=2, retention_interval=0),
 )
-"""The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` of at most two
-groups (one group over both layers, such as a pure Mamba model, or one layer per group) and
-their hybrid settings and decoding bounds (requests that decode beside a sliding window over
-2-block chunks, and in blocks of 2 model tokens), without worker failures and with a window
-that spans a chunk (`hybrid_setup`), plus 4-block chunks: a full-attention and a
-sliding-window group (either order) with 1, 2 and 4 blocks per chunk, a full-attention and a
-Mamba group, a Mamba group alone, a sliding window alone, one full-attention group of
-2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a model token is 16 vLLM
-tokens, or 8 where a block holds 2 model tokens)."""
+"""The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` (one group over
+both layers, such as a pure Mamba model, or one layer per group: two groups, or the three
+kinds) and their hybrid settings and decoding bounds (requests that decode beside a
+sliding window over 2-block chunks, and in blocks of 2 model tokens), without worker
+failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block chunks: a
+full-attention and a sliding-window group (either order) with 1, 2 and 4 blocks per chunk,
+a full-attention and a Mamba group, a Mamba group alone, a sliding window alone, the three
+kinds at retention 0, one full-attention group of 2-block chunks, and blocks of 2 model
+tokens (vLLM block size 16: a model token is 16 vLLM tokens, or 8 where a block holds 2
+model tokens)."""
 
 
 def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:

@@ -127,10 +127,11 @@ def _module(name: str) -> Any:
 
 
 HYBRID_GROUPS: tuple[tuple[str, ...], ...] = (("full", "sliding"), ("full", "mamba"),
-                                              ("mamba",), ("sliding",))
+                                              ("full", "sliding", "mamba"), ("mamba",),
+                                              ("sliding",))
 """The models beyond one full-attention group the harness builds: one layer per KV cache
-group, in this order, or one group over every layer (a pure Mamba model, a sliding window
-on every layer)."""
+group, in this order (two groups, or the three kinds at once), or one group over every
+layer (a pure Mamba model, a sliding window on every layer)."""
 
 
 def make_core_scheduler(*, num_gpu_blocks: int, block_size: int = 16, num_cpu_chunks: int,

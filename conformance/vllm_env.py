@@ -273,14 +273,21 @@ def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
 
 def model_groups(sliding_window: int | None, groups: Sequence[str]) -> tuple[str, ...]:
     """The model's KV cache groups, in order: `groups` where a sliding window or a Mamba
-    group makes it more than one full-attention group. Its layers are split evenly among
-    them: a model of one group (full attention, a pure Mamba model, a sliding window on
-    every layer) has every layer in it, a hybrid one of NUM_LAYERS groups one layer in
-    each."""
+    group makes it more than one full-attention group."""
     kinds = tuple(groups) if _hybrid(sliding_window, groups) else ("full",)
-    if NUM_LAYERS % len(kinds):
-        raise ValueError(f"{NUM_LAYERS} layers do not split evenly into the groups {kinds}")
+    if not kinds or len(set(kinds)) != len(kinds):
+        raise ValueError(f"a model's KV cache groups are of distinct kinds, got {kinds}")
     return kinds
+
+
+def model_layers(groups: Sequence[str]) -> list[list[str]]:
+    """The layer names of each KV cache group of a model of the groups `groups`
+    (`model_groups`): a model of one group (full attention, a pure Mamba model, a window
+    on every layer) has its NUM_LAYERS layers in it, a hybrid model one layer per group,
+    in order (two or three)."""
+    count = NUM_LAYERS if len(groups) == 1 else len(groups)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(count)]
+    return [names] if len(groups) == 1 else [[name] for name in names]
 
 
 def chunk_layers(groups: Sequence[str]) -> int:
@@ -288,7 +295,8 @@ def chunk_layers(groups: Sequence[str]) -> int:
     (`model_groups`): its group's where the KV tensors describe their layers (0.29+);
     before, the CPU spec sums every tensor per block (offloading/config.py:90-103 in
     0.26.0): all the layers."""
-    return NUM_LAYERS // len(groups) if has("kv_tensor_layers") else NUM_LAYERS
+    per_group = model_layers(groups)
+    return len(per_group[0]) if has("kv_tensor_layers") else sum(map(len, per_group))
 
 
 def _kv_tensor(v: Any, size: int, layers: list[str], page: int, num_gpu_blocks: int) -> Any:
@@ -306,7 +314,7 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int,
                      groups: Sequence[str] = ("full", "sliding")) -> Any:
     v = _v()
     kinds = model_groups(sliding_window, groups)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    per_group = model_layers(kinds)
     full = v.FullAttentionSpec(block_size=block_size, num_kv_heads=NUM_KV_HEADS,
                                head_size=HEAD_SIZE, dtype=v.torch.float32)
     page = full.page_size_bytes
@@ -320,12 +328,13 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int,
             block_size=block_size, shapes=((page // 4,),), dtypes=(v.torch.float32,),
             mamba_cache_mode="align")
     if len(kinds) > 1:  # a hybrid model: one layer per group, in order
-        tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
-                   for name in layers]
+        tensors = [_kv_tensor(v, page * num_gpu_blocks, layers, page, num_gpu_blocks)
+                   for layers in per_group]
         return v.KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
-                               kv_cache_groups=[v.KVCacheGroupSpec([name], specs[kind])
-                                                for name, kind in zip(layers, kinds,
-                                                                      strict=True)])
+                               kv_cache_groups=[v.KVCacheGroupSpec(layers, specs[kind])
+                                                for layers, kind in zip(per_group, kinds,
+                                                                        strict=True)])
+    [layers] = per_group
     if has("kv_tensor_layers"):  # one backing allocation for all layers, layer-outermost
         tensors = [_kv_tensor(v, page * NUM_LAYERS * num_gpu_blocks, layers, page,
                               num_gpu_blocks)]
