@@ -1,8 +1,10 @@
 """vLLM's real core Scheduler with a Mamba group in align mode (`conformance.core_scheduler`):
-beside a full-attention group (`groups=("full", "mamba")`) and alone, a pure Mamba model
-(`groups=("mamba",)`, one Mamba group over every layer). Its `MambaManager` commits the
-states, splits the prefills at block edges and hands the connector the states it caches
-(`boundary_state_offloads`), and vLLM's connector stores them.
+beside a full-attention group (`groups=("full", "mamba")`), alone (a pure Mamba model,
+`groups=("mamba",)`, one Mamba group over every layer), and beside a full-attention and a
+sliding-window group (`groups=("full", "sliding", "mamba")`, the three kinds). Its
+`MambaManager` commits the states, splits the prefills at block edges and hands the
+connector the states it caches (`boundary_state_offloads`), and vLLM's connector stores
+them.
 
 What the core hands off is checked step by step against the spec's rule (spec/groups.py,
 `handoff_position`): the state after every scheduled step that ends on a block edge and
@@ -59,13 +61,19 @@ pytestmark = [
                               "0.30 (block_state_handoffs, retention_interval)"),
 ]
 
-MODELS: dict[str, tuple[str, ...]] = {"hybrid": ("full", "mamba"), "pure": ("mamba",)}
-"""The models' KV cache groups: a full-attention group beside the Mamba group, and a pure
-Mamba model."""
-SCENARIO_GPU_BLOCKS = {"hybrid": 18, "pure": 6}
+MODELS: dict[str, tuple[str, ...]] = {"hybrid": ("full", "mamba"), "pure": ("mamba",),
+                                      "three": ("full", "sliding", "mamba")}
+"""The models' KV cache groups: a full-attention group beside the Mamba group, a pure
+Mamba model, and the three kinds at once (a sliding window of `WINDOW` tokens)."""
+WINDOW = 49
+"""The sliding window beside: three blocks and a token."""
+SPEC_NAMES = {"full": "FullAttentionSpec", "sliding": "SlidingWindowSpec", "mamba": "MambaSpec"}
+SCENARIO_GPU_BLOCKS = {"hybrid": 18, "pure": 6, "three": 24}
 """All groups' blocks together: tight enough that the scenario preempts, and (a pure Mamba
 model needs a block a request) that it evicts states the requests then load."""
-CPU_CHUNKS = 64
+CPU_CHUNKS = {"hybrid": 64, "pure": 64, "three": 128}
+"""Room for what the long evicting requests store (`_evict`) beside the prefix they share
+with `b`: the window tails too, with the three kinds."""
 RETENTION = {"dense": None, "sparse": 0}
 """Every state kept, or vLLM's default retention (0): only the states at the reachable
 boundaries."""
@@ -74,11 +82,12 @@ boundaries."""
 def mamba_run(model: str, retention_interval: int | None, gpu_blocks: int,
               workers: int = 2, **kwargs: Any) -> CoreRun:
     groups = MODELS[model]
-    run = make_core_scheduler(num_gpu_blocks=gpu_blocks, num_cpu_chunks=CPU_CHUNKS,
-                              num_workers=workers, groups=groups,
+    window = WINDOW if "sliding" in groups else None
+    run = make_core_scheduler(num_gpu_blocks=gpu_blocks, num_cpu_chunks=CPU_CHUNKS[model],
+                              num_workers=workers, groups=groups, sliding_window=window,
                               retention_interval=retention_interval, **kwargs)
     assert [type(g.kv_cache_spec).__name__ for g in run.kv_cache_config.kv_cache_groups] == \
-        [{"full": "FullAttentionSpec", "mamba": "MambaSpec"}[g] for g in groups]
+        [SPEC_NAMES[g] for g in groups]
     assert run.scheduler.need_mamba_block_aligned_split
     return run
 
@@ -147,8 +156,9 @@ def test_the_scenario_runs_through_the_mamba_core(model: str) -> None:
 def test_the_cores_handoffs_are_the_specs(model: str, retention: str) -> None:
     """Step by step, every request: the core's hand-offs are what the spec's rule gives, and
     the scenario reaches both kinds (a step ending on a block edge, a loaded hit); beside
-    full attention at retention 0 it reaches junctions, and a state kept at one (a pure
-    Mamba model has none: its lookup hits a stored state or nothing)."""
+    full attention (with or without a window) at retention 0 it reaches junctions, and a
+    state kept at one (a pure Mamba model has none: its lookup hits a stored state or
+    nothing)."""
     run, summary = scenario_run(model, retention)
     prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
     kinds = {"step": 0, "hit": 0, "junction": 0}
@@ -163,9 +173,9 @@ def test_the_cores_handoffs_are_the_specs(model: str, retention: str) -> None:
                       else "hit"] += 1
                 kinds["junction"] += boundary == rec.junctions.get(r)
         prev = rec
-    assert kinds["step"] >= 5 and kinds["hit"] >= 1, kinds
-    if model == "hybrid":
-        assert kinds["hit"] >= 2 and (RETENTION[retention] != 0 or kinds["junction"]), kinds
+    assert kinds["step"] >= 5 and kinds["hit"] >= (2 if model == "hybrid" else 1), kinds
+    if "full" in MODELS[model]:
+        assert RETENTION[retention] != 0 or kinds["junction"], kinds
     else:
         assert kinds["junction"] == 0, kinds
 
@@ -196,7 +206,8 @@ def test_the_cores_prefill_chunks_end_where_the_spec_says(model: str, retention:
             at_junction += end == junction and end < total
         for r in rec.sampled:
             generated[r] += 1
-    assert clipped >= 3 and (at_junction >= 1) == (model == "hybrid"), (clipped, at_junction)
+    assert clipped >= 3 and (at_junction >= 1) == ("full" in MODELS[model]), \
+        (clipped, at_junction)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -217,7 +228,8 @@ def test_each_mamba_store_is_a_state_the_core_handed_off(model: str) -> None:
                 assert (rec.store_jobs[job], blocks[0], indices[group]) in offered
                 mamba_stores += 1
             else:
-                assert model == "hybrid" and sizes[0] == len(blocks), (rec.step, job, sizes)
+                assert len(MODELS[model]) > 1 and sum(sizes) == len(blocks), \
+                    (rec.step, job, sizes)
     assert mamba_stores >= 3
 
 
@@ -225,7 +237,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
-LOAD_GPU_BLOCKS = {"hybrid": 24, "pure": 8}
+LOAD_GPU_BLOCKS = {"hybrid": 24, "pure": 8, "three": 46}
 """GPU blocks of `_load_then_step`: few enough that the requests after `a` evict its."""
 
 
@@ -235,7 +247,7 @@ def _evict(driver: CoreDriver, model: str, rng: random.Random, long: int,
     `long` tokens beside full attention; six short ones in a pure Mamba model, where a
     request holds a block or two and each leaves its own state cached."""
     bs = driver.run.block_size
-    for x, n in ((("x", long),) if model == "hybrid" else
+    for x, n in ((("x", long),) if "full" in MODELS[model] else
                  ((f"x{i}", 3 * bs + 8) for i in range(6))):
         driver.add_request(x, _tokens(rng, n), 2)
         assert driver.run_until_idle(steps).idle
@@ -281,7 +293,12 @@ def test_a_loaded_state_is_handed_off_and_stored_again_after_a_reset(reset: bool
     if not reset:
         assert stores == {}
     else:
-        prefix = [(tuple(rec.tables["b"][0][:3]), (3, 0), (0, 0))] if model == "hybrid" else []
+        # the prefix's 3 chunks in every other group (full attention, every window tail
+        # kept), at block index 0
+        n = len(MODELS[model])
+        others = [g for g in range(n) if g != group]
+        prefix = [(tuple(x for g in others for x in rec.tables["b"][g][:3]),
+                   tuple(0 if g == group else 3 for g in range(n)), (0,) * n)] if others else []
         assert sorted(stores.values()) == sorted([one_state(model, table[2], 2), *prefix])
     assert driver.run_until_idle(40).idle
 
@@ -306,16 +323,18 @@ def test_at_retention_0_a_loaded_state_the_request_cannot_resume_at_is_not_hande
         assert driver.run_until_idle(40).idle
 
 
-WAIT_GPU_BLOCKS = {"hybrid": 40, "pure": 8}
+WAIT_GPU_BLOCKS = {"hybrid": 40, "pure": 8, "three": 46}
+"""GPU blocks of the waiting test: few enough that `x` evicts `a`'s (a window group frees
+the blocks behind its window as `x` prefills 64 tokens a step)."""
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_loaded_request_the_core_cannot_schedule_waits_with_the_store_of_its_state(
         tmp_path: Path, model: str) -> None:
-    """D4's second case on vLLM's real core (beside full attention, and in a pure Mamba
-    model), under the live monitor. `b` loads `a`'s prefix (async), and a long `y` starts
-    to prefill 64 tokens a step, leaving 4 of the 68-token budget; after `b`'s load is
-    reported the operator resets the caches. In the next step the core's waiting loop
+    """D4's second case on vLLM's real core (beside full attention, in a pure Mamba model,
+    and with the three kinds), under the live monitor. `b` loads `a`'s prefix (async), and
+    a long `y` starts to prefill 64 tokens a step, leaving 4 of the 68-token budget; after
+    `b`'s load is reported the operator resets the caches. In the next step the core's waiting loop
     reaches `b`, caches the loaded blocks and hands off their state, but no block-aligned
     chunk of `b` fits the 4 tokens left, so it does not schedule `b`. vLLM's connector
     stores the state for the waiting `b`: the spec's `WAITING_STORING`, which the monitor

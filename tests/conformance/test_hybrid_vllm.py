@@ -143,11 +143,41 @@ def test_a_mamba_state_handed_off_is_stored_alone_and_fenced_as_the_reference_do
     # the state after two blocks lies in block 5
     vllm_jobs = _vllm_store_jobs(E, setup, ([1, 2, 3], [0, 5, 0]), [(1, 5, 2 * BLOCK)])
     assert vllm_jobs == {(2, 0): ([1, 2], [0, 0]), (0, 1): ([5], [0, 1])}
-    [state_job] = [j for j, s in setup.scheduler._jobs.items() if s.fenced_block_ids]
-    assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
+    assert _vllm_fences(setup) == [[5]]
 
     mine = ((0, 1, 2), (NULL_BLOCK, 4, NULL_BLOCK))  # vLLM's ids less one, -1 for null
-    assert _reference_store_jobs(("full", "mamba"), mine, ((1, 4, 2 * BLOCK),)) == vllm_jobs
+    assert _reference_store_jobs(("full", "mamba"), mine, ((1, 4, 2 * BLOCK),)) == \
+        (vllm_jobs, [[5]])
+
+
+def test_the_three_kinds_store_by_position_and_the_state_alone_as_the_reference_does(
+        vllm_ready: Any) -> None:
+    """The three kinds in one model, one layer each: full attention, a sliding window of
+    `WINDOW` tokens, Mamba in align mode. In r0's first step of two blocks vLLM's
+    positional store takes both blocks of the full-attention and of the window group, the
+    window's fenced at creation (the core may free them); the state handed off after two
+    blocks is a store of its block alone, fenced. The reference makes the same two jobs,
+    with the same fences."""
+    E = vllm_ready
+    if not E.has("block_state_handoffs"):
+        pytest.skip("the core's Mamba hand-offs need vLLM 0.29.0")
+    from spec.groups import NULL_BLOCK
+
+    kinds = ("full", "sliding", "mamba")
+    setup = E.make_setup(num_gpu_blocks=16, block_size=BLOCK, sliding_window=WINDOW,
+                         groups=kinds)
+    assert [type(g.kv_cache_spec).__name__ for g in setup.kv_cache_config.kv_cache_groups] \
+        == ["FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"]
+    assert [list(g.layer_names) for g in setup.kv_cache_config.kv_cache_groups] == [
+        [f"model.layers.{i}.self_attn.attn"] for i in range(3)]
+    vllm_jobs = _vllm_store_jobs(E, setup, ([1, 2, 3], [4, 6, 7], [0, 5, 0]),
+                                 [(2, 5, 2 * BLOCK)])
+    assert vllm_jobs == {(2, 2, 0): ([1, 2, 4, 6], [0, 0, 0]), (0, 0, 1): ([5], [0, 0, 1])}
+    assert _vllm_fences(setup) == [[4, 6], [5]]
+
+    mine = ((0, 1, 2), (3, 5, 6), (NULL_BLOCK, 4, NULL_BLOCK))  # vLLM's ids less one
+    assert _reference_store_jobs(kinds, mine, ((2, 4, 2 * BLOCK),), window=WINDOW) == \
+        (vllm_jobs, [[4, 6], [5]])
 
 
 def test_a_pure_mamba_model_stores_each_state_handed_off_as_the_reference_does(
@@ -172,10 +202,9 @@ def test_a_pure_mamba_model_stores_each_state_handed_off_as_the_reference_does(
     # the state after two blocks lies in block 5
     vllm_jobs = _vllm_store_jobs(E, setup, ([0, 5, 0],), [(0, 5, 2 * BLOCK)])
     assert vllm_jobs == {(1,): ([5], [1])}
-    [state_job] = setup.scheduler._jobs
-    assert setup.scheduler._jobs[state_job].fenced_block_ids == [5]
+    assert len(setup.scheduler._jobs) == 1 and _vllm_fences(setup) == [[5]]
     mine = ((NULL_BLOCK, 4, NULL_BLOCK),)  # vLLM's ids less one, -1 for null
-    assert _reference_store_jobs(("mamba",), mine, ((0, 4, 2 * BLOCK),)) == vllm_jobs
+    assert _reference_store_jobs(("mamba",), mine, ((0, 4, 2 * BLOCK),)) == (vllm_jobs, [[5]])
 
 
 def _vllm_store_jobs(E: Any, setup: Any, table: tuple[list[int], ...],
@@ -195,11 +224,20 @@ def _vllm_store_jobs(E: Any, setup: Any, table: tuple[list[int], ...],
     return _jobs_by_groups(meta)
 
 
+def _vllm_fences(setup: Any) -> list[list[int]]:
+    """The blocks each of vLLM's jobs fenced at its creation, of those that fenced any."""
+    return sorted([int(b) for b in s.fenced_block_ids]
+                  for s in setup.scheduler._jobs.values() if s.fenced_block_ids)
+
+
 def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], ...],
-                          offloads: tuple[tuple[int, int, int], ...]) -> dict[Any, Any]:
+                          offloads: tuple[tuple[int, int, int], ...],
+                          window: int | None = None
+                          ) -> tuple[dict[Any, Any], list[list[int]]]:
     """The store jobs the reference scheduler makes for r0 (three blocks, `table` per
-    group, the core's hand-offs `offloads`) in its first step of two blocks, keyed and
-    numbered as `_jobs_by_groups` reads vLLM's."""
+    group, the core's hand-offs `offloads`, a sliding window of `window` tokens) in its
+    first step of two blocks, keyed and numbered as `_jobs_by_groups` reads vLLM's, and
+    their fences as `_vllm_fences` reads vLLM's."""
     from statemachine import KVCacheGroup, OffloadingConfig, OffloadingScheduler
     from statemachine.messages import (
         GPULoadStoreSpec,
@@ -209,7 +247,9 @@ def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], 
     )
 
     ours = OffloadingScheduler(OffloadingConfig(
-        block_size=BLOCK, groups=tuple(KVCacheGroup(k) for k in kinds)))
+        block_size=BLOCK, groups=tuple(
+            KVCacheGroup(k, sliding_window=window if k == "sliding" else None)
+            for k in kinds)))
     req = Request("r0", _prompt(0), block_hashes=[b + 1 for b in range(3)])
     ours.on_new_request(req)
     ours.get_num_new_matched_tokens(req, 0)
@@ -225,7 +265,9 @@ def _reference_store_jobs(kinds: tuple[str, ...], table: tuple[tuple[int, ...], 
         # where vLLM's spec always carries the sizes and the first indices
         jobs[src.sizes_per_group] = ([b + 1 for b in src.block_ids],
                                      list(src.first_index_per_group))
-    return jobs
+    fences = sorted(sorted(b + 1 for b in job.fenced_block_ids)
+                    for job in ours.jobs if job.fenced_block_ids)
+    return jobs, fences
 
 
 # ============================================================================ finding F4

@@ -274,6 +274,10 @@ HYBRID_CORES: dict[str, tuple[dict[str, Any], list[str], tuple[str, ...], dict[s
     "pure-sliding": ({"groups": ("sliding",), "sliding_window": HYBRID_WINDOW,
                       "num_gpu_blocks": 8, "retention_interval": None},
                      ["SlidingWindowSpec"], ("retention_interval",), {"reset_latest": 15}),
+    # the three kinds at once, one layer each
+    "three-kinds": ({"groups": ("full", "sliding", "mamba"), "sliding_window": HYBRID_WINDOW},
+                    ["FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"],
+                    ("retention_interval", "block_state_handoffs"), {}),
 }
 """Per model beyond one full-attention group: the core's arguments, its KV cache groups,
 the features it needs, the scenario's arguments."""
@@ -284,7 +288,8 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
         tmp_path: Path, model: str) -> None:
     """The monitored connector in vLLM's real core Scheduler with a full-attention group
     and a sliding-window group, or a Mamba group in align mode (the core then commits the
-    states at block edges and hands them to the connector), or one group over every layer
+    states at block edges and hands them to the connector), or both beside it, or one group
+    over every layer
     (a pure Mamba model, a sliding window on every layer), at vLLM's default retention
     (every window tail kept on the pure window model): the scenario preempts, loads, resets
     with jobs in flight and decodes (past the window), and the monitor (every hook, the
@@ -313,14 +318,15 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
     v = replay(log)
     assert v.clean, v.text()
     prompts = {r.req_id: len(r.prompt) for r in scenario_requests(run.block_size, seed=0)}
-    if "sliding" in model:
+    groups = kwargs.get("groups", ("full", "sliding"))
+    if "sliding" in groups:
         # the window at work: requests run past it by two blocks and more (the core frees
         # their window blocks as they go; the live monitor does not observe its tables)
         assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
                    for r, out in summary.output_tokens.items())
-    else:
+    if "mamba" in groups:
         # the core's state hand-offs became stores of one Mamba block each
-        state = (0, 1) if model == "mamba" else (1,)
+        state = tuple(int(kind == "mamba") for kind in groups)
         assert any(rec.handoffs for rec in summary.records)
         assert any(sizes == state for rec in summary.records
                    for _, sizes, _ in rec.store_sources.values())
