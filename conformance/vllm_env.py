@@ -274,10 +274,7 @@ def _hybrid(sliding_window: int | None, groups: Sequence[str]) -> bool:
 def model_groups(sliding_window: int | None, groups: Sequence[str]) -> tuple[str, ...]:
     """The model's KV cache groups, in order: `groups` where a sliding window or a Mamba
     group makes it more than one full-attention group."""
-    kinds = tuple(groups) if _hybrid(sliding_window, groups) else ("full",)
-    if not kinds or len(set(kinds)) != len(kinds):
-        raise ValueError(f"a model's KV cache groups are of distinct kinds, got {kinds}")
-    return kinds
+    return tuple(groups) if _hybrid(sliding_window, groups) else ("full",)
 
 
 def model_layers(groups: Sequence[str]) -> list[list[str]]:
@@ -336,7 +333,7 @@ def _kv_cache_config(num_gpu_blocks: int, block_size: int,
                                                                         strict=True)])
     [layers] = per_group
     if has("kv_tensor_layers"):  # one backing allocation for all layers, layer-outermost
-        tensors = [_kv_tensor(v, page * NUM_LAYERS * num_gpu_blocks, layers, page,
+        tensors = [_kv_tensor(v, page * len(layers) * num_gpu_blocks, layers, page,
                               num_gpu_blocks)]
     else:  # one tensor per layer
         tensors = [_kv_tensor(v, page * num_gpu_blocks, [name], page, num_gpu_blocks)
