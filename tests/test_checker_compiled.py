@@ -445,11 +445,6 @@ def _events_c(b: M.Bounds, enc: bytes) -> list[int]:
     return list(evs[:n])
 
 
-def _model_label(label: int) -> int:
-    """A compiled event's label as the model's event has it: a stray report is a report."""
-    return (label & ~7) | compiled.EV_REPORT if label & 7 == compiled.EV_STRAY else label
-
-
 def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
     lib = compiled.library().lib
     cb = compiled.c_bounds(b)
@@ -460,7 +455,10 @@ def _successors_c(b: M.Bounds, enc: bytes) -> Counter[tuple[int, bytes | int]]:
         n = lib.kv_step(ctypes.byref(cb), rows, nrows, 0, enc, ev, buf)
         if n == -2:  # not enabled
             continue
-        out[_model_label(ev), buf.raw[:n] if n >= 0 else n] += 1
+        label = ev
+        if label & 7 == compiled.EV_STRAY:  # a stray report is a report to the model
+            label = (label & ~7) | compiled.EV_REPORT
+        out[label, buf.raw[:n] if n >= 0 else n] += 1
     return out
 
 
@@ -501,8 +499,9 @@ def test_the_same_successors_of_sampled_states(scenario: object) -> None:
         assert _successors_c(scenario.bounds, enc) == _successors_py(s), s
         # the same events offered, in the same order (none that needs a spent budget): a
         # breadth-first search meets states, and so counterexamples, in the same order
-        assert [_model_label(ev) for ev in _events_c(scenario.bounds, enc)] == [
-            compiled.event_label(canonical_event(ev, s)) for ev in M.events(s)], s
+        assert [compiled.label_event(ev, scenario.bounds)
+                for ev in _events_c(scenario.bounds, enc)] == [
+            canonical_event(ev, s) for ev in M.events(s)], s
 
 
 DECODING_SAMPLED = {
