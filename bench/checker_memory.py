@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import json
 import os
@@ -46,7 +47,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from trees import ROOT, worktree
 
 EXAMPLE = "groups=full+sliding+mamba,sliding_window=3,decode_tokens=2,tokens_per_block=2," \
           "gpu_blocks=12"
@@ -176,52 +177,44 @@ def main() -> None:
         searches.append("bounds:" + EXAMPLE)
     if args.instructions and shutil.which("valgrind") is None:
         sys.exit("--instructions needs valgrind on the PATH (Debian: apt-get install valgrind)")
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
         trees = [("this tree", ROOT)]
         if args.against:
-            other = Path(tmp) / "against"
-            subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against],
-                           cwd=ROOT, check=True, capture_output=True)
-            trees.insert(0, (args.against, other))
-        try:
-            print(f"machine: {os.cpu_count()} cores; {args.threads} threads a search; "
-                  f"liveness {'included' if args.liveness else 'not searched'}; "
-                  + ("instructions: the compiled library's own, under callgrind"
-                     if args.instructions else
-                     "MB: 10^6 bytes; B/state: of the peak resident set"))
-            head = f"{'search':32} {'tree':>10} {'states':>11} " + (
-                f"{'10^6 instructions':>17} {'a state':>8}" if args.instructions else
-                f"{'seconds':>8} {'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
-            print(head)
-            print("-" * len(head))
-            for search in searches:
-                best: dict[str, dict[str, object]] = {}
-                for rep in range(args.reps):
-                    for label, tree in trees[::-1] if rep % 2 else trees:
-                        r = one(tree, search, args.threads, args.liveness, args.instructions)
-                        if label not in best or r["seconds"] < best[label]["seconds"]:  # type: ignore[operator]
-                            best[label] = r
-                runs = [best[label] for label, _ in trees]
-                for (label, _), r in zip(trees, runs, strict=True):
-                    name = "README example" if search.startswith("bounds:") else search
-                    n = int(r["states"])  # type: ignore[call-overload]
-                    print(f"{name:32} {label[:10]:>10} {n:11,} " + (
-                        f"{int(r['instructions']) / 1e6:17,.0f} "  # type: ignore[call-overload]
-                        f"{int(r['instructions']) // n:8,}"  # type: ignore[call-overload]
-                        if args.instructions else
-                        f"{r['seconds']:8.2f} {_mb(r['rss']):>11} "
-                        f"{int(r['rss']) // n:7} "  # type: ignore[call-overload]
-                        f"{_mb(r['memory']):>9}"), flush=True)
-                if len(runs) == 2:
-                    key = ("states", "edges", "depth", "verdict")
-                    assert [runs[0][k] for k in key] == [runs[1][k] for k in key], search
-                    print(f"{'':32} {'ratio':>10} {'':11} " + (
-                        f"{_ratio(runs, 'instructions'):16.2f}x" if args.instructions else
-                        f"{_ratio(runs, 'seconds'):7.2f}x {_ratio(runs, 'rss'):10.2f}x"))
-        finally:
-            if args.against:
-                subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
-                               check=True, capture_output=True)
+            trees.insert(0, (args.against, stack.enter_context(worktree(args.against))))
+        print(f"machine: {os.cpu_count()} cores; {args.threads} threads a search; "
+              f"liveness {'included' if args.liveness else 'not searched'}; "
+              + ("instructions: the compiled library's own, under callgrind"
+                 if args.instructions else
+                 "MB: 10^6 bytes; B/state: of the peak resident set"))
+        head = f"{'search':32} {'tree':>10} {'states':>11} " + (
+            f"{'10^6 instructions':>17} {'a state':>8}" if args.instructions else
+            f"{'seconds':>8} {'peak RSS MB':>11} {'B/state':>7} {'memory MB':>9}")
+        print(head)
+        print("-" * len(head))
+        for search in searches:
+            best: dict[str, dict[str, object]] = {}
+            for rep in range(args.reps):
+                for label, tree in trees[::-1] if rep % 2 else trees:
+                    r = one(tree, search, args.threads, args.liveness, args.instructions)
+                    if label not in best or r["seconds"] < best[label]["seconds"]:  # type: ignore[operator]
+                        best[label] = r
+            runs = [best[label] for label, _ in trees]
+            for (label, _), r in zip(trees, runs, strict=True):
+                name = "README example" if search.startswith("bounds:") else search
+                n = int(r["states"])  # type: ignore[call-overload]
+                print(f"{name:32} {label[:10]:>10} {n:11,} " + (
+                    f"{int(r['instructions']) / 1e6:17,.0f} "  # type: ignore[call-overload]
+                    f"{int(r['instructions']) // n:8,}"  # type: ignore[call-overload]
+                    if args.instructions else
+                    f"{r['seconds']:8.2f} {_mb(r['rss']):>11} "
+                    f"{int(r['rss']) // n:7} "  # type: ignore[call-overload]
+                    f"{_mb(r['memory']):>9}"), flush=True)
+            if len(runs) == 2:
+                key = ("states", "edges", "depth", "verdict")
+                assert [runs[0][k] for k in key] == [runs[1][k] for k in key], search
+                print(f"{'':32} {'ratio':>10} {'':11} " + (
+                    f"{_ratio(runs, 'instructions'):16.2f}x" if args.instructions else
+                    f"{_ratio(runs, 'seconds'):7.2f}x {_ratio(runs, 'rss'):10.2f}x"))
 
 
 if __name__ == "__main__":

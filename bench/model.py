@@ -25,10 +25,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from trees import ROOT, worktree
 
 SCENARIOS = ("loaded-state-handoff", "failures", "window-retention", "partial-tails",
              "store-admission")
@@ -71,20 +70,13 @@ def main() -> None:
     args = ap.parse_args()
     names = args.scenario or list(SCENARIOS)
     best: dict[str, dict[str, list[float]]] = {"here": {}, args.rev: {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        other = Path(tmp) / "against"
-        subprocess.run(["git", "worktree", "add", "--detach", str(other), args.rev], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            for _ in range(args.rounds):
-                for label, tree in ((args.rev, other), ("here", ROOT)):
-                    for name, run in _run(tree, args.states, names).items():
-                        kept = best[label].get(name)
-                        if kept is None or run[2] < kept[2]:
-                            best[label][name] = run
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
-                           check=True, capture_output=True)
+    with worktree(args.rev) as other:
+        for _ in range(args.rounds):
+            for label, tree in ((args.rev, other), ("here", ROOT)):
+                for name, run in _run(tree, args.states, names).items():
+                    kept = best[label].get(name)
+                    if kept is None or run[2] < kept[2]:
+                        best[label][name] = run
     head = (f"{'scenario':32} {'states':>7} {'edges':>8} | {args.rev[:12]:>12} s "
             f"{'states/s':>9} | {'here':>12} s {'states/s':>9} | {'ratio':>6}")
     print(f"space: each whole state space; checker: the reference checker over the first "

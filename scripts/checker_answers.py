@@ -20,10 +20,12 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow `kernels`
+
+from trees import worktree  # noqa: E402
 
 _ANSWERS = """
 import json, sys
@@ -72,15 +74,8 @@ def main() -> int:
     ap.add_argument("rev", help="the git revision to compare with")
     ap.add_argument("--long", action="store_true", help="the two longest scenarios too")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        other = Path(tmp) / "against"
-        subprocess.run(["git", "worktree", "add", "--detach", str(other), args.rev], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            theirs = answers(other, args.long)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
-                           check=True, capture_output=True)
+    with worktree(args.rev) as other:
+        theirs = answers(other, args.long)
     ours = answers(ROOT, args.long)
     differ = 0
     for name in sorted(set(ours) | set(theirs)):
