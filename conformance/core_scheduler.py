@@ -699,6 +699,10 @@ _SCENARIO: tuple[tuple[int, bool, int, int], ...] = (
 SCENARIO_GPU_BLOCKS = 10
 """GPU blocks (one of them vLLM's null block) the scenario is sized for: few enough that
 the Scheduler preempts."""
+SCENARIO_WINDOW = 49
+"""The sliding window, in tokens, of the scenario on a model with a window: three 16-token
+blocks and a token, so that a running request's window frees blocks while it prefills and
+decodes."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import conformance.vllm_env  # (before vLLM: offline, quiet, temporary caches)
 
 # isort: split
 from conformance.core_scheduler import (
+    SCENARIO_WINDOW,
     CoreDriver,
     CoreRun,
     RunSummary,
@@ -64,9 +65,7 @@ pytestmark = [
 MODELS: dict[str, tuple[str, ...]] = {"hybrid": ("full", "mamba"), "pure": ("mamba",),
                                       "three": ("full", "sliding", "mamba")}
 """The models' KV cache groups: a full-attention group beside the Mamba group, a pure
-Mamba model, and the three kinds at once (a sliding window of `WINDOW` tokens)."""
-WINDOW = 49
-"""The sliding window beside: three blocks and a token."""
+Mamba model, and the three kinds at once (a sliding window of `SCENARIO_WINDOW` tokens)."""
 SPEC_NAMES = {"full": "FullAttentionSpec", "sliding": "SlidingWindowSpec", "mamba": "MambaSpec"}
 SCENARIO_GPU_BLOCKS = {"hybrid": 18, "pure": 6, "three": 24}
 """All groups' blocks together: tight enough that the scenario preempts, and (a pure Mamba
@@ -82,7 +81,7 @@ boundaries."""
 def mamba_run(model: str, retention_interval: int | None, gpu_blocks: int,
               workers: int = 2, **kwargs: Any) -> CoreRun:
     groups = MODELS[model]
-    window = WINDOW if "sliding" in groups else None
+    window = SCENARIO_WINDOW if "sliding" in groups else None
     run = make_core_scheduler(num_gpu_blocks=gpu_blocks, num_cpu_chunks=CPU_CHUNKS[model],
                               num_workers=workers, groups=groups, sliding_window=window,
                               retention_interval=retention_interval, **kwargs)

@@ -25,6 +25,7 @@ import conformance.vllm_env  # (before vLLM: offline, quiet, temporary caches)
 # isort: split
 from conformance.core_scheduler import (
     SCENARIO_GPU_BLOCKS,
+    SCENARIO_WINDOW,
     CoreDriver,
     CoreRun,
     HookError,
@@ -253,15 +254,12 @@ def test_a_corrupted_ack_is_flagged(tmp_path: Path) -> None:
         [(g.rule, g.jobs, g.seq) for g in live][:2]
 
 
-HYBRID_WINDOW = 49
-"""The hybrid scenario's sliding window in tokens: three 16-token blocks and a token, so
-that a running request's window frees blocks while it prefills and decodes."""
 HYBRID_GPU_BLOCKS = 18
 """GPU blocks for both groups together: tight enough that the Scheduler preempts."""
 
 
 HYBRID_CORES: dict[str, tuple[dict[str, Any], list[str], tuple[str, ...], dict[str, Any]]] = {
-    "sliding": ({"sliding_window": HYBRID_WINDOW}, ["FullAttentionSpec", "SlidingWindowSpec"],
+    "sliding": ({"sliding_window": SCENARIO_WINDOW}, ["FullAttentionSpec", "SlidingWindowSpec"],
                 ("retention_interval",), {}),
     "mamba": ({"groups": ("full", "mamba")}, ["FullAttentionSpec", "MambaSpec"],
               ("retention_interval", "block_state_handoffs"), {}),
@@ -271,11 +269,11 @@ HYBRID_CORES: dict[str, tuple[dict[str, Any], list[str], tuple[str, ...], dict[s
                    ("retention_interval", "block_state_handoffs"), {"reset_latest": 15}),
     # a window on every layer; every tail kept (at retention 0 the scenario's requests
     # find no window tail to load), 8 blocks: fewer and the core cannot fit a window
-    "pure-sliding": ({"groups": ("sliding",), "sliding_window": HYBRID_WINDOW,
+    "pure-sliding": ({"groups": ("sliding",), "sliding_window": SCENARIO_WINDOW,
                       "num_gpu_blocks": 8, "retention_interval": None},
                      ["SlidingWindowSpec"], ("retention_interval",), {"reset_latest": 15}),
     # the three kinds at once, one layer each
-    "three-kinds": ({"groups": ("full", "sliding", "mamba"), "sliding_window": HYBRID_WINDOW},
+    "three-kinds": ({"groups": ("full", "sliding", "mamba"), "sliding_window": SCENARIO_WINDOW},
                     ["FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"],
                     ("retention_interval", "block_state_handoffs"), {}),
 }
@@ -322,7 +320,7 @@ def test_a_hybrid_model_in_the_real_core_is_clean_live_and_in_replay(
     if "sliding" in groups:
         # the window at work: requests run past it by two blocks and more (the core frees
         # their window blocks as they go; the live monitor does not observe its tables)
-        assert any(prompts[r] + len(out) >= HYBRID_WINDOW + 2 * run.block_size
+        assert any(prompts[r] + len(out) >= SCENARIO_WINDOW + 2 * run.block_size
                    for r, out in summary.output_tokens.items())
     if "mamba" in groups:
         # the core's state hand-offs became stores of one Mamba block each
