@@ -116,6 +116,8 @@ class ReferenceAdapter:
             store_threshold=bounds.store_threshold, rules=bounds.rules,
             offload_prompt_only=bounds.offload_prompt_only,
             tokens_per_hash=BLOCK if bounds.partial_tails else None,
+            retention_interval=None if bounds.retention_interval is None
+            else bounds.retention_interval * BLOCK,
             groups=tuple(KVCacheGroup(kind, window_tokens(bounds.sliding_window, BLOCK)
                                       if kind == "sliding" else None)
                          for kind in bounds.groups))
@@ -325,6 +327,9 @@ HYBRID_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=4, families=2, workers=2, cpu_chunks=5, gpu_blocks=10,
              resets=2, failures=1, preemptions=1, groups=("sliding",), sliding_window=3,
              blocks_per_chunk=2),
+    M.Bounds(requests=3, tokens=4, families=2, workers=1, cpu_chunks=4, gpu_blocks=8,
+             resets=2, failures=1, preemptions=1, groups=("sliding",), sliding_window=2,
+             retention_interval=0),
 )
 """Several KV cache groups (full attention and a sliding window, in either order; beside a
 Mamba group), chunks of several blocks, both (a hit that ends inside a chunk; a window of 3
@@ -337,7 +342,8 @@ window tail and Mamba state), block-aligned prompts in blocks of 2 tokens beside
 rules (a tail searched past the full-attention prefix when a failed store left no state at
 a chunk edge), and a group alone over every layer: a pure Mamba model (the state a load
 ended on is handed off and stored again, and the request waits for that store), and a
-sliding window on every layer (2-block chunks, a window of 3)."""
+sliding window on every layer (2-block chunks, a window of 3; and at vLLM's default
+retention, where a chunk no tail needs is passed over without a store)."""
 
 
 SETTINGS_BOUNDS: tuple[M.Bounds, ...] = (
