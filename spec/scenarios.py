@@ -270,6 +270,17 @@ SCENARIOS: tuple[Scenario, ...] = (
              Bounds(requests=2, tokens=3, workers=1, cpu_chunks=1, gpu_blocks=4, resets=2,
                     failures=0, preemptions=0, partial_reports=False, groups=("mamba",)),
              Expect("pass", 36_418, 16)),
+    Scenario("window-only",
+             "a sliding window on every layer (one window group, window 2) at vLLM's "
+             "default retention (0), two 4-token prompts sharing a prefix: no prefix scan "
+             "bounds a hit, the suffix-window scan alone finds it; once the core has freed "
+             "the blocks before the window, a store (after a reset) writes the window's "
+             "chunks without the first one, and the other request's hit loads those chunks "
+             "alone into a table whose leading position is null",
+             Bounds(requests=2, tokens=4, workers=1, cpu_chunks=2, gpu_blocks=4, resets=1,
+                    failures=0, preemptions=0, groups=("sliding",), sliding_window=2,
+                    retention_interval=0),
+             Expect("pass", 22_976, 19)),
     Scenario("loaded-states-of-two-groups",
              "two Mamba groups: the state a load ended on is handed off in both, so a "
              "promoted request waits with two stores (one per group) in flight; a reset "

@@ -31,7 +31,7 @@ other larger comparisons (`DEEP_BOUNDS`)."""
 SMALL = ("late-reports", "two-resets", "failures", "sync-load-fails-after-reset",
          "failed-load-not-retried", "store-admission", "store-admission-per-request",
          "orphaned-load-fails-0.34", "window-partial-chunk", "window-retention",
-         "window-aligned-prompt", "hybrid-mamba", "loaded-state-handoff",
+         "window-aligned-prompt", "window-only", "hybrid-mamba", "loaded-state-handoff",
          "loaded-states-of-two-groups", "partial-tails", "partial-tails-0.34")
 
 

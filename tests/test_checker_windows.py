@@ -13,10 +13,12 @@ import pytest
 
 from spec import groups
 from spec import model as M
+from spec.checker import check_program
 from spec.groups import cdiv
 from spec.rules import LastTokenCut
 from spec.scenarios import by_name, hunt_bounds
 from statemachine.checker import check
+from statemachine.testing import replay
 
 pytestmark = pytest.mark.exhaustive
 
@@ -74,3 +76,38 @@ def test_a_mask_for_hits_one_token_short_misses_the_prompt_that_ends_on_the_edge
     text = r.counterexample.render()
     assert "reset()" in text and "update_state_after_alloc('r1'" in text, text
     assert len(r.counterexample.steps) == 12, text
+
+
+WINDOW_ONLY_TAIL_LOAD = (
+    "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; reset() ; step() ; step() ; "
+    "ack(job 2, count 1) ; step(admit=r1)")
+"""`window-only`: r0 stores its first two chunks (jobs 0 and 1), a reset empties the CPU
+cache, r0's next step stores what its window still holds (job 2), job 2 completes, and r1
+(the same prompt) is admitted."""
+
+
+def test_a_window_alone_loads_its_tail_without_the_chunks_before_it() -> None:
+    """With a sliding window on every layer, no prefix scan bounds a hit: after the reset
+    the core has freed the block of r0's first chunk, so the store that follows writes
+    chunks 1 and 2 without chunk 0, and r1's lookup still hits three tokens, on those two
+    chunks alone. The load reads them into table positions 1 and 2; position 0 is null
+    (the window never reads it). Every invariant holds after every hook on the model, and
+    the reference takes the same path."""
+    b = by_name("window-only").bounds
+    events = M.parse_events(WINDOW_ONLY_TAIL_LOAD)
+    assert check_program(b, events) is None
+    s = M.initial(b)
+    for ev in events[:-1]:
+        s, _calls, _w = M.apply(s, ev)
+    w = M.World.thaw(s)
+    first, *window = w.keys_of("r1")[:3]
+    assert w.keys_of("r0")[:3] == [first, *window]  # the prompts share every chunk
+    assert first not in w.chunks and all(w.chunks.get(k) == 0 for k in window)
+    s, calls, _w = M.apply(s, events[-1])
+    lookup = next(c for c in calls if c.hook == "get_num_new_matched_tokens")
+    assert lookup.answer == (3, True)
+    load = next(j for j in s.jobs if j.kind == "load")
+    core = dict(s.core)["r1"]
+    assert load.owner == "r1" and load.keys == tuple(window)
+    assert core.blocks[0] == groups.NULL_BLOCK and load.blocks == core.blocks[1:3]
+    replay(events, b)

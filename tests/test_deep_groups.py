@@ -11,9 +11,9 @@ check `kvspec check --engine ENGINE --scenario NAME --bounds TEXT` runs. Every P
 runs on both engines: they agree at 498,248, 233,621, 130,687, 324,517 and 168,857 states;
 so do the scenarios of window groups (`hybrid`, `hybrid-reset-window`, `multi-token-blocks`,
 `window-partial-chunk`, `window-retention`, `window-aligned-prompt`,
-`hybrid-load-cap-0.34`, `hybrid-mamba`, `partial-tails`, `loaded-state-handoff`,
-`loaded-states-of-two-groups`, `partial-tails-0.34`), which run here on the Python model
-too.
+`window-only`, `hybrid-load-cap-0.34`, `hybrid-mamba`, `partial-tails`,
+`loaded-state-handoff`, `loaded-states-of-two-groups`, `partial-tails-0.34`), which run here
+on the Python model too.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ DEEP_COMPILED: tuple[tuple[str, str, Expect], ...] = (
     ("window-aligned-prompt", "failures=1,preemptions=1", Expect("pass", 215_426, 30)),
     # vLLM's default retention, three requests sharing a prefix
     ("window-retention", "requests=3,gpu_blocks=15,cpu_chunks=6", Expect("pass", 303_308, 25)),
+    # a window on every layer at retention 0, a failure and a preemption
+    ("window-only", "failures=1,preemptions=1", Expect("pass", 436_009, 25)),
+    # the same decoding two tokens: output chunks no tail needs, passed over unstored
+    ("window-only", "preemptions=1,decode_tokens=2,gpu_blocks=6", Expect("pass", 1_126_744, 29)),
     # the last three Python cases again: a Mamba group, partial tails and three groups
     ("hybrid-mamba", "sync_loads=false,failures=1,preemptions=1", Expect("pass", 130_687, 21)),
     ("partial-tails", "failures=1,preemptions=1", Expect("pass", 324_517, 22)),
