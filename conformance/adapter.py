@@ -704,6 +704,12 @@ HYBRID_VLLM_BOUNDS: tuple[M.Bounds, ...] = (
     M.Bounds(requests=3, tokens=5, families=2, workers=2, cpu_chunks=6, gpu_blocks=18,
              resets=1, failures=0, preemptions=1, groups=("full", "sliding", "mamba"),
              sliding_window=4, blocks_per_chunk=2, retention_interval=0),
+    # and a window on every layer at retention 0, decoding: no tail ends in an output
+    # chunk, and no full-attention group stores it, so the step that completes it stores
+    # nothing and moves the store cursor past it
+    M.Bounds(requests=3, tokens=5, families=2, workers=1, cpu_chunks=5, gpu_blocks=12,
+             resets=1, failures=0, preemptions=1, groups=("sliding",), sliding_window=4,
+             blocks_per_chunk=2, retention_interval=0, decode_tokens=2),
 )
 """The hybrid machine's bounds: the model-based tests' `HYBRID_BOUNDS` (one group over
 both layers, such as a pure Mamba model, or one layer per group: two groups, or the three
@@ -711,10 +717,10 @@ kinds) and their hybrid settings and decoding bounds (requests that decode besid
 sliding window over 2-block chunks, and in blocks of 2 model tokens), without worker
 failures and with a window that spans a chunk (`hybrid_setup`), plus 4-block chunks: a
 full-attention and a sliding-window group (either order) with 1, 2 and 4 blocks per chunk,
-a full-attention and a Mamba group, a Mamba group alone, a sliding window alone, the three
-kinds at retention 0, one full-attention group of 2-block chunks, and blocks of 2 model
-tokens (vLLM block size 16: a model token is 16 vLLM tokens, or 8 where a block holds 2
-model tokens)."""
+a full-attention and a Mamba group, a Mamba group alone, a sliding window alone (under dense
+retention and at retention 0), the three kinds at retention 0, one full-attention group of
+2-block chunks, and blocks of 2 model tokens (vLLM block size 16: a model token is 16 vLLM
+tokens, or 8 where a block holds 2 model tokens)."""
 
 
 def unfailable_in_vllm(model: M.ModelState, ev: M.Event) -> str | None:
