@@ -91,14 +91,22 @@ def test_a_window_alone_loads_its_tail_without_the_chunks_before_it() -> None:
     the core has freed the block of r0's first chunk, so the store that follows writes
     chunks 1 and 2 without chunk 0, and r1's lookup still hits three tokens, on those two
     chunks alone. The load reads them into table positions 1 and 2; position 0 is null
-    (the window never reads it). Every invariant holds after every hook on the model, and
-    the reference takes the same path."""
+    (the window never reads it). On the way, r0's last prompt step completes chunk 3, which
+    no tail needs at retention 0: it stores nothing and moves the store cursor past it.
+    Every invariant holds after every hook on the model, and the reference takes the same
+    path (it did not while its adapter left the retention interval out: under dense
+    retention it offered chunk 3, the full CPU cache refused it, and its cursor stayed)."""
     b = by_name("window-only").bounds
     events = M.parse_events(WINDOW_ONLY_TAIL_LOAD)
     assert check_program(b, events) is None
     s = M.initial(b)
-    for ev in events[:-1]:
+    for i, ev in enumerate(events[:-1]):
+        before = s
         s, _calls, _w = M.apply(s, ev)
+        if i == 6:  # r0's last prompt step
+            cursors = [[r.cursor for r in t.reqs if r.id == "r0"] for t in (before, s)]
+            assert cursors == [[3], [4]]
+            assert s.jobs == before.jobs and len(s.jobs) == 1
     w = M.World.thaw(s)
     first, *window = w.keys_of("r1")[:3]
     assert w.keys_of("r0")[:3] == [first, *window]  # the prompts share every chunk
