@@ -85,3 +85,24 @@ def test_kvspec_witness_prints_the_path_and_names_the_row(capsys: pytest.Capture
     assert f"{len(W.WITNESSES)} witnesses for {len(W.all_rows())} rows" in listing
     assert main(["witness", "r999"]) == 2
     assert "no row r999" in capsys.readouterr().err
+
+
+@pytest.mark.deep
+def test_each_witness_runs_under_the_first_scenario_that_fires_its_row() -> None:
+    """`spec/witnesses.json` is what `kvspec witness --write` would write now: each
+    program's scenario is the first in `search_order` whose search fires the row (the
+    compiled checker's coverage; `make check-groups`, since the search passes through
+    `three-requests`). A change to the model or the scenarios that lets a simpler scenario
+    reach a row leaves the file stale, and this says which rows to write again."""
+    from statemachine.checker import check
+
+    ids = {row: name for name, row in W.all_rows().items()}
+    first: dict[str, str] = {}
+    for sc in W.search_order():
+        if len(first) == len(ids):
+            break
+        for row in check(sc.bounds, liveness=False, engine="compiled").covered:
+            first.setdefault(ids[row], sc.name)
+    stale = {w.row: (w.scenario, first.get(w.row)) for w in W.WITNESSES
+             if first.get(w.row) != w.scenario}
+    assert not stale, f"written under, first fired in: {stale}; run `kvspec witness --write`"
