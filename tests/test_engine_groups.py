@@ -193,3 +193,29 @@ def test_vllms_mask_lets_a_short_hit_load_unwritten_bytes() -> None:
             e.run_until_idle()
         e.shutdown()
     assert caught.value.layer == 1 and caught.value.block_index == 2
+
+
+def test_a_window_on_every_layer_at_retention_0_loads_its_tail_alone() -> None:
+    """A sliding window on every layer at vLLM's default retention (0), a 40-token prompt
+    (5 chunks of 2 blocks): a's store writes only the chunks the tail of its replay
+    boundary reads (chunks 2 and 3: blocks 4-7), never chunks 0 and 1, which no prefix scan
+    needs here. c (the same prompt) hits on those two alone and loads them from inside
+    chunk 2 (positions 5-7; 0-4 null), and the byte oracle checks every block it loads."""
+    e = Engine(EngineConfig(
+        block_size=4, blocks_per_chunk=2, num_gpu_blocks=40, num_cpu_chunks=32,
+        num_workers=1, num_layers=1, bytes_per_token=2, max_num_batched_tokens=64,
+        groups=(KVCacheGroup("sliding", sliding_window=WINDOW),), retention_interval=0,
+        device="cpu"))
+    prompt = list(range(100, 140))
+    e.add_request("a", prompt, 1)
+    (store,) = e.step().meta.store_jobs.values()
+    assert store.src.first_block_index == 4 and len(store.src.block_ids) == 4
+    e.run_until_idle()
+    e.add_request("c", prompt, 1)
+    (load,) = e.step().meta.load_jobs.values()
+    assert load.src.chunk_ids == store.dst.chunk_ids
+    assert load.dst.first_block_index == 5 and len(load.dst.block_ids) == 3
+    assert e.requests["c"].tables[0][:5] == [NULL_BLOCK] * 5
+    e.run_until_idle()
+    assert e.group_stats[0]["loaded_blocks_verified"] == 3
+    assert all(v == 0 for v in e.leaks().values())
