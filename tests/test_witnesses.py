@@ -89,8 +89,8 @@ def test_kvspec_witness_prints_the_path_and_names_the_row(capsys: pytest.Capture
 
 @pytest.mark.deep
 def test_each_witness_runs_under_the_first_scenario_that_fires_its_row() -> None:
-    """`spec/witnesses.json` is what `kvspec witness --write` would write now: each
-    program's scenario is the first in `search_order` whose search fires the row (the
+    """Each program of `spec/witnesses.json` runs under the scenario `kvspec witness
+    --write` would pick now: the first in `search_order` whose search fires the row (the
     compiled checker's coverage; `make check-groups`, since the search passes through
     `three-requests`). A change to the model or the scenarios that lets a simpler scenario
     reach a row leaves the file stale, and this says which rows to write again."""
