@@ -84,16 +84,23 @@ def mutants_table() -> str:
             tests = "model-based replay of that counterexample"
             if m.data_plane_models:
                 tests += f"; the byte oracle of {_simulate_runs(m)}"
-            if m.data_plane_soak:
-                tests += "; the data-plane soak (`AsyncLoadDataPlaneStateMachine`'s engine)"
+            tests += _soaked(m)
         else:
             checker = "not expressible in the abstract model"
             tests = (f"byte oracle (kernel round trip; {_simulate_runs(m)})"
                      if m.area == "kernels" else "model-based random search")
             if m.data_plane_models and m.area != "kernels":
                 tests += f"; {_simulate_runs(m)}"
+            tests += _soaked(m)
         rows.append(f"| `{m.name}` | {m.area} | {m.stands_for} | {checker} | {tests} |")
     return "\n".join(rows)
+
+
+def _soaked(m: Mutant) -> str:
+    if not m.data_plane_soak:
+        return ""
+    return ("; the data-plane soak ("
+            + " or ".join(f"`{name}`" for name in m.data_plane_soak) + "'s engine)")
 
 
 def _simulate_runs(m: Mutant) -> str:

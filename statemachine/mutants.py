@@ -40,9 +40,11 @@ class Mutant:
     data_plane_models: tuple[str, ...] = ()
     """The `kvspec simulate --model` runs that catch it by the data plane alone (the bytes, or a
     store's keys naming another group than its blocks')."""
-    data_plane_soak: bool = False
-    """Whether the data-plane soak (`statemachine.soak.soak_data_plane`) catches it, by the
-    engine's checks or the bytes (`tests/test_soak_driver.py` holds it to that)."""
+    data_plane_soak: tuple[str, ...] = ()
+    """The data-plane machines (`statemachine.soak.DATA_PLANE_MACHINES`, by class name)
+    whose programs catch it in the data-plane soak (`statemachine.soak.soak_data_plane`), by
+    the engine's checks, the kernels' or the bytes (`tests/test_soak_driver.py` holds it to
+    that): the soak's first failure is on one of them."""
 
     @property
     def abstract(self) -> bool:
@@ -314,14 +316,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "fence: the request leaves ORPHANED_LOAD as if the load were good and its failed "
            "KV is taken as computed",
            _patch(SchedulerEffects, "invalidate_orphaned_load", _noop_effect),
-           Fault.STALE_LOAD_FAILURE_IGNORED, data_plane_soak=True),
+           Fault.STALE_LOAD_FAILURE_IGNORED,
+           data_plane_soak=("AsyncLoadDataPlaneStateMachine", "TightDataPlaneStateMachine",
+                            "DefaultRetentionMambaDataPlaneStateMachine")),
     Mutant("stale-recving-promotes", "reset", "INV-20, spec.request.recving_is_stale (the "
            "spec's timeout path)",
            "the late finished_recving of a timed-out async load is taken for the request's "
            "newer load, which a reset orphaned: the request leaves ORPHANED_LOAD and runs on "
            "blocks that load has not filled (and later fails)",
            _patch(OffloadingScheduler, "_recving_is_stale", _never_stale),
-           Fault.STALE_RECVING_PROMOTES, data_plane_soak=True),
+           Fault.STALE_RECVING_PROMOTES,
+           data_plane_soak=("AsyncLoadDataPlaneStateMachine",)),
     Mutant("aggregate-counts-once", "accounting", "KU:82-175, C:94-106 (TP acks)",
            "an aggregated report {id: n} counts as one ack: jobs never complete with n > 1",
            _patch(OffloadingScheduler, "_apply_reports", _count_once),
@@ -411,7 +416,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "the copy kernels ignore the first-chunk skip of a range that does not start on a "
            "chunk boundary: loads read the wrong sub-blocks",
            _patch_in("kernels.layout", "Segment", "skip", _ignore_first_chunk_skip),
-           data_plane_models=("hybrid",)),
+           data_plane_models=("hybrid",),
+           data_plane_soak=("WindowDataPlaneStateMachine",
+                            "DefaultRetentionHybridDataPlaneStateMachine")),
     Mutant("kernel-copies-into-first-group", "kernels", "GW:597-669 (per-group refs)",
            "the copy kernels copy every KV cache group's blocks in the first group's tensors: "
            "a sliding-window group's pages land in (and are read from) the full-attention "

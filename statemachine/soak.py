@@ -41,12 +41,15 @@ from spec.witnesses import WITNESSES, Witness, all_rows
 from statemachine.testing import (
     AsyncLoadDataPlaneStateMachine,
     DataPlaneStateMachine,
+    DefaultRetentionHybridDataPlaneStateMachine,
+    DefaultRetentionMambaDataPlaneStateMachine,
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
     OffloadingStateMachine,
     Release034AsyncLoadDataPlaneStateMachine,
     Release034DataPlaneStateMachine,
     TightDataPlaneStateMachine,
+    WindowDataPlaneStateMachine,
 )
 
 MACHINES = ("model", "data-plane", "tiering")
@@ -311,14 +314,19 @@ def _data_actions(m: DataPlaneStateMachine, rng: random.Random) -> Action:
 DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
     DataPlaneStateMachine, HybridDataPlaneStateMachine, MambaDataPlaneStateMachine,
     Release034DataPlaneStateMachine, AsyncLoadDataPlaneStateMachine,
-    Release034AsyncLoadDataPlaneStateMachine, TightDataPlaneStateMachine)
+    Release034AsyncLoadDataPlaneStateMachine, TightDataPlaneStateMachine,
+    WindowDataPlaneStateMachine, DefaultRetentionHybridDataPlaneStateMachine,
+    DefaultRetentionMambaDataPlaneStateMachine)
 """The data-plane soak takes its programs in turn over these (one KV cache group, full
 attention beside a sliding window, full attention beside a Mamba group, one group under
 vLLM 0.34.0's rules, one group whose hits all load asynchronously, under each release's
-rules, and the same over 10 GPU blocks, where the core preempts for room)."""
+rules, and the same over 10 GPU blocks, where the core preempts for room; then, at vLLM's
+default retention (0), a sliding window on every layer, and the window and Mamba groups
+beside full attention)."""
 
-PATHS = ("async_loads_scheduled", "loads_promoted", "async_loads_orphaned_by_reset",
-         "stale_loads_failed", "failed_recving_recomputes", "stale_recvings",
+PATHS = ("loads_inside_a_chunk", "async_loads_scheduled", "loads_promoted",
+         "async_loads_orphaned_by_reset", "stale_loads_failed", "failed_recving_recomputes",
+         "stale_recvings",
          "quarantined_loads", "quarantined_blocks_already_freed", "recomputes",
          "preemptions", "preemptions_by_reset",
          "loaded_blocks_verified", "stored_blocks_verified")

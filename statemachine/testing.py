@@ -753,8 +753,15 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
 
     kv_model: str = "full"
     """The KV cache groups: "full" (one full-attention group), "hybrid" (full attention
-    beside a 6-token sliding window, 1.5 blocks, with pages of another size) or "mamba"
-    (full attention beside a Mamba group whose state pages are three times the size)."""
+    beside a sliding window with pages of another size), "mamba" (full attention beside a
+    Mamba group whose state pages are three times the size) or "window" (the sliding window
+    on every layer: no prefix scan bounds a hit)."""
+    sliding_window: int = 6
+    """The sliding window's tokens ("hybrid" or "window"): 6 is 1.5 blocks."""
+    retention_interval: int | None = None
+    """vLLM's `prefix_cache_retention_interval` in tokens (`EngineConfig.retention_interval`):
+    None stores every chunk's window tail (dense); 0, vLLM's default, only the tail at each
+    request's replay boundary, and the core hands off only the Mamba states it keeps."""
     connector_rules: Rules = VLLM_0_33
     """The connector's rules (`EngineConfig.rules`; hypothesis's machine owns the name
     `rules`): 0.33.0's, or 0.34.0's, under which a failed load is never looked up again and
@@ -778,9 +785,13 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
         from statemachine.config import KVCacheGroup
         from statemachine.engine import Engine, EngineConfig
 
-        second = {"hybrid": (KVCacheGroup("sliding", sliding_window=6), 3),
-                  "mamba": (KVCacheGroup("mamba"), 6)}.get(self.kv_model)
-        groups = (KVCacheGroup(),) if second is None else (KVCacheGroup(), second[0])
+        window = KVCacheGroup("sliding", sliding_window=self.sliding_window)
+        layers = {"full": ((KVCacheGroup(), 2),),
+                  "hybrid": ((KVCacheGroup(), 2), (window, 3)),
+                  "mamba": ((KVCacheGroup(), 2), (KVCacheGroup("mamba"), 6)),
+                  "window": ((window, 2),)}[self.kv_model]  # each group, its layers' bytes a token
+        groups = tuple(g for g, _ in layers)
+        second = len(groups) > 1
         self.engine = Engine(EngineConfig(
             block_size=4, blocks_per_chunk=2,
             num_gpu_blocks=self.num_gpu_blocks or (40 if second else 24),
@@ -790,8 +801,8 @@ class DataPlaneStateMachine(RuleBasedStateMachine):
                                     if self.sync_load_budget_bytes is not None
                                     else 96 if second else 64),
             job_timeout_steps=3, device="cpu",
-            groups=groups, group_bytes_per_token=(2, second[1]) if second else (),
-            rules=self.connector_rules))
+            groups=groups, group_bytes_per_token=tuple(b for _, b in layers),
+            retention_interval=self.retention_interval, rules=self.connector_rules))
         self.n = 0
         self.armed: list[tuple[str, int, int]] = []
         """Faults for the next step's jobs: (fail or hang, worker, polls a hang lasts)."""
@@ -876,6 +887,38 @@ class MambaDataPlaneStateMachine(DataPlaneStateMachine):
     """`DataPlaneStateMachine` over full attention beside a Mamba group in align mode: the
     core splits prefills at block edges and hands off the states it commits, each stored
     into the last block of its chunk and loaded back into one block."""
+
+    kv_model = "mamba"
+
+
+class WindowDataPlaneStateMachine(DataPlaneStateMachine):
+    """`DataPlaneStateMachine` over a sliding window on every layer at vLLM's default
+    retention (0): a store writes only the chunks the window tail of the request's replay
+    boundary reads, no prefix scan bounds a hit, and a hit loads that tail alone (the
+    positions before it null). The window is 10 tokens, 2.5 blocks, so a tail that ends on
+    a chunk's edge begins at the second block of a chunk: the kernels skip into the chunk
+    (the engine counts `loads_inside_a_chunk`). Its soak programs are weighted towards prompts and
+    steps, so hits are common."""
+
+    kv_model = "window"
+    sliding_window = 10
+    retention_interval = 0
+    program_weights: ClassVar[Mapping[str, int]] = {"new_request": 3, "step": 4}
+
+
+class DefaultRetentionHybridDataPlaneStateMachine(WindowDataPlaneStateMachine):
+    """Full attention beside `WindowDataPlaneStateMachine`'s window, at vLLM's default
+    retention (0): full attention stores every chunk, the window group only the tail at
+    each request's replay boundary, so a chunk's groups are stored unevenly, and a hit
+    loads the window group's tail from inside a chunk."""
+
+    kv_model = "hybrid"
+
+
+class DefaultRetentionMambaDataPlaneStateMachine(WindowDataPlaneStateMachine):
+    """`MambaDataPlaneStateMachine` at vLLM's default retention (0): the core hands off only
+    the Mamba state at the request's replay boundary, rounded down to a block
+    (`spec.groups.state_retained`), so only that state is stored and loaded."""
 
     kv_model = "mamba"
 

@@ -111,6 +111,7 @@ def test_prefix_hits_are_loaded_and_every_loaded_block_checked() -> None:
     assert b.status == RequestStatus.WAITING and b.num_computed == 64  # ...and promoted
     assert b.load_end == 64 and b.loaded_blocks == 4
     assert e.stats["loaded_blocks_verified"] == 4 * 2  # 4 blocks on each of 2 workers
+    assert e.stats["loads_inside_a_chunk"] == 0  # full attention loads from block 0
     assert_drained(e)
     assert e.stats["computed_blocks_verified"] > 0
 

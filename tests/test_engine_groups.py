@@ -218,4 +218,5 @@ def test_a_window_on_every_layer_at_retention_0_loads_its_tail_alone() -> None:
     assert e.requests["c"].tables[0][:5] == [NULL_BLOCK] * 5
     e.run_until_idle()
     assert e.group_stats[0]["loaded_blocks_verified"] == 3
+    assert e.stats["loads_inside_a_chunk"] == 1  # position 5: chunk 2's second block
     assert all(v == 0 for v in e.leaks().values())

@@ -4,6 +4,7 @@ reported by its first violation, never by what the teardown drain found afterwar
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import Counter
 
 import pytest
@@ -15,7 +16,12 @@ from spec.witnesses import all_rows as witness_rows
 from statemachine import soak
 from statemachine.errors import InvariantViolation
 from statemachine.mutants import MUTANTS
-from statemachine.testing import AsyncLoadDataPlaneStateMachine, OffloadingStateMachine
+from statemachine.mutants import by_name as mutant_by_name
+from statemachine.testing import (
+    AsyncLoadDataPlaneStateMachine,
+    OffloadingStateMachine,
+    WindowDataPlaneStateMachine,
+)
 
 
 def test_a_seed_is_a_reproducible_run_of_counted_steps() -> None:
@@ -94,11 +100,14 @@ def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults(
     attention, a Mamba group beside it, and one group under vLLM 0.34.0's rules: a fault
     of the per-group copy is found in a program of two groups, by the bytes, and named with
     that machine."""
-    assert [(m.kv_model, str(m.connector_rules), m.sync_load_budget_bytes, m.num_gpu_blocks)
+    assert [(m.kv_model, m.retention_interval, str(m.connector_rules),
+             m.sync_load_budget_bytes, m.num_gpu_blocks)
             for m in soak.DATA_PLANE_MACHINES] == [
-        ("full", "0.33", None, None), ("hybrid", "0.33", None, None),
-        ("mamba", "0.33", None, None), ("full", str(VLLM_0_34), None, None),
-        ("full", "0.33", 0, None), ("full", str(VLLM_0_34), 0, None), ("full", "0.33", 0, 10)]
+        ("full", None, "0.33", None, None), ("hybrid", None, "0.33", None, None),
+        ("mamba", None, "0.33", None, None), ("full", None, str(VLLM_0_34), None, None),
+        ("full", None, "0.33", 0, None), ("full", None, str(VLLM_0_34), 0, None),
+        ("full", None, "0.33", 0, 10), ("window", 0, "0.33", None, None),
+        ("hybrid", 0, "0.33", None, None), ("mamba", 0, "0.33", None, None)]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
@@ -124,22 +133,54 @@ def test_the_async_load_machines_orphan_and_fail_loads_with_real_bytes() -> None
     assert f"stale_loads_failed {r.paths['stale_loads_failed']}" in line
 
 
-@pytest.mark.parametrize("name, says", [
-    ("stale-load-failure-ignored", "a rank failed its load"),
-    ("stale-recving-promotes", "its load ended but the connector has it in LOADING_ASYNC")])
-def test_the_data_plane_soak_catches_the_mutants_that_say_so(name: str, says: str) -> None:
-    """The mutants table's claim: the soak finds the fault in an async-load machine (the
-    others' loads are sync, none is ever orphaned) by the engine, and shrinks it to a
-    program with the reset (stale-recving-promotes: in a program that began with its
-    opener, random programs all but never reaching the path)."""
-    assert [m.name for m in MUTANTS if m.data_plane_soak] == [
-        "stale-load-failure-ignored", "stale-recving-promotes"]
-    m = soak.soak_data_plane(0, 20_000, shrink_seconds=10, mutant=name)
+def test_the_default_retention_machines_store_tails_alone_and_load_from_inside_chunks(
+        ) -> None:
+    """`WindowDataPlaneStateMachine` runs vLLM's default retention (0): over the same 20
+    programs its window group stores fewer blocks than the same machine under dense
+    retention (only the tails of replay boundaries), the byte oracle checks every block
+    either stores and loads, and some loads begin inside a chunk (the kernels' first-chunk
+    skip, `loads_inside_a_chunk`)."""
+    dense = type("DenseWindow", (WindowDataPlaneStateMachine,), {"retention_interval": None})
+    stored = {}
+    for machine in (WindowDataPlaneStateMachine, dense):
+        rng, paths = random.Random(1), Counter[str]()
+        for _ in range(20):
+            _, exc = soak._run_actions((), rng, 40, machine, paths)
+            assert exc is None, exc
+        assert paths["loaded_blocks_verified"] > 0 and paths["loads_inside_a_chunk"] > 0, paths
+        stored[machine.retention_interval] = paths["stored_blocks_verified"]
+    assert 0 < stored[0] < stored[None], stored
+
+
+@pytest.mark.parametrize("name, seed, says, shrunk_to", [
+    ("stale-load-failure-ignored", 0, "a rank failed its load", "reset("),
+    ("stale-recving-promotes", 0, "its load ended but the connector has it in LOADING_ASYNC",
+     "reset("),
+    ("kernel-ignores-first-chunk-skip", 1, "CorruptedBytes: loaded block", "new_request(")])
+def test_the_data_plane_soak_catches_the_mutants_that_say_so(name: str, seed: int, says: str,
+                                                            shrunk_to: str) -> None:
+    """The mutants table's claim (`Mutant.data_plane_soak`): the soak's first failure is on
+    a machine the mutant names, by the engine or the bytes, shrunk to a shorter program
+    that keeps what matters. A reset orphans async loads: those of the async-load machines
+    (stale-recving-promotes: in a program that began with its opener, random programs all
+    but never reaching the path) and the Mamba hits too large for the sync-load budget, so
+    those faults shrink to a program with the reset. The first-chunk skip is caught by the
+    machines at vLLM's default retention, whose programs hit often and whose window tails
+    load from inside a chunk; the soak's other machines did not catch it in 60,000 steps of
+    two seeds."""
+    assert {m.name: m.data_plane_soak for m in MUTANTS if m.data_plane_soak} == {
+        "stale-load-failure-ignored": ("AsyncLoadDataPlaneStateMachine",
+                                       "TightDataPlaneStateMachine",
+                                       "DefaultRetentionMambaDataPlaneStateMachine"),
+        "stale-recving-promotes": ("AsyncLoadDataPlaneStateMachine",),
+        "kernel-ignores-first-chunk-skip": ("WindowDataPlaneStateMachine",
+                                            "DefaultRetentionHybridDataPlaneStateMachine")}
+    m = soak.soak_data_plane(seed, 20_000, shrink_seconds=10, mutant=name)
     [f] = m.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
-    assert machine is AsyncLoadDataPlaneStateMachine
-    assert f.error.startswith("EngineError") and says in f.error
-    assert "reset(" in f.shrunk and f.shrunk_length < f.original_length
+    assert machine.__name__ in mutant_by_name(name).data_plane_soak
+    assert says in f.error.splitlines()[0], f.error
+    assert shrunk_to in f.shrunk and f.shrunk_length < f.original_length
 
 
 def test_each_opener_takes_its_path_and_a_soak_counts_the_programs_it_began() -> None:
