@@ -97,9 +97,10 @@ def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> No
 
 def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults() -> None:
     """The data-plane programs take turns over one group, a sliding window beside full
-    attention, a Mamba group beside it, and one group under vLLM 0.34.0's rules: a fault
-    of the per-group copy is found in a program of two groups, by the bytes, and named with
-    that machine."""
+    attention, a Mamba group beside it, one group under vLLM 0.34.0's rules, the async-load
+    and tight machines, and, at vLLM's default retention (0), a window on every layer and
+    the window and Mamba groups beside full attention: a fault of the per-group copy is
+    found in a program of two groups, by the bytes, and named with that machine."""
     assert [(m.kv_model, m.retention_interval, str(m.connector_rules),
              m.sync_load_budget_bytes, m.num_gpu_blocks)
             for m in soak.DATA_PLANE_MACHINES] == [
