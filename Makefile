@@ -34,8 +34,8 @@ UNIT := -m "not campaign and not conformance and not soak and not exhaustive and
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider $(UNIT) -n auto --dist loadfile
-	$(BIN)/pytest -q -p no:cacheprovider -m "exhaustive and not deep" -n auto --dist worksteal
+	$(BIN)/pytest -q -p no:cacheprovider $(UNIT) -n auto --dist loadfile --durations=10
+	$(BIN)/pytest -q -p no:cacheprovider -m "exhaustive and not deep" -n auto --dist worksteal --durations=10
 	$(BIN)/kvspec diagrams --check
 
 # the tests of `make test` but the exhaustive searches, with line coverage of spec/ and
@@ -66,7 +66,7 @@ check: $(STAMP)
 # the threaded search under ThreadSanitizer (tests/test_checker_threads.py), and that each row
 # witness runs under the first scenario that fires its row (tests/test_witnesses.py)
 check-groups: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal tests/test_deep_groups.py tests/test_checker_compiled.py tests/test_checker_threads.py tests/test_witnesses.py
+	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal --durations=20 tests/test_deep_groups.py tests/test_checker_compiled.py tests/test_checker_threads.py tests/test_witnesses.py
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
 # the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched
