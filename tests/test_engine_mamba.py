@@ -18,12 +18,13 @@ BS = 4  # tokens per block; 2 blocks per chunk
 
 
 def mamba_engine(num_gpu_blocks: int = 24, check_invariants: bool = True,
-                 budget: int = 64) -> Engine:
+                 budget: int = 64, retention_interval: int | None = None) -> Engine:
     return Engine(EngineConfig(
         block_size=BS, blocks_per_chunk=2, num_gpu_blocks=num_gpu_blocks, num_cpu_chunks=32,
         num_workers=1, num_layers=1, bytes_per_token=2, max_num_batched_tokens=budget,
         groups=(KVCacheGroup(), KVCacheGroup("mamba")), group_bytes_per_token=(2, 6),
-        check_invariants=check_invariants, device="cpu"))
+        retention_interval=retention_interval, check_invariants=check_invariants,
+        device="cpu"))
 
 
 PROMPT = list(range(200, 219))  # 19 tokens: the last block edge before the last token is 16
@@ -70,6 +71,39 @@ def test_a_hit_loads_the_state_at_its_end_into_one_block() -> None:
     e.run_until_idle()
     assert e.group_stats[1]["loaded_blocks_verified"] == 1
     assert e.group_stats[0]["loaded_blocks_verified"] == 4
+    assert all(v == 0 for v in e.leaks().values())
+
+
+@pytest.mark.parametrize("retention", [None, 0])
+def test_at_retention_0_the_core_hands_off_only_the_state_of_the_replay_boundary(
+        retention: int | None) -> None:
+    """A 19-token prompt prefilled 8 tokens a step commits the states after 8 and 16 tokens.
+    With dense retention the core hands off both, and a request sharing the first 8 tokens
+    loads that state. At vLLM's default retention (0) it keeps, and hands off, only the one
+    at the replay boundary (18 tokens, rounded down to a block: 16;
+    `spec.groups.state_retained`): the 8-token prefix is no hit, and a request sharing 16
+    tokens loads the state after them. The byte oracle checks every stored and loaded
+    block."""
+    e = mamba_engine(budget=8, retention_interval=retention)
+    e.add_request("a", PROMPT, 1)
+    e.run_until_idle()
+    kept = 2 if retention is None else 1
+    assert e.stats["states_handed_off"] == kept
+    assert e.group_stats[1]["stored_blocks_verified"] == kept
+    assert e.group_stats[0]["stored_blocks_verified"] == 4  # full attention: every chunk
+    e.add_request("b", [*PROMPT[:8], *range(9)], 1)
+    step = e.step()
+    if retention is None:
+        (load,) = step.meta.load_jobs.values()
+        assert load.dst.group_sizes == (2, 1) and load.dst.block_indices == (0, 1)
+    else:
+        assert not step.meta.load_jobs and step.scheduled == {"b": 8}  # computed from 0
+        e.run_until_idle()
+        e.add_request("c", [*PROMPT[:16], *range(5)], 1)
+        (load,) = e.step().meta.load_jobs.values()
+        assert load.dst.group_sizes == (4, 1) and load.dst.block_indices == (0, 3)
+    e.run_until_idle()
+    assert e.group_stats[1]["loaded_blocks_verified"] == 1
     assert all(v == 0 for v in e.leaks().values())
 
 
