@@ -62,11 +62,12 @@ check: $(STAMP)
 
 # exhaustive checks of several KV cache groups past the pinned scenarios (tests/test_deep_groups.py:
 # Mamba groups and partial tails on the Python model, full-attention and window groups on the
-# compiled twin), the two models' larger whole-space comparisons (tests/test_checker_compiled.py),
+# compiled twin), the pinned outcome of the longest scenario, three-requests (tests/test_checker.py),
+# the two models' larger whole-space comparisons (tests/test_checker_compiled.py),
 # the threaded search under ThreadSanitizer (tests/test_checker_threads.py), and that each row
 # witness runs under the first scenario that fires its row (tests/test_witnesses.py)
 check-groups: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal --durations=20 tests/test_deep_groups.py tests/test_checker_compiled.py tests/test_checker_threads.py tests/test_witnesses.py
+	$(BIN)/pytest -q -p no:cacheprovider -m deep -n auto --dist worksteal --durations=20 tests/test_deep_groups.py tests/test_checker.py tests/test_checker_compiled.py tests/test_checker_threads.py tests/test_witnesses.py
 
 # the spec's own mutants: every row's effects dropped, every guard negated (spec/equivalents.py);
 # the listed survivors proven at this fingerprint (spec/equivalents.proof.json) are not searched

@@ -21,10 +21,16 @@ from statemachine.mutants import MUTANTS, Mutant
 KEEP = M.Fault.RESET_KEEPS_TRANSFER_JOBS
 COMPILED = tuple(sc for sc in SCENARIOS if compiled.fits(sc.bounds) is None)
 """The scenarios the compiled twin takes: every one (`test_checker_groups.py`)."""
+LONGEST = "three-requests"
+"""The one scenario of more than a minute on one thread (12.9 million states, about 100 to
+145 s on this 2-core machine): its outcome is checked by `make check-groups` and, in CI, by
+`make check` on every core, not by `make test`."""
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("scenario", COMPILED, ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", [
+    pytest.param(sc, marks=pytest.mark.deep) if sc.name == LONGEST else sc for sc in COMPILED],
+    ids=lambda s: s.name)
 def test_each_compiled_scenario_concludes_what_it_records(scenario: Scenario) -> None:
     """Each scenario is searched in its own test, so the workers share the searches out."""
     assert scenario.expect is not None
