@@ -167,8 +167,8 @@ def test_the_data_plane_soak_catches_the_mutants_that_say_so(name: str, seed: in
     but never reaching the path) and the Mamba hits too large for the sync-load budget, so
     those faults shrink to a program with the reset. The first-chunk skip is caught by the
     machines at vLLM's default retention, whose programs hit often and whose window tails
-    load from inside a chunk; the soak's other machines did not catch it in 60,000 steps of
-    two seeds."""
+    load from inside a chunk; a soak over the other seven machines alone did not catch it
+    in 60,000 steps on either of two seeds."""
     assert {m.name: m.data_plane_soak for m in MUTANTS if m.data_plane_soak} == {
         "stale-load-failure-ignored": ("AsyncLoadDataPlaneStateMachine",
                                        "TightDataPlaneStateMachine",
