@@ -910,7 +910,8 @@ class DefaultRetentionHybridDataPlaneStateMachine(WindowDataPlaneStateMachine):
     """Full attention beside `WindowDataPlaneStateMachine`'s window, at vLLM's default
     retention (0): full attention stores every chunk, the window group only the tail at
     each request's replay boundary, so a chunk's groups are stored unevenly, and a hit
-    loads the window group's tail from inside a chunk."""
+    loads the window group's tail from inside a chunk. Its soak programs are weighted as
+    the window machine's."""
 
     kv_model = "hybrid"
 
@@ -918,7 +919,8 @@ class DefaultRetentionHybridDataPlaneStateMachine(WindowDataPlaneStateMachine):
 class DefaultRetentionMambaDataPlaneStateMachine(WindowDataPlaneStateMachine):
     """`MambaDataPlaneStateMachine` at vLLM's default retention (0): the core hands off only
     the Mamba state at the request's replay boundary, rounded down to a block
-    (`spec.groups.state_retained`), so only that state is stored and loaded."""
+    (`spec.groups.state_retained`), so only that state is stored and loaded. Its soak
+    programs are weighted as the window machine's."""
 
     kv_model = "mamba"
 
