@@ -665,12 +665,6 @@ class Engine:
         r.load_blocks = tuple(b for t in r.tables for b in t[first:end] if b != NULL_BLOCK)
         r.load_end = r.num_computed + hit
         self.stats["loads_scheduled"] += 1
-        firsts = (next((p for p in range(first, end) if t[p] != NULL_BLOCK), first)
-                  for t in r.tables)
-        if any(p % self.config.blocks_per_chunk for p in firsts):
-            # a group's first loaded block is not its chunk's first: the kernels skip into
-            # the chunk (GW:629-663), as a window group's tail load does
-            self.stats["loads_inside_a_chunk"] += 1
 
     def _preempt(self, r: EngineRequest) -> None:
         """The core's preemption (CS:1799-1843): blocks freed, recomputed from token 0."""
@@ -770,6 +764,11 @@ class Engine:
                 g for g, n in enumerate(gpu.sizes_per_group) if n)
             for g in self._job_groups[job_id]:
                 self.group_stats[g]["stores" if job.is_store else "loads"] += 1
+            firsts = gpu.first_index_per_group
+            if not job.is_store and any(firsts[g] % bpc for g in self._job_groups[job_id]):
+                # a group's first loaded block is not its chunk's first: the kernels skip
+                # into the chunk (GW:629-663), as a window group's tail load does
+                self.stats["loads_inside_a_chunk"] += 1
         if self.tiering is not None:
             self._note_promoted_loads(meta)
         for job_id, job in sorted(meta.store_jobs.items()):
