@@ -39,7 +39,7 @@ class Step:
     """(machine, subject, source, destination, trigger) of each table row it fired."""
 
 
-Kind = Literal["invariant", "illegal", "liveness", "stuck"]
+Kind = Literal["invariant", "illegal", "liveness", "stuck", "tier"]
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Counterexample:
     @property
     def verdict(self) -> str:
         """What it shows: `invariant INV-n`, `liveness P-n`, `illegal` (an event with no
-        table row), `stuck`."""
+        table row), `stuck`, `tier` (a directed program's tier differs from its pin)."""
         if self.kind == "invariant" and self.violations:
             return f"invariant {self.violations[0].invariant}"
         if self.kind == "liveness":
@@ -258,12 +258,13 @@ def _inside_violation(world: M.World, without: frozenset[str]
 
 
 def check_program(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.NO_FAULTS,
-                  tables: M.Tables = M.SPEC_TABLES, without: frozenset[str] = frozenset()
-                  ) -> Counterexample | None:
+                  tables: M.Tables = M.SPEC_TABLES, without: frozenset[str] = frozenset(),
+                  tier: tuple[str, ...] | None = None) -> Counterexample | None:
     """Check one directed program (`spec.regressions`; real job ids) as the search checks
     every path: each safety invariant in every state and after every hook inside a step, and
-    that every event has its row. None: the path holds. A path that leaves the model (an
-    event the environment cannot send there) raises its NotEnabled."""
+    that every event has its row; then, given `tier`, that the CPU tier ends holding that
+    (`ModelState.tier`). None: the path holds. A path that leaves the model (an event the
+    environment cannot send there) raises its NotEnabled."""
     s = M.initial(bounds)
     inv = check(M.abstract(s), without)
     if inv:
@@ -284,7 +285,19 @@ def check_program(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.
         if violations:
             return Counterexample("invariant", str(violations[0]), steps, violations)
         s = nxt
+    if tier is not None and s.tier() != tier:
+        return Counterexample("tier", tier_difference(s.tier(), tier), steps)
     return None
+
+
+def tier_difference(held: tuple[str, ...], pinned: tuple[str, ...]) -> str:
+    """What a program's tier holds beside what it pins, in words."""
+    missing = [c for c in pinned if c not in held]
+    extra = [c for c in held if c not in pinned]
+    return ("the CPU tier ends " + "; ".join(
+        part for part in (f"without {', '.join(missing)}" if missing else "",
+                          f"with {', '.join(extra)}" if extra else "") if part)
+            + f" (it holds: {', '.join(held) or 'nothing'})")
 
 
 # ============================================================================ liveness

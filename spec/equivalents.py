@@ -3,13 +3,15 @@ reason. The tests demand that the survivors of the kill matrix are exactly these
 survivor (a gap in the checks) and a listed mutant that starts being killed (a stale reason)
 both fail.
 
-Two kinds. `equivalent`: the mutant does not change what the model can observe or do (an
-effect that keeps only the implementation's bookkeeping, a second way of doing what another
-row already does, a flag read by nothing before it is cleared). `cache-only`: the mutant
-changes behaviour, but only in what the offload tier is used for (a request recomputes what
-it could have loaded, a chunk is stored once more or once less, a slot stays counted longer);
-no safety invariant or progress property is about cache efficiency, and none should be:
-vLLM itself may skip a load or a store at any time.
+Every survivor is `equivalent`: the mutant does not change what the model can observe or do
+(an effect that keeps only the implementation's bookkeeping, a second way of doing what
+another row already does, a flag read by nothing before it is cleared). A mutant that changes
+only what the offload tier is used for (a chunk stored once less, a slot counted longer) is
+no survivor: no invariant or progress property is about cache efficiency, and none should
+be, as vLLM may skip a load or a store at any time, but the directed programs pin what the
+tier holds at their end (`spec.regressions.Regression.tier`), and a program that reaches the
+mutant's row kills it (verdict `tier`). Four such mutants were listed here as `cache-only`
+until programs that pin their tiers were added.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class Survivor:
-    kind: Literal["equivalent", "cache-only"]
+    kind: Literal["equivalent"]
     reason: str
 
 
@@ -72,27 +74,6 @@ RESTART_AGAIN = Survivor(
     "restart_from_token_zero again before anything reads the cursor, the block table or the "
     "hit")
 
-RESTART_CACHE = Survivor(
-    "cache-only",
-    "without the restart the request keeps its old store cursor and block table until the "
-    "schedule re-records them: it stores fewer (or again the same) chunks; what the tier holds "
-    "changes, what any request computes does not")
-
-BYPASS_CACHE = Survivor(
-    "cache-only",
-    "the loaded-tokens-invalid flag outlives the recompute: the request's later stores are "
-    "poisoned and rolled back; the tier misses chunks it could have had, no invalid KV is "
-    "published (INV-20 holds)")
-
-TABLE_AT_THE_SCHEDULE = Survivor(
-    "cache-only",
-    "the connector learns a request's table when the core schedules it (CONFORMANCE.md D3), "
-    "and a request reaches WAITING_STORING only after an async load, with none: without the "
-    "record it runs on an empty table, so none of its full chunks is ever offered to the "
-    "tier (a lost cache entry: with a full-attention group beside the Mamba one, the "
-    "store of its prefix); the Mamba states the core hands off carry their own blocks, and "
-    "the scenarios that reach WAITING_STORING hold Mamba groups only")
-
 FLUSH_OF_A_FINISHED = Survivor(
     "equivalent",
     "the request finished before this preemption reached the connector, and its finish "
@@ -100,12 +81,6 @@ FLUSH_OF_A_FINISHED = Survivor(
     "so INV-15 holds without the flush; a flush only asks the workers to finish a shipped "
     "copy sooner, and no check depends on when its reports arrive (CONFORMANCE.md D2: the "
     "row is there because vLLM flushes, not for safety)")
-
-FENCE_SLOTS = Survivor(
-    "cache-only",
-    "leave_job_table already moves the stale job into the reset fence; enter_reset_fence only "
-    "drops the CPU slots a timed-out store kept quarantined, so without it those slots stay "
-    "counted until the stale reports drain: capacity, not safety")
 
 FENCE_NOTHING = Survivor(
     "equivalent",
@@ -119,13 +94,10 @@ EQUIVALENT: dict[str, Survivor] = {
         RESTART_AGAIN,
     ("request: lookup_deferred(IDLE,LOOKUP_DEFERRED)->LOOKUP_DEFERRED drop start_deferral_timer"):
         BOOKKEEPING,
-    "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero": RESTART_CACHE,
-    "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop bypass_offload_lookup": BYPASS_CACHE,
     "request: lookup_blocked(PREEMPTED_FLUSHING)->= drop restart_from_token_zero": RESTART_AGAIN,
     ("request: store_alloc_failed(RUNNING,STORING,LOADING_SYNC,FINISHED_PENDING_FINAL,IDLE,"
      "WAITING_STORING)->= [!load_invalid] drop count_allocation_failure"):
         BOOKKEEPING,
-    "request: schedule(WAITING_STORING)->STORING drop record_block_ids": TABLE_AT_THE_SCHEDULE,
     "request: preempt(FINISHED_PENDING_FINAL)->= drop flush_request_jobs": FLUSH_OF_A_FINISHED,
     ("request: load_recving(ORPHANED_LOAD)->IDLE [!load_invalid] drop promote_after_recving"):
         BOOKKEEPING,
@@ -192,9 +164,6 @@ EQUIVALENT: dict[str, Survivor] = {
     "job: fail(TIMED_OUT)->TIMED_OUT_DRAINED [reports_complete] drop count_report": JOB_ENDS,
     ("job: fail(TIMED_OUT)->TIMED_OUT_DRAINED [reports_complete] drop invalidate_owner_kv"):
         SYNC_TWICE,
-    ("job: reset(SHIPPED,PARTIALLY_ACKED,FLUSH_REQUESTED,TIMED_OUT)->STALE drop "
-     "enter_reset_fence"):
-        FENCE_SLOTS,
     "job: reset(FAILING)->STALE drop enter_reset_fence": FENCE_NOTHING,
     "job: ack(STALE)->STALE_DRAINED [reports_complete] drop count_stale_report": JOB_ENDS,
     "job: fail(STALE)->STALE_DRAINED [reports_complete] drop count_stale_report": JOB_ENDS,

@@ -1,16 +1,22 @@
 """Directed programs: event sequences that once exposed a bug, replayed on every change.
 
 Each is a program of model events (`spec.model.parse_events` reads the text) under its bounds,
-with where it was found and what went wrong then. The reference implementation replays each
-(`tests/test_regressions.py`), and so does vLLM's own scheduler side in `make conformance`
-(`tests/conformance/test_regressions.py`); both must pass every check the random runs make:
-refinement, every invariant after every hook (inside steps too), and the drain.
+with where it was found and what went wrong then, and what the CPU tier holds when it ends
+(`tier`). The reference implementation replays each (`tests/test_regressions.py`), and so
+does vLLM's own scheduler side in `make conformance` (`tests/conformance/test_regressions.py`);
+both must pass every check the random runs make: refinement (which holds the tier's chunks to
+the model's after every hook), every invariant after every hook (inside steps too), and the
+drain. The kill matrix runs every mutant of the tables that the scenarios leave along each
+program (`Regression.check`): a broken invariant, an event with no row, or another tier at
+the end kills it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from spec import model as M
+from spec.checker import Counterexample, check_program
 from spec.model import Bounds, Event, RequestSettings, parse_events
 from spec.scenarios import by_name as scenario
 
@@ -24,9 +30,20 @@ class Regression:
     """What was wrong, and where it was fixed."""
     bounds: Bounds
     program: str
+    tier: tuple[str, ...]
+    """What the CPU tier holds when the program ends (`ModelState.tier`: each chunk as
+    `f<family> t<token> <group>`, `writing` while its store is in flight). A mutant that
+    changes what is stored, when, or whether a store finds room (none of which an invariant
+    or a progress property is about: vLLM may skip a store at any time) changes it."""
 
     def events(self) -> list[Event]:
         return parse_events(self.program)
+
+    def check(self, tables: M.Tables = M.SPEC_TABLES) -> Counterexample | None:
+        """The program checked as the search checks a path (`check_program`), and then its
+        tier against `tier`. None: it holds. An event the model cannot send on the way
+        raises its NotEnabled."""
+        return check_program(self.bounds, self.events(), tables=tables, tier=self.tier)
 
 
 _THREE = Bounds(requests=3, tokens=3, workers=2, cpu_chunks=3, gpu_blocks=6, resets=2,
@@ -54,6 +71,13 @@ _STALE_LOAD_PROGRAM = (
 `{}`: a reset orphans the load, which one worker fails (before or after the reset) and the
 other acks; r0 finishes and stores its prefix again (job 3); r1 is admitted again."""
 
+_TIER_FOUND = (
+    "make mutate: `{}` survived every scenario and every program before this one (listed "
+    "cache-only: no invariant or progress property is about what the tier holds). The "
+    "shortest program after which the mutant's tier differs from the spec's (`kvspec check "
+    "--mutate --only TEXT --tier-program`, under a scenario's bounds)")
+"""How the programs that pin a tier a mutant changes were found."""
+
 REGRESSIONS: tuple[Regression, ...] = (
     Regression(
         "store-block-reused-inside-the-step",
@@ -66,7 +90,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         _THREE,
         "arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; step() ; preempt(r0) ; "
         "ack(job 0, count 2) ; ack(job 1, count 2) ; step(admit=r0) ; ack(job 2, count 2) ; "
-        "step(admit=r0) ; preempt(r0) ; step(admit=r1)"),
+        "step(admit=r0) ; preempt(r0) ; step(admit=r1)",
+        tier=("f0 t0 full", "f0 t1 full", "f0 t2 full writing")),
     Regression(
         "store-block-reused-inside-the-step-shortest",
         "the model checker, once it checked the invariants inside steps "
@@ -75,7 +100,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         Bounds(requests=2, tokens=2, workers=1, cpu_chunks=2, gpu_blocks=2, resets=1,
                failures=0, preemptions=1),
         "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; preempt(r0) ; "
-        "ack(job 0, count 1) ; step(admit=r1)"),
+        "ack(job 0, count 1) ; step(admit=r1)",
+        tier=("f0 t0 full", "f0 t1 full writing")),
     Regression(
         "preempted-sync-load",
         "make conformance with the sync-load bounds, on vLLM 0.33.0",
@@ -85,7 +111,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6, resets=2,
                failures=0, preemptions=1, sync_loads=True),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 2) ; step(admit=r0) ; "
-        "preempt(r0) ; step()"),
+        "preempt(r0) ; step()",
+        tier=("f0 t0 full", "f0 t1 full writing", "f0 t2 full writing")),
     Regression(
         "reset-holds-a-sync-load",
         "make soak, once the reset fence's projection carried a job's sync flag",
@@ -95,7 +122,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         Bounds(requests=2, tokens=3, workers=2, cpu_chunks=4, gpu_blocks=6, resets=2,
                failures=2, sync_loads=True),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; ack(job 0, count 2) ; step(admit=r0) ; "
-        "reset()"),
+        "reset()",
+        tier=()),
     Regression(
         "loaded-request-left-in-the-drain",
         "make conformance-all on vLLM 0.27.0 (the drain left r1 behind)",
@@ -107,7 +135,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         _THREE_NO_FAILURES,
         "step() ; arrive(r0) ; arrive(r1) ; arrive(r2) ; step(admit=r0) ; ack(job 0, count 2) ; "
         "step() ; ack(job 1, count 2) ; step(admit=r1) ; ack(job 2, count 2) ; "
-        "ack(job 3, count 2) ; abort(r0) ; abort(r2)"),
+        "ack(job 3, count 2) ; abort(r0) ; abort(r2)",
+        tier=("f0 t0 full", "f0 t1 full", "f0 t2 full")),
     Regression(
         "failed-load-keeps-the-output",
         "make soak (model machine, seed 2, 46,567 steps), the first soak with decoding",
@@ -121,7 +150,8 @@ REGRESSIONS: tuple[Regression, ...] = (
                    RequestSettings(max_offload_tokens=4),), decode_tokens=2),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step() ; ack(job 0, count 1) ; "
         "ack(job 1, count 1) ; step() ; preempt(r1) ; ack(job 2, count 1) ; step(admit=r0) ; "
-        "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; step(admit=r1)"),
+        "step() ; step(admit=r1) ; fail(job 5, count 1) ; step(admit=r1) ; step(admit=r1)",
+        tier=("f0 t0 full", "f0 t1 full", "f0 t2 full", "f100 t3 full writing")),
     Regression(
         "failed-store-and-async-load",
         "vLLM 0.34.0, the first release whose workers report a failed transfer",
@@ -134,7 +164,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; ack(job 0, count 2) ; "
         "fail(job 1, count 1) ; ack(job 1, count 1) ; step() ; finish(r0) ; step() ; "
         "step(admit=r1) ; ack(job 2, count 2) ; fail(job 3, count 1) ; ack(job 3, count 1) "
-        "; step(admit=r1) ; step()"),
+        "; step(admit=r1) ; step()",
+        tier=("f0 t0 full", "f0 t1 full writing", "f0 t2 full")),
     Regression(
         "orphaned-load-fails-then-hits",
         "vLLM 0.34.0's rule for a stale load's failure (the restriction STALE-LOAD-FAILURE "
@@ -147,7 +178,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "hits the chunk r0 stored again after the reset. Neither promotes the failed load.",
         _STALE_LOAD,
         _STALE_LOAD_PROGRAM.format(
-            "reset() ; fail(job 1, count 1) ; ack(job 1, count 1)")),
+            "reset() ; fail(job 1, count 1) ; ack(job 1, count 1)"),
+        tier=("f0 t0 full", "f0 t1 full")),
     Regression(
         "failing-load-orphaned-then-hits",
         "vLLM 0.34.0's rule for a stale load's failure, the other way in (the reset row "
@@ -159,7 +191,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "the worker's failed_recving.",
         _STALE_LOAD,
         _STALE_LOAD_PROGRAM.format(
-            "fail(job 1, count 1) ; reset() ; ack(job 1, count 1)")),
+            "fail(job 1, count 1) ; reset() ; ack(job 1, count 1)"),
+        tier=("f0 t0 full", "f0 t1 full")),
     Regression(
         "finished-sync-load-frees-its-blocks",
         "make soak (model machine, seeds 8 and 12), the first soak with decoding",
@@ -173,7 +206,8 @@ REGRESSIONS: tuple[Regression, ...] = (
                sync_loads=True, decode_tokens=2, request_settings=(
                    RequestSettings(max_offload_tokens=4),)),
         "arrive(r1) ; arrive(r0) ; step(admit=r0) ; ack(job 0, count 1) ; step(admit=r1) ; "
-        "step() ; finish(r1) ; step()"),
+        "step() ; finish(r1) ; step()",
+        tier=("f0 t0 full", "f0 t1 full writing", "f0 t2 full writing", "f100 t3 full writing")),
     Regression(
         "hit-bound-at-the-hash-block",
         "a soak of block-aligned prompts in blocks of 2 tokens beside a sliding window, "
@@ -189,7 +223,9 @@ REGRESSIONS: tuple[Regression, ...] = (
                families=2, failures=0, groups=("full", "sliding"), sliding_window=3,
                tokens_per_block=2),
         "arrive(r1) ; arrive(r0) ; step(admit=r0) ; step(admit=r1) ; step() ; preempt(r1) ; "
-        "ack(job 1, count 1) ; step(admit=r1)"),
+        "ack(job 1, count 1) ; step(admit=r1)",
+        tier=("f0 t1 full writing", "f0 t1 sliding writing", "f0 t3 full writing",
+              "f0 t3 sliding writing", "f1 t1 full", "f1 t1 sliding")),
     Regression(
         "partial-tail-output-hashes",
         "the first soak with decoding beside a Mamba group (partial tails, seed 1)",
@@ -202,7 +238,9 @@ REGRESSIONS: tuple[Regression, ...] = (
                failures=0, groups=("full", "mamba"), tokens_per_block=2, partial_tails=True,
                decode_tokens=3),
         "arrive(r0) ; arrive(r1) ; step(admit=r1) ; step(admit=r0) ; step() ; "
-        "ack(job 2, count 2) ; step()"),
+        "ack(job 2, count 2) ; step()",
+        tier=("f0 t1 full writing", "f1 t1 full writing", "f1 t1 mamba writing",
+              "f1 t2 full writing", "f1 t2 mamba writing", "f1 t3 mamba writing")),
     Regression(
         "loaded-state-stored-again-after-a-reset",
         "make conformance on vLLM 0.33.0's real core with a Mamba group (test_core_mamba, "
@@ -215,7 +253,9 @@ REGRESSIONS: tuple[Regression, ...] = (
         "(`spec.model.hooks.handoffs`, its `resumed` requests) and the engine's now hand "
         "it off.",
         _MAMBA_LOAD,
-        _LOADED_THEN_RESET + "step(admit=r1)"),
+        _LOADED_THEN_RESET + "step(admit=r1)",
+        tier=("f0 t0 full writing", "f0 t0 mamba writing", "f0 t1 full writing",
+              "f0 t1 mamba writing")),
     Regression(
         "loaded-state-stored-while-waiting",
         "the same, where vLLM's core reaches the loaded request but cannot schedule it in "
@@ -226,7 +266,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "the model the event promote(r): the request waits with the store in flight, the "
         "store ends, and the request runs.",
         _MAMBA_LOAD,
-        _LOADED_THEN_RESET + "promote(r1) ; ack(job 7, count 1) ; step(admit=r1)"),
+        _LOADED_THEN_RESET + "promote(r1) ; ack(job 7, count 1) ; step(admit=r1)",
+        tier=("f0 t0 full writing", "f0 t0 mamba", "f0 t1 full writing", "f0 t1 mamba writing")),
     Regression(
         "loaded-request-aborted-before-its-schedule",
         "divergence D3 (CONFORMANCE.md), a restriction of the conformance machine until it "
@@ -240,7 +281,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         _THREE_NO_FAILURES,
         "arrive(r0) ; step(admit=r0) ; step() ; step() ; ack(job 0, count 2) ; "
         "ack(job 1, count 2) ; ack(job 2, count 2) ; arrive(r1) ; step(admit=r1) ; "
-        "ack(job 3, count 2) ; reset() ; abort(r1) ; step()"),
+        "ack(job 3, count 2) ; reset() ; abort(r1) ; step()",
+        tier=()),
     Regression(
         "aborted-while-waiting-with-a-store",
         "the same fix: the abort the conformance machine avoided, of a request waiting with "
@@ -249,7 +291,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "reset emptied the CPU cache); aborted, it drains that store (FINISHED_DRAINING) "
         "and, never scheduled, has no table for a final store.",
         _MAMBA_LOAD,
-        _LOADED_THEN_RESET + "promote(r1) ; abort(r1) ; step() ; ack(job 7, count 1) ; step()"),
+        _LOADED_THEN_RESET + "promote(r1) ; abort(r1) ; step() ; ack(job 7, count 1) ; step()",
+        tier=("f0 t0 mamba",)),
     Regression(
         "preempted-then-aborted-before-the-next-step",
         "divergence D2 (CONFORMANCE.md), a restriction of the conformance machine until it "
@@ -260,7 +303,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "scheduled requests. The request table now has a preempt row from "
         "FINISHED_PENDING_FINAL (group preempt_flushed).",
         _THREE_NO_FAILURES,
-        "arrive(r0) ; step(admit=r0) ; preempt(r0) ; abort(r0) ; step() ; ack(job 0, count 2)"),
+        "arrive(r0) ; step(admit=r0) ; preempt(r0) ; abort(r0) ; step() ; ack(job 0, count 2)",
+        tier=("f0 t0 full",)),
     Regression(
         "evicted-loaded-state-stored-while-waiting-then-reset",
         "make mutate: `reset(WAITING_STORING)->IDLE drop reset_store_cursor` survived every "
@@ -281,7 +325,8 @@ REGRESSIONS: tuple[Regression, ...] = (
         "ack(job 6, count 1) ; arrive(r1) ; step(admit=r1) ; step() ; step() ; "
         "ack(job 7, count 1) ; ack(job 8, count 1) ; ack(job 9, count 1) ; "
         "ack(job 10, count 1) ; ack(job 11, count 1) ; ack(job 12, count 1) ; promote(r2) ; "
-        "reset() ; step(admit=r2)"),
+        "reset() ; step(admit=r2)",
+        tier=("f0 t0 full writing", "f0 t1 full writing", "f0 t1 mamba writing")),
     Regression(
         "late-recving-of-a-timed-out-load",
         "the compiled checker's first bounds with timeouts, a failure, a reset and a "
@@ -297,7 +342,66 @@ REGRESSIONS: tuple[Regression, ...] = (
         scenario("late-recving-after-timeout").bounds,
         "arrive(r0) ; step(admit=r0) ; preempt(r0) ; ack(job 0, count 1) ; step(admit=r0) ; "
         "step() ; step() ; step(admit=r0) ; preempt(r0) ; step(admit=r0) ; reset() ; "
-        "ack(job 1, count 1) ; fail(job 2, count 1) ; step(admit=r0) ; step()"),
+        "ack(job 1, count 1) ; fail(job 2, count 1) ; step(admit=r0) ; step()",
+        tier=("f0 t0 full writing", "f0 t1 full writing")),
+    Regression(
+        "waiting-store-records-the-table-at-the-schedule",
+        _TIER_FOUND.format("request: schedule(WAITING_STORING)->STORING drop record_block_ids"),
+        "r0 stores its first chunk and its state there, and is aborted; its stores end. r1 "
+        "(the same prefix) loads them asynchronously; a reset empties the tier after the "
+        "load's report; r1 is promoted and waits with the store of its loaded state in "
+        "flight (WAITING_STORING). When the core schedules it, the connector records its "
+        "block table (CONFORMANCE.md D3), so r1 stores its full-attention chunks beside its "
+        "states. Without the record it runs on an empty table: the tier gets the states "
+        "alone. The scenarios reach WAITING_STORING with Mamba groups only, where the states "
+        "carry their own blocks.",
+        _MAMBA_LOAD,
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; abort(r0) ; ack(job 0, count 1) ; "
+        "ack(job 1, count 1) ; step(admit=r1) ; ack(job 2, count 1) ; reset() ; promote(r1) ; "
+        "step(admit=r1)",
+        tier=("f0 t0 full writing", "f0 t0 mamba writing", "f0 t1 full writing",
+              "f0 t1 mamba writing")),
+    Regression(
+        "recompute-after-a-failed-load-stores-again",
+        _TIER_FOUND.format(
+            "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop bypass_offload_lookup"),
+        "r0 stores its first chunk, is preempted, and is admitted again with an async load "
+        "of it, which fails: RECOMPUTE, its loaded tokens invalid. Its next lookup bypasses "
+        "the tier and clears that mark, so the recomputed r0 stores its second chunk. "
+        "Without the clear the mark outlives the recompute and poisons the store: the tier "
+        "never gets the chunk.",
+        scenario("failed-load-not-retried").bounds,
+        "arrive(r0) ; step(admit=r0) ; preempt(r0) ; ack(job 0, count 1) ; step(admit=r0) ; "
+        "fail(job 1, count 1) ; step(admit=r0) ; step()",
+        tier=("f0 t0 full", "f0 t1 full writing")),
+    Regression(
+        "timed-out-load-restarts-its-stores-from-token-0",
+        _TIER_FOUND.format(
+            "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero"),
+        "r1's async load of r0's first chunk times out (TIMED_OUT) while r0 stores its "
+        "second; r0's store of it times out too and keeps its slot of the two the tier has "
+        "quarantined, and r0's stores evict its first chunk. When r1 is admitted again its "
+        "lookup restarts it from token 0, so it stores that chunk again (evicting the "
+        "second). Without the restart r1 keeps its old store cursor past that chunk and "
+        "stores nothing.",
+        scenario("timed-out-load-blocks").bounds,
+        "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; preempt(r0) ; "
+        "ack(job 0, count 1) ; step(admit=r1) ; step() ; step() ; step(admit=r0) ; "
+        "ack(job 3, count 1) ; ack(job 2, count 1) ; step(admit=r0) ; finish(r0) ; "
+        "ack(job 4, count 1) ; step(admit=r1)",
+        tier=("f0 t0 full writing",)),
+    Regression(
+        "reset-frees-the-slot-of-a-timed-out-store",
+        _TIER_FOUND.format("job: reset(SHIPPED,PARTIALLY_ACKED,FLUSH_REQUESTED,TIMED_OUT)->STALE "
+                           "drop enter_reset_fence"),
+        "r0's first store times out and keeps its CPU slot quarantined until its report "
+        "comes; a reset makes it stale, and the reset fence, which waits for that report, "
+        "frees the slot. In the next step r0 (its store cursor back at 0) stores its three "
+        "chunks into the tier's three slots. Without the freeing the quarantined slot stays "
+        "counted, the store finds two free slots for three chunks, and the tier gets none.",
+        scenario("timeouts").bounds,
+        "arrive(r0) ; step(admit=r0) ; step() ; reset() ; step()",
+        tier=("f0 t0 full writing", "f0 t1 full writing", "f0 t2 full writing")),
 )
 
 

@@ -3,12 +3,13 @@ every check of the random runs, and proof that each still reaches what it was fo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import pytest
 
 from spec import model as M
-from spec.checker import check_program
+from spec.checker import check_program, tier_difference
 from spec.invariants import check
 from spec.model.projection import abstract
 from spec.regressions import REGRESSIONS, by_name
@@ -56,7 +57,7 @@ def test_regression_is_a_clean_path_of_the_spec(reg: Any) -> None:
     """Every event of the program is one the model can send where it stands (the replays
     skip an event that is not: a stale program would shrink unseen), and every invariant
     holds after each, inside its step too: the path the kill matrix runs mutants along."""
-    assert check_program(reg.bounds, reg.events()) is None
+    assert reg.check() is None
 
 
 def test_a_program_kills_a_mutant_past_the_scenarios_bounds() -> None:
@@ -67,7 +68,7 @@ def test_a_program_kills_a_mutant_past_the_scenarios_bounds() -> None:
     reg = by_name("evicted-loaded-state-stored-while-waiting-then-reset")
     mutant = next(m for m in spec_mutants() if m.name ==
                   "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
-    broken = check_program(reg.bounds, reg.events(), tables=mutant.tables())
+    broken = reg.check(mutant.tables())
     assert broken is not None and broken.verdict == "invariant INV-21"
     assert str(broken.steps[-1].event) == "reset()"
     assert broken.violations[0].request == "r2"
@@ -309,3 +310,58 @@ def test_a_late_recving_of_a_timed_out_load_is_taken_out_of_the_set() -> None:
     assert own.finished_recving == {"r0"}
     assert sched.get_stats()["stale_recving_ignored"] == 1
     assert sched.request_state("r0") == "RECOMPUTE"
+
+
+TIER_KILLS = {
+    "waiting-store-records-the-table-at-the-schedule":
+        ("request: schedule(WAITING_STORING)->STORING drop record_block_ids",
+         ["f0 t0 full writing", "f0 t1 full writing"], []),
+    "recompute-after-a-failed-load-stores-again":
+        ("request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop bypass_offload_lookup",
+         ["f0 t1 full writing"], []),
+    "timed-out-load-restarts-its-stores-from-token-0":
+        ("request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero",
+         ["f0 t0 full writing"], ["f0 t1 full"]),
+    "reset-frees-the-slot-of-a-timed-out-store":
+        ("job: reset(SHIPPED,PARTIALLY_ACKED,FLUSH_REQUESTED,TIMED_OUT)->STALE "
+         "drop enter_reset_fence",
+         ["f0 t0 full writing", "f0 t1 full writing", "f0 t2 full writing"], []),
+}
+"""Program -> the mutant (once a `cache-only` survivor) whose tier it tells from the spec's,
+the chunks the mutant's tier lacks at its end, and those it holds beside them."""
+
+
+@pytest.mark.parametrize("name", sorted(TIER_KILLS))
+def test_a_program_pins_the_tier_a_cache_only_mutant_changes(name: str) -> None:
+    """The mutant breaks no invariant along the program (it changes only what the tier
+    holds); the program's pin of the tier kills it, naming the chunks that differ."""
+    reg = by_name(name)
+    mutant_name, missing, extra = TIER_KILLS[name]
+    mutant = next(m for m in spec_mutants() if m.name == mutant_name)
+    assert M.parse_events(reg.program) and reg.check() is None
+    assert check_program(reg.bounds, reg.events(), tables=mutant.tables()) is None, \
+        "an invariant breaks along it: not a kill by the tier"
+    broken = reg.check(mutant.tables())
+    assert broken is not None and broken.verdict == "tier"
+    held = [c for c in reg.tier if c not in missing] + extra
+    assert broken.summary == tier_difference(tuple(sorted(held)), reg.tier)
+    for chunk in missing + extra:
+        assert chunk in broken.summary
+
+
+def test_a_program_whose_tier_differs_from_its_pin_fails_naming_the_chunks() -> None:
+    reg = by_name("preempted-then-aborted-before-the-next-step")
+    assert reg.tier == ("f0 t0 full",)
+    broken = replace(reg, tier=("f0 t0 full", "f0 t1 full")).check()
+    assert broken is not None and broken.kind == "tier" and broken.steps
+    assert broken.summary == "the CPU tier ends without f0 t1 full (it holds: f0 t0 full)"
+    broken = replace(reg, tier=()).check()
+    assert broken is not None
+    assert broken.summary == "the CPU tier ends with f0 t0 full (it holds: f0 t0 full)"
+
+
+def test_a_chunk_label_names_the_family_the_token_and_the_group() -> None:
+    groups = ("full", "mamba")
+    assert M.chunk_label(M.key(0, 1, 1, 2), groups) == "f0 t1 mamba"
+    assert M.chunk_label(M.key(3, 17, 0, 2), groups) == "f3 t17 full"
+    assert M.chunk_label(M.key(M.OUTPUT_FAMILY, 4), ("full",)) == f"f{M.OUTPUT_FAMILY} t4 full"

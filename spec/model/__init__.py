@@ -44,6 +44,7 @@ from spec.model.state import (
     Template,
     World,
     block_key,
+    chunk_label,
     key,
 )
 
@@ -61,5 +62,5 @@ def coverage_universe() -> set[tuple[str, int]]:
 __all__ = ["MACHINES", "NO_FAULTS", "OUTPUT_FAMILY", "SPEC_TABLES", "Bounds", "Call", "Event",
            "FairClass", "Fault", "Faults", "MCore", "MJob", "MReq", "ModelError", "ModelState",
            "NotEnabled", "RequestSettings", "Tables", "Template", "World", "abstract", "apply",
-           "block_key", "canonical", "coverage_universe", "events", "fair_class", "fire",
-           "initial", "key", "parse_events", "renumbering", "successors"]
+           "block_key", "canonical", "chunk_label", "coverage_universe", "events", "fair_class",
+           "fire", "initial", "key", "parse_events", "renumbering", "successors"]

@@ -122,6 +122,14 @@ def key_position(chunk_key: int, num_groups: int = 1) -> int:
     return (chunk_key // num_groups) % 1000 - 1
 
 
+def chunk_label(chunk_key: int, groups: tuple[str, ...]) -> str:
+    """A chunk key in words, the inverse of `key`: `f<family> t<token> <group kind>` (the
+    prompt family, the chunk's last token, the group's kind), e.g. `f0 t1 full`."""
+    block_hash, group = divmod(chunk_key, len(groups))
+    family, position = divmod(block_hash - 1, 1000)
+    return f"f{family} t{position} {groups[group]}"
+
+
 def block_key(family: int, block: int, tokens_per_block: int, group: int = 0,
               num_groups: int = 1) -> int:
     """The key of block `block` of a prompt of `family`: the hash at the block's last token
@@ -494,6 +502,13 @@ class ModelState:
     unwritten: frozenset[int] = frozenset()
     """The data's truth: chunk keys some load read a block of that no store wrote
     (INV-23)."""
+
+    def tier(self) -> tuple[str, ...]:
+        """What the CPU tier holds: each chunk by its `chunk_label`, `writing` after one a
+        store has not completed, sorted (what a directed program pins at its end)."""
+        groups = self.bounds.groups
+        return tuple(sorted(chunk_label(c, groups) + (" writing" if ref < 0 else "")
+                            for c, ref in self.chunks))
 
 
 # ============================================================================ the world

@@ -1,7 +1,8 @@
 """Mutation of the spec itself: the tables with one effect removed from one row, or one guard
 of one row negated, each checked over the scenarios. The kill matrix says, per mutant, what
 caught it: a safety invariant, a progress property, an event left with no row (`illegal`), a
-row no scenario fires any more (`coverage`), or nothing (`survived`). A survivor is either a
+row no scenario fires any more (`coverage`), a directed program's tier (`tier`), or nothing
+(`survived`). A survivor is either a
 gap in the checks or a mutant equivalent to the spec; `spec.equivalents` lists the second
 kind with the reason, and the tests demand that the survivors are exactly those.
 
@@ -9,8 +10,10 @@ The compiled checker takes the mutated rows at run time (no rebuild); each findi
 replayed and certified on the Python model running the same mutated tables. A mutant the
 compiled scenarios leave runs along the directed programs (`spec.regressions`) on the Python
 model: each is one path, often past the scenarios' bounds (three requests beside a Mamba
-group, say), checked as the search checks every path; a break there is a kill (`in`:
-`program <name>`), with the program as its counterexample.
+group, say), checked as the search checks every path, and then what the CPU tier holds at
+its end against what the program pins (`Regression.check`); a break there is a kill (`in`:
+`program <name>`; `tier` when only the tier differs), with the program as its
+counterexample.
 
 A survivor is checked over every scenario to the end, which makes the listed survivors
 four fifths of the matrix's time. The search is deterministic, so a survivor proven once
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from spec import model as M
-from spec.checker import Counterexample, check_program
+from spec.checker import Counterexample
 from spec.equivalents import EQUIVALENT, Survivor
 from spec.regressions import REGRESSIONS
 from spec.regressions import by_name as regression
@@ -194,7 +197,7 @@ def _program_kill(m: SpecMutant, tables: M.Tables, states: int) -> Kill | None:
     """The first directed program that breaks under the mutant's tables, as its kill."""
     for reg in REGRESSIONS:
         try:
-            broken = check_program(reg.bounds, reg.events(), tables=tables)
+            broken = reg.check(tables)
         except M.NotEnabled:
             continue  # the program's path leaves this mutant's model: it shows nothing here
         if broken is not None:
@@ -252,7 +255,7 @@ def counterexample_of(kill: Kill, m: SpecMutant) -> Counterexample | None:
         return None
     if name.startswith(PROGRAM):
         reg = regression(name.removeprefix(PROGRAM))
-        return check_program(reg.bounds, reg.events(), tables=m.tables())
+        return reg.check(m.tables())
     return check(scenario(name).bounds, tables=m.tables()).counterexample
 
 

@@ -297,6 +297,12 @@ def register(sub: Any) -> None:
                    "spec/equivalents.proof.json proved them at this fingerprint")
     c.add_argument("--jobs", type=int, default=None,
                    help="with --mutate: processes (default: every core)")
+    c.add_argument("--tier-program", action="store_true",
+                   help="with --mutate --only TEXT (one mutant) and one --scenario: the "
+                   "shortest program under its bounds after which the mutant's CPU tier "
+                   "differs from the spec's (a directed program of spec/regressions.py, "
+                   "pinned to the spec's tier, then kills it); --max-states bounds the "
+                   "pairs of states searched")
     c.add_argument("--svg", help="write the counterexample drawn over the machines here")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)

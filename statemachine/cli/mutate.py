@@ -12,6 +12,7 @@ from spec.equivalents import EQUIVALENT
 from statemachine.checker import mutation
 from statemachine.checker.mutation import (
     PROOF,
+    SpecMutant,
     counterexample_of,
     kill_matrix,
     matrix_scenarios,
@@ -19,6 +20,7 @@ from statemachine.checker.mutation import (
     spec_mutants,
     write_proof,
 )
+from statemachine.checker.tier_search import TierProgram, tier_program
 from statemachine.cli.check import (
     counterexample_json,
     print_counterexample,
@@ -34,6 +36,8 @@ def cmd_mutate(args: argparse.Namespace) -> int:
         if not mutants:
             return usage_error("check", f"no mutant of the tables has {args.only!r} in its "
                                "name (kvspec check --mutate lists them)")
+    if args.tier_program:
+        return _tier_program(args, mutants)
     scenarios = matrix_scenarios()
     proven = {} if args.reprove else proven_survivors(scenarios)
     show = Progress("mutants")
@@ -87,3 +91,40 @@ def cmd_mutate(args: argparse.Namespace) -> int:
         if ce is not None:
             print_counterexample(ce, svg)
     return EXIT_FAIL if gaps or wrong or stale else EXIT_OK
+
+
+def _tier_program(args: argparse.Namespace, mutants: list[SpecMutant]) -> int:
+    """`--tier-program`: the shortest program after which one mutant's tier differs from the
+    spec's, under one scenario's bounds (changed by --bounds)."""
+    from statemachine.cli.check import _scenarios
+
+    if not args.only or len(mutants) != 1:
+        return usage_error("check", "--tier-program searches for one mutant: --only TEXT must "
+                           f"name one ({len(mutants)} match)")
+    if not args.scenario or len(args.scenario) != 1:
+        return usage_error("check", "--tier-program searches under one --scenario's bounds "
+                           "(--bounds changes them)")
+    try:
+        (sc,), _ = _scenarios(args)
+    except (LookupError, ValueError) as exc:
+        return usage_error("check", str(exc))
+    m = mutants[0]
+    found = tier_program(sc.bounds, m.tables(), args.max_states or 2_000_000)
+    if args.json:
+        print(json.dumps({"mutant": m.name, "scenario": sc.name, "pairs": found.pairs,
+                          **({"program": found.program, "spec_tier": found.spec_tier,
+                              "mutant_tier": found.mutant_tier}
+                             if isinstance(found, TierProgram) else
+                             {"program": None, "complete": found.complete})}, indent=2))
+    elif isinstance(found, TierProgram):
+        print(f"{m.name}\nunder {sc.name}: after {len(found.events)} events "
+              f"({found.pairs} pairs of states searched) the tiers differ:\n"
+              f"  program: {found.program}\n"
+              f"  the spec's tier (the pin): {', '.join(found.spec_tier) or 'nothing'}\n"
+              f"  the mutant's tier:         {', '.join(found.mutant_tier) or 'nothing'}\n"
+              "Add it to spec/regressions.py with tier= the spec's tier.")
+    else:
+        print(f"{m.name}\nunder {sc.name}: no program tells the tiers apart in "
+              f"{found.pairs} pairs of states"
+              + ("" if found.complete else " (the search stopped at its limit: --max-states)"))
+    return EXIT_OK if isinstance(found, TierProgram) else EXIT_FAIL
