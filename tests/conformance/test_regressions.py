@@ -81,6 +81,8 @@ def test_regression_replays_clean_on_vllm(vllm_ready: Any, reg: Regression) -> N
         return  # an older release: its own choices (an LRU order, say) may take another path
     for ev, ours, theirs in zip(reg.events(), spec_path, path, strict=True):
         assert _requests(theirs) == _requests(ours), f"vLLM left the program's path at {ev}"
+    # refinement held vLLM's chunks to this state's after every hook: vLLM's tier is the pin
+    assert path[-1].tier() == reg.tier
 
 
 def test_an_evicted_loaded_state_is_stored_while_waiting_and_the_reset_rewinds_the_cursor(
