@@ -25,8 +25,9 @@ from spec import model as M
 from spec.scenarios import SCENARIOS, by_name, hunt_bounds
 from statemachine import cli
 from statemachine.checker import check, compiled
+from tests.test_checker import LONGEST
 
-LONG = ("three-requests", "store-admission-three-requests")
+LONG = (LONGEST, "store-admission-three-requests")
 """The scenarios of 10 s and more on one thread: `test_a_long_search_is_the_same_on_two_threads`
 takes the smaller."""
 
