@@ -84,6 +84,10 @@ def cmd_mutate(args: argparse.Namespace) -> int:
                   "(--reprove searches them)")
         for k in gaps:
             print(f"  survived, not listed as equivalent in spec/equivalents.py: {k.mutant}")
+        if gaps:
+            print("  a survivor that changes only what the CPU tier holds is killed by a "
+                  "directed program that pins the tier:\n    kvspec check --mutate --only "
+                  "TEXT --tier-program --scenario NAME  finds one")
         for k in wrong:
             print(f"  the compiled checker and the model disagree on {k.mutant}: {k.detail}")
         for name in stale:
