@@ -108,7 +108,9 @@ def _without(values: list[str] | None) -> frozenset[str]:
     return out
 
 
-def _scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
+def chosen_scenarios(args: argparse.Namespace) -> tuple[list[Scenario], M.Faults]:
+    """The scenarios the command line names (--scenario, --bounds, --mutant), and the
+    faults they run with."""
     if args.mutant:
         mutant = mutant_by_name(args.mutant)
         if mutant.model_fault is None:
@@ -155,7 +157,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from statemachine.checker import check  # the C build helper: only when a check runs
 
     try:
-        scenarios, faults = _scenarios(args)
+        scenarios, faults = chosen_scenarios(args)
         without = _without(args.without)
     except LookupError as exc:
         return usage_error("check", str(exc).strip("'\""))

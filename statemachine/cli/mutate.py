@@ -22,6 +22,7 @@ from statemachine.checker.mutation import (
 )
 from statemachine.checker.tier_search import TierProgram, tier_program
 from statemachine.cli.check import (
+    chosen_scenarios,
     counterexample_json,
     print_counterexample,
     write_counterexample_svg,
@@ -100,8 +101,6 @@ def cmd_mutate(args: argparse.Namespace) -> int:
 def _tier_program(args: argparse.Namespace, mutants: list[SpecMutant]) -> int:
     """`--tier-program`: the shortest program after which one mutant's tier differs from the
     spec's, under one scenario's bounds (changed by --bounds)."""
-    from statemachine.cli.check import _scenarios
-
     if not args.only or len(mutants) != 1:
         return usage_error("check", "--tier-program searches for one mutant: --only TEXT must "
                            f"name one ({len(mutants)} match)")
@@ -109,7 +108,7 @@ def _tier_program(args: argparse.Namespace, mutants: list[SpecMutant]) -> int:
         return usage_error("check", "--tier-program searches under one --scenario's bounds "
                            "(--bounds changes them)")
     try:
-        (sc,), _ = _scenarios(args)
+        (sc,), _ = chosen_scenarios(args)
     except (LookupError, ValueError) as exc:
         return usage_error("check", str(exc))
     m = mutants[0]
