@@ -161,6 +161,10 @@ def test_cli_fails_on_an_unlisted_survivor_and_on_a_stale_reason(
         assert out["stale_equivalents"] == [killed] and out["non_equivalent_survivors"] == []
     else:
         assert out["non_equivalent_survivors"] == [survivor] and out["stale_equivalents"] == []
+        assert main(["check", "--mutate", "--jobs", "1"]) == 1
+        text = capsys.readouterr().out
+        assert f"survived, not listed as equivalent in spec/equivalents.py: {survivor}" in text
+        assert "--tier-program --scenario NAME" in text  # the way to a program that kills it
 
 
 def _tree(root: Path) -> Path:
