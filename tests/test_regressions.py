@@ -14,9 +14,9 @@ from spec.invariants import check
 from spec.model.projection import abstract
 from spec.regressions import REGRESSIONS, by_name
 from spec.state import AbstractState
-from statemachine.checker.mutation import spec_mutants
 from statemachine.errors import InvariantViolation
 from statemachine.testing import BLOCK, OffloadingStateMachine, ReferenceAdapter, replay
+from tests.test_spec_mutation import _named
 
 
 class Recording(ReferenceAdapter):
@@ -69,8 +69,7 @@ def test_a_program_kills_a_mutant_past_the_scenarios_bounds() -> None:
     (INV-21). The scenarios reach WAITING_STORING only through a reset, which had put the
     cursor at 0 already; the kill matrix runs this program on the mutants they leave."""
     reg = by_name("evicted-loaded-state-stored-while-waiting-then-reset")
-    mutant = next(m for m in spec_mutants() if m.name ==
-                  "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
+    mutant = _named("request: reset(WAITING_STORING)->IDLE drop reset_store_cursor")
     broken = reg.check(mutant.tables())
     assert broken is not None and broken.verdict == "invariant INV-21"
     assert str(broken.steps[-1].event) == "reset()"
@@ -340,7 +339,7 @@ def test_a_program_pins_the_tier_a_cache_only_mutant_changes(name: str) -> None:
     holds); the program's pin of the tier kills it, naming the chunks that differ."""
     reg = by_name(name)
     mutant_name, missing, extra = TIER_KILLS[name]
-    mutant = next(m for m in spec_mutants() if m.name == mutant_name)
+    mutant = _named(mutant_name)
     assert M.parse_events(reg.program) and reg.check() is None
     assert check_program(reg.bounds, reg.events(), tables=mutant.tables()) is None, \
         "an invariant breaks along it: not a kill by the tier"

@@ -11,21 +11,17 @@ import pytest
 from spec.regressions import by_name
 from spec.scenarios import by_name as scenario
 from statemachine import cli
-from statemachine.checker.mutation import SpecMutant, spec_mutants
 from statemachine.checker.tier_search import NoTierProgram, TierProgram, tier_program
+from tests.test_spec_mutation import _named
 
 FENCE_SLOTS = ("job: reset(SHIPPED,PARTIALLY_ACKED,FLUSH_REQUESTED,TIMED_OUT)->STALE "
                "drop enter_reset_fence")
 
 
-def _mutant(name: str) -> SpecMutant:
-    return next(m for m in spec_mutants() if m.name == name)
-
-
 def test_the_search_finds_the_program_that_pins_the_tier_of_a_reset_fence_mutant() -> None:
     """The directed program `reset-frees-the-slot-of-a-timed-out-store` is what the search
     answers: its events and, as the pin, the spec's tier after them."""
-    found = tier_program(scenario("timeouts").bounds, _mutant(FENCE_SLOTS).tables())
+    found = tier_program(scenario("timeouts").bounds, _named(FENCE_SLOTS).tables())
     assert isinstance(found, TierProgram)
     reg = by_name("reset-frees-the-slot-of-a-timed-out-store")
     assert found.program == reg.program and found.spec_tier == reg.tier
@@ -35,13 +31,13 @@ def test_the_search_finds_the_program_that_pins_the_tier_of_a_reset_fence_mutant
 
 def test_a_mutant_of_bookkeeping_alone_leaves_every_tier_as_the_spec_has_it() -> None:
     found = tier_program(scenario("late-reports").bounds,
-                         _mutant("request: add(ABSENT)->IDLE drop create_request_status").tables())
+                         _named("request: add(ABSENT)->IDLE drop create_request_status").tables())
     assert isinstance(found, NoTierProgram) and found.complete and found.pairs > 1000
 
 
 def test_the_search_stops_at_its_limit_and_says_so() -> None:
     found = tier_program(scenario("late-reports").bounds,
-                         _mutant("request: add(ABSENT)->IDLE drop create_request_status").tables(),
+                         _named("request: add(ABSENT)->IDLE drop create_request_status").tables(),
                          max_pairs=50)
     assert isinstance(found, NoTierProgram) and not found.complete and found.pairs == 50
 
