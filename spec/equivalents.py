@@ -17,39 +17,34 @@ until programs that pin their tiers were added.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 
 @dataclass(frozen=True)
 class Survivor:
-    kind: Literal["equivalent"]
+    """Why a mutant is equivalent to the spec: what it changes, and why nothing the model
+    can observe or do depends on that."""
     reason: str
 
 
 BOOKKEEPING = Survivor(
-    "equivalent",
     "the effect keeps only the implementation's bookkeeping (a status object, a timer, a "
     "statistic, the flushed signal of the reset fence): the model runs it as a no-op, so the "
     "mutant is the spec itself")
 
 JOB_ENDS = Survivor(
-    "equivalent",
     "the job leaves the table (or the reset fence) on this row: the count it would lower, or "
     "the flag it would set, is dropped with it and read by no later row")
 
 STATE_SAYS = Survivor(
-    "equivalent",
     "the row's destination says it already: FAILING is a failed job's state, and the flag is "
     "read only by rows and invariants that see FAILING too")
 
 INVALID_UNTIL_LOOKUP = Survivor(
-    "equivalent",
     "the row leads to RECOMPUTE or TIMED_OUT (directly, or through PREEMPTED_FLUSHING once the "
     "other jobs end): the request holds no store and creates none before its next lookup, "
     "whose bypass_offload_lookup clears the flag; nothing reads it in between")
 
 SYNC_TWICE = Survivor(
-    "equivalent",
     "a failed or timed-out sync load is handled twice: the job's row fires kv_invalidated on "
     "its request (invalidate_owner_kv), which marks the loaded tokens invalid and poisons the "
     "request's stores, and the request's own load_failed/load_timed_out row does the same; "
@@ -57,25 +52,21 @@ SYNC_TWICE = Survivor(
     "stores that outlive the load (a request running on KV a later failure invalidates)")
 
 QUARANTINE_SYNC = Survivor(
-    "equivalent",
     "the worker waits for a sync load's copy before the step's forward pass (W:269-270): when "
     "the connector times it out only its report is late, the copy is over, so no byte reaches "
     "its destination blocks after the timeout and quarantining them changes nothing the "
     "invariants can see")
 
 FLUSH_AGAIN = Survivor(
-    "equivalent",
     "the job is already in jobs_to_flush (FLUSH_REQUESTED) or failing, whose rollback does not "
     "depend on the flush: adding it again changes nothing")
 
 RESTART_AGAIN = Survivor(
-    "equivalent",
     "the request is not scheduled from this state: its next lookup runs "
     "restart_from_token_zero again before anything reads the cursor, the block table or the "
     "hit")
 
 FLUSH_OF_A_FINISHED = Survivor(
-    "equivalent",
     "the request finished before this preemption reached the connector, and its finish "
     "registered the deferred fences of its stores' source blocks (register_deferred_fences), "
     "so INV-15 holds without the flush; a flush only asks the workers to finish a shipped "
@@ -83,7 +74,6 @@ FLUSH_OF_A_FINISHED = Survivor(
     "row is there because vLLM flushes, not for safety)")
 
 FENCE_NOTHING = Survivor(
-    "equivalent",
     "leave_job_table already moves the stale job into the reset fence; enter_reset_fence only "
     "drops the CPU slots a timed-out store kept quarantined, and a failing job keeps none")
 

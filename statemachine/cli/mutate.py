@@ -53,7 +53,7 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     listed = set(EQUIVALENT) if not args.only else set(EQUIVALENT) & {m.name for m in mutants}
     stale = sorted(listed - {k.mutant for k in kills if not k.killed})
     tally = Counter(k.by.split()[0] if k.killed else
-                    (k.equivalent.kind if k.equivalent else "survived") for k in kills)
+                    ("equivalent" if k.equivalent else "survived") for k in kills)
     complete = not reused and {k.mutant for k in kills} == \
         {m.name for m in mutation.spec_mutants()}
     if complete and not (gaps or wrong or stale):
@@ -74,7 +74,7 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     else:
         rows = [{"mutant": k.mutant,
                  "killed by": k.by if k.killed else
-                 (k.equivalent.kind if k.equivalent else "SURVIVED"),
+                 ("equivalent" if k.equivalent else "SURVIVED"),
                  "in": k.scenario or "-", "steps": k.steps or "-"} for k in kills]
         print_table(rows, ["mutant", "killed by", "in", "steps"])
         print(f"\n{len(kills)} mutants over {len(matrix_scenarios())} scenarios: "
