@@ -285,8 +285,8 @@ def check_program(bounds: M.Bounds, events: list[M.Event], faults: M.Faults = M.
         if violations:
             return Counterexample("invariant", str(violations[0]), steps, violations)
         s = nxt
-    if tier is not None and s.tier() != tier:
-        return Counterexample("tier", tier_difference(s.tier(), tier), steps)
+    if tier is not None and (held := s.tier()) != tier:
+        return Counterexample("tier", tier_difference(held, tier), steps)
     return None
 
 

@@ -378,12 +378,15 @@ REGRESSIONS: tuple[Regression, ...] = (
         "timed-out-load-restarts-its-stores-from-token-0",
         _TIER_FOUND.format(
             "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero"),
-        "r1's async load of r0's first chunk times out (TIMED_OUT) while r0 stores its "
-        "second; r0's store of it times out too and keeps its slot of the two the tier has "
-        "quarantined, and r0's stores evict its first chunk. When r1 is admitted again its "
-        "lookup restarts it from token 0, so it stores that chunk again (evicting the "
-        "second). Without the restart r1 keeps its old store cursor past that chunk and "
-        "stores nothing.",
+        "r0 stores its two chunks and is preempted; the store of the first is acked. r1, of "
+        "the same prefix, loads that chunk asynchronously. The flushed store of r0's second "
+        "chunk times out, and its slot, one of the tier's two, stays quarantined: its report "
+        "never comes. r1's load times out too (TIMED_OUT). r0 is admitted again, loads its "
+        "first chunk back and stores its second, which must evict the first (the tier's "
+        "other slot is the quarantined one); r0 finishes. When r1 is admitted again its lookup "
+        "finds no hit and restarts it from token 0, so it stores the first chunk again "
+        "(evicting the second). Without the restart r1's store cursor stays past that chunk, "
+        "where its load had put it, and r1 stores nothing.",
         scenario("timed-out-load-blocks").bounds,
         "arrive(r0) ; arrive(r1) ; step(admit=r0) ; step() ; preempt(r0) ; "
         "ack(job 0, count 1) ; step(admit=r1) ; step() ; step() ; step(admit=r0) ; "

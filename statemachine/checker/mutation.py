@@ -2,18 +2,19 @@
 of one row negated, each checked over the scenarios. The kill matrix says, per mutant, what
 caught it: a safety invariant, a progress property, an event left with no row (`illegal`), a
 row no scenario fires any more (`coverage`), a directed program's tier (`tier`), or nothing
-(`survived`). A survivor is either a
-gap in the checks or a mutant equivalent to the spec; `spec.equivalents` lists the second
-kind with the reason, and the tests demand that the survivors are exactly those.
+(`survived`). A survivor is either a gap in the checks or a mutant equivalent to the spec;
+`spec.equivalents` lists the second kind with the reason, and the tests demand that the
+survivors are exactly those.
 
 The compiled checker takes the mutated rows at run time (no rebuild); each finding is
 replayed and certified on the Python model running the same mutated tables. A mutant the
 compiled scenarios leave runs along the directed programs (`spec.regressions`) on the Python
 model: each is one path, often past the scenarios' bounds (three requests beside a Mamba
 group, say), checked as the search checks every path, and then what the CPU tier holds at
-its end against what the program pins (`Regression.check`); a break there is a kill (`in`:
-`program <name>`; `tier` when only the tier differs), with the program as its
-counterexample.
+its end against what the program pins (`Regression.check`). A break there is a kill, with
+the program as its counterexample (`in`: `program <name>`): its verdict is the check that
+broke, and `tier` when the program keeps every invariant and has a row for every event but
+ends with another tier than its pin.
 
 A survivor is checked over every scenario to the end, which makes the listed survivors
 four fifths of the matrix's time. The search is deterministic, so a survivor proven once
