@@ -106,6 +106,20 @@ def search_order() -> list[Scenario]:
                                  s.expect.states if s.expect else 0, s.name))
 
 
+def first_firing(covers: Callable[[M.Bounds], set[tuple[str, int]]]) -> dict[str, str]:
+    """For each row that some scenario fires, the first scenario in `search_order` that fires
+    it, by `covers(bounds)`: the rows a scenario's search fires. The scenario `generate`
+    writes a row's witness under, where `covers` is the whole search's coverage."""
+    ids = {v: k for k, v in all_rows().items()}
+    first: dict[str, str] = {}
+    for sc in search_order():
+        if len(first) == len(ids):
+            break
+        for row in covers(sc.bounds):
+            first.setdefault(ids[row], sc.name)
+    return first
+
+
 def generate(progress: Callable[[str, int], None] | None = None,
              covers: Callable[[M.Bounds], set[tuple[str, int]]] | None = None
              ) -> tuple[Witness, ...]:

@@ -22,6 +22,27 @@ def test_every_row_has_one_witness_in_table_order() -> None:
     assert {w.scenario for w in W.WITNESSES} <= {s.name for s in W.search_order()}
 
 
+def test_first_firing_names_the_first_scenario_in_search_order_that_fires_a_row() -> None:
+    """Scenario i (in search order) fires the first row and row i: the first row is first
+    fired by the first scenario, and every other row by its own; a row no scenario fires has
+    no entry, and the walk stops once every row has one."""
+    order, rows = W.search_order(), list(W.all_rows().items())
+    universe = [row for _, row in rows]
+    calls: list[M.Bounds] = []
+
+    def covers(bounds: M.Bounds) -> set[tuple[str, int]]:
+        calls.append(bounds)
+        return {universe[0], universe[len(calls) - 1]}
+
+    first = W.first_firing(covers)
+    assert calls == [s.bounds for s in order]
+    assert first == {name: order[i].name for i, (name, _) in enumerate(rows[:len(order)])}
+    calls.clear()
+    assert W.first_firing(lambda b: calls.append(b) or set(universe)) == \
+        {name: order[0].name for name, _ in rows}
+    assert calls == [order[0].bounds]
+
+
 @pytest.mark.parametrize("w", W.WITNESSES, ids=[w.row for w in W.WITNESSES])
 def test_the_witness_fires_its_row_at_its_last_step_only(w: W.Witness) -> None:
     """On the current tables: the path breaks no invariant and no table, and its row fires
@@ -96,13 +117,8 @@ def test_each_witness_runs_under_the_first_scenario_that_fires_its_row() -> None
     reach a row leaves the file stale, and this says which rows to write again."""
     from statemachine.checker import check
 
-    ids = {row: name for name, row in W.all_rows().items()}
-    first: dict[str, str] = {}
-    for sc in W.search_order():
-        if len(first) == len(ids):
-            break
-        for row in check(sc.bounds, liveness=False, engine="compiled").covered:
-            first.setdefault(ids[row], sc.name)
+    first = W.first_firing(lambda bounds: check(bounds, liveness=False,
+                                                engine="compiled").covered)
     stale = {w.row: (w.scenario, first.get(w.row)) for w in W.WITNESSES
              if first.get(w.row) != w.scenario}
     assert not stale, f"written under, first fired in: {stale}; run `kvspec witness --write`"
