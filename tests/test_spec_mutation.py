@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -175,21 +178,64 @@ def _tree(root: Path) -> Path:
     return root
 
 
-def test_the_fingerprint_follows_the_spec_and_the_checkers_not_the_listing(
+def test_the_fingerprint_follows_the_code_of_the_spec_and_the_checkers_not_their_text(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mutation, "ROOT", _tree(tmp_path))
     first = mutation.fingerprint()
     assert mutation.fingerprint() == first
-    listing = tmp_path / "spec" / "equivalents.py"
-    listing.write_text(listing.read_text() + "\n# a reason reworded\n")
-    assert mutation.fingerprint() == first  # the reasons are only reported
-    for changed in ("spec/request.py", "statemachine/checker/c/model.c"):
-        path = tmp_path / changed
-        original = path.read_bytes()
-        path.write_bytes(original + b"\n")
-        assert mutation.fingerprint() != first, changed
-        path.write_bytes(original)
+
+    def edited(name: str, edit: Callable[[str], str]) -> str:
+        path = tmp_path / name
+        original = path.read_text()
+        changed = edit(original)
+        assert changed != original, f"the edit of {name} found nothing to change"
+        path.write_text(changed)
+        try:
+            return mutation.fingerprint()
+        finally:
+            path.write_text(original)
+
+    request = "spec/request.py"
+    docstring = (tmp_path / request).read_text().split('"""')[1]
+    # the reasons are only reported; a module no kill imports is not read
+    assert edited("spec/equivalents.py", lambda s: s + "\nX = 1\n") == first
+    assert edited("spec/render.py", lambda s: s + "\nX = 1\n") == first
+    # text is not code: a docstring reworded, a comment, a blank line
+    assert edited(request, lambda s: s.replace(docstring, "reworded", 1)) == first
+    assert edited(request, lambda s: s + "\n# a comment\n\n") == first
+    assert edited("statemachine/checker/mutation.py",
+                  lambda s: s.replace('SLOW_STATES = 2_000_000\n"""Scenarios above',
+                                      'SLOW_STATES = 2_000_000\n"""Those above', 1)) == first
+    # code is: a statement of the spec, a byte of the C checker
+    assert edited(request, lambda s: s + "\nX = 1\n") != first
+    assert edited("statemachine/checker/c/model.c", lambda s: s + "\n") != first
     assert mutation.fingerprint() == first
+
+
+def test_the_fingerprint_reads_every_module_a_kill_loads() -> None:
+    """`sources` reads the imports statically; a kill in a fresh interpreter (the compiled
+    scenarios, a certificate on the Python model, a liveness lasso, the directed programs and
+    their pins, a survivor searched to the end) loads no module of spec/ or the checker
+    outside it, the listing of reasons aside."""
+    names = ["job: ack(STALE)->STALE_DRAINED [reports_complete] drop leave_reset_fence",
+             "request: reset(WAITING_STORING)->IDLE drop reset_store_cursor",
+             "request: lookup_resolved(RECOMPUTE,TIMED_OUT)->= drop restart_from_token_zero",
+             "request: add(ABSENT)->IDLE drop create_request_status"]
+    script = f"""
+import json, sys
+from statemachine.checker import mutation as m
+named = {{x.name: x for x in m.spec_mutants()}}
+for name in {names!r}:
+    kill = m.run_mutant(named[name], m.matrix_scenarios()[:{SMALL}])
+    if kill.killed:
+        m.counterexample_of(kill, named[name])
+print(json.dumps([getattr(mod, "__file__", None) for name, mod in sys.modules.items()
+                  if name.split(".")[0] == "spec" or name.startswith("statemachine.checker")]))
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=mutation.ROOT, check=True,
+                         capture_output=True, text=True)
+    loaded = {Path(f) for f in json.loads(run.stdout.splitlines()[-1]) if f}
+    assert loaded - set(mutation.sources()) == {mutation.ROOT / "spec" / "equivalents.py"}
 
 
 def test_a_proof_counts_only_at_its_fingerprint_and_scenarios(

@@ -19,13 +19,15 @@ ends with another tier than its pin.
 A survivor is checked over every scenario to the end, which makes the listed survivors
 four fifths of the matrix's time. The search is deterministic, so a survivor proven once
 stays proven while nothing it depends on changes: `spec/equivalents.proof.json` records the
-survivors of the last complete run with the `fingerprint` of those sources (spec/, the
-checker), and a run at the same fingerprint takes the listed survivors from it instead of
-searching again. Every other mutant is checked every time.
+survivors of the last complete run with the `fingerprint` of those sources (the modules of
+spec/ and of the checker that a kill imports, read as code, and the C checker), and a run at
+the same fingerprint takes the listed survivors from it instead of searching again. Every
+other mutant is checked every time.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -159,18 +161,86 @@ PROOF = ROOT / "spec" / "equivalents.proof.json"
 
 
 def fingerprint() -> str:
-    """A digest of every source a kill depends on: the spec (tables, model, invariants,
-    progress properties, scenarios; not `spec/equivalents.py`, whose reasons are read only
-    to report) and the checkers (Python and C)."""
-    checker = ROOT / "statemachine" / "checker"
-    files = sorted([*(p for p in (ROOT / "spec").rglob("*.py")
-                      if p != ROOT / "spec" / "equivalents.py"),
-                    *(p for p in checker.rglob("*") if p.suffix in (".py", ".c", ".h"))])
+    """A digest of every source a kill depends on: the modules of spec/ and of the checker
+    that this module imports, directly or through one another (`sources`), as code (their
+    syntax trees without docstrings, so a reworded docstring or comment, or a line
+    reflowed, keeps the proof), and the checker's C sources as bytes. `spec/equivalents.py`
+    is left out: its reasons are read only to report."""
     digest = hashlib.sha256()
-    for path in files:
+    for path in sources():
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
+        digest.update((_code(path) if path.suffix == ".py" else path.read_bytes()) + b"\0")
     return digest.hexdigest()
+
+
+_PACKAGES = ("spec", "statemachine.checker")
+
+
+def sources() -> list[Path]:
+    """The files `fingerprint` reads: the closure of this module's imports (top level and
+    inside functions; neither spec/ nor the checker imports anything dynamically) within
+    spec/ and statemachine/checker, with the packages' `__init__` modules, and every C
+    source of the checker."""
+    checker = ROOT / "statemachine" / "checker"
+    found: set[Path] = set()
+    todo = [checker / "mutation.py"]
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found.add(path)
+        todo += _imported(path)
+    found.discard(ROOT / "spec" / "equivalents.py")
+    return sorted([*found, *(p for p in checker.rglob("*") if p.suffix in (".c", ".h"))])
+
+
+def _module_file(name: str) -> Path | None:
+    """The file of a module of spec/ or the checker (`a.b` as a/b.py or a/b/__init__.py)."""
+    if not any(name == p or name.startswith(p + ".") for p in _PACKAGES):
+        return None
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(path: Path) -> list[Path]:
+    """The project files `path` imports: each module named, the packages above it, and for
+    `from a import b` the submodule `a.b` where there is one."""
+    package = path.relative_to(ROOT).parts[:-1]  # a/b/c.py and a/b/__init__.py: a.b
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = (list(package[:len(package) - node.level + 1]) if node.level else [])
+            base = ".".join([*parts, *(node.module or "").split(".")]).strip(".")
+            names += [base, *(f"{base}.{a.name}" for a in node.names)]
+    out = []
+    for name in names:
+        parts = name.split(".")
+        for n in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+            file = _module_file(".".join(parts[:n]))
+            if file is not None:
+                out.append(file)
+    return out
+
+
+class _Code(ast.NodeTransformer):
+    """A syntax tree without its text: each statement that is a string alone (a docstring, a
+    module attribute's docstring) is left out."""
+
+    def visit_Expr(self, node: ast.Expr) -> ast.Expr | None:
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return None
+        return node
+
+
+def _code(path: Path) -> bytes:
+    """A module as code: its syntax tree without docstrings, positions or comments."""
+    tree = _Code().visit(ast.parse(path.read_text(), str(path)))
+    return ast.dump(tree, include_attributes=False).encode()
 
 
 def proven_survivors(scenarios: Iterable[Scenario]) -> dict[str, int]:
