@@ -5,7 +5,9 @@ search of one thread meets its states (statemachine/checker/c/search.c, the sear
 progress properties' instances are searched side by side and the first one in order that
 fails is reported. So the states, transitions, depth, verdict, counterexample, message,
 rows covered and progress properties held must not depend on the number of threads, for a
-search that passes, one that stops on a finding, and one cut short by `max_states`."""
+search that passes, one that stops on a finding, and one cut short by `max_states`. Every
+scenario but the longest is searched on one thread and on several in
+`test_checker.py::test_each_compiled_scenario_concludes_what_it_records`, once for both."""
 
 from __future__ import annotations
 
@@ -25,11 +27,6 @@ from spec import model as M
 from spec.scenarios import SCENARIOS, by_name, hunt_bounds
 from statemachine import cli
 from statemachine.checker import check, compiled
-from tests.test_checker import LONGEST
-
-LONG = (LONGEST, "store-admission-three-requests")
-"""The scenarios of 10 s and more on one thread: `test_a_long_search_is_the_same_on_two_threads`
-takes the smaller."""
 
 
 def _answer(r: compiled.Run) -> tuple[object, ...]:
@@ -43,18 +40,6 @@ def _compiled() -> None:
     why = compiled.available()
     if why:
         pytest.skip(why)
-
-
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("sc", [s for s in SCENARIOS if s.name not in LONG], ids=lambda s: s.name)
-def test_every_scenario_is_the_same_on_one_and_three_threads(sc) -> None:  # type: ignore[no-untyped-def]
-    one = compiled.search(sc.bounds, threads=1)
-    assert one.threads == 1 and one.complete
-    if sc.expect is not None:
-        assert (one.states, one.depth) == (sc.expect.states, sc.expect.depth)
-    many = compiled.search(sc.bounds, threads=3)
-    assert many.threads == 3
-    assert _answer(many) == _answer(one)
 
 
 def _fault_cases() -> list[tuple[str, M.Bounds, frozenset[str]]]:
@@ -198,17 +183,6 @@ def test_kvspec_check_takes_threads(capsys: pytest.CaptureFixture[str]) -> None:
     assert "in --jobs processes" in capsys.readouterr().err
     assert cli.main(["check", "--tiering", "--threads", "2"]) == 2
     assert "tiering checker runs in Python" in capsys.readouterr().err
-
-
-@pytest.mark.exhaustive
-def test_a_long_search_is_the_same_on_two_threads() -> None:
-    """2.4 million states in some 1,200 batches of 2,048: the merge and the members' lists
-    under real contention."""
-    sc = by_name("store-admission-three-requests")
-    one = compiled.search(sc.bounds, threads=1)
-    two = compiled.search(sc.bounds, threads=2)
-    assert (one.states, one.depth) == (sc.expect.states, sc.expect.depth)
-    assert _answer(two) == _answer(one)
 
 
 _TSAN_RUN = """
