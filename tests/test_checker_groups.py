@@ -27,11 +27,12 @@ def test_the_compiled_twin_takes_every_scenario() -> None:
 def test_the_compiled_scenarios_fire_every_transition() -> None:
     """The scenarios under a million states (seconds each; the rows of the larger ones are
     theirs too) fire every row of every table, `WAITING_STORING`'s among them (a Mamba
-    group's hand-offs)."""
+    group's hand-offs). The safety search alone: a row fires on an edge, and the liveness
+    pass walks the edges that search found (38 s with it, 28 s without)."""
     covered: set[tuple[str, int]] = set()
     for sc in SCENARIOS:
         if sc.expect is not None and sc.expect.states < 1_000_000:
-            covered |= check(sc.bounds).covered
+            covered |= check(sc.bounds, liveness=False).covered
     missing = [(m, M.MACHINES[m].transitions[i].trigger, M.MACHINES[m].transitions[i].sources)
                for m, i in sorted(M.coverage_universe() - covered)]
     assert missing == []
