@@ -28,7 +28,7 @@ def test_the_compiled_scenarios_fire_every_transition() -> None:
     """The scenarios under a million states (seconds each; the rows of the larger ones are
     theirs too) fire every row of every table, `WAITING_STORING`'s among them (a Mamba
     group's hand-offs). The safety search alone: a row fires on an edge, and the liveness
-    pass walks the edges that search found (38 s with it, 28 s without)."""
+    pass walks the edges that search found."""
     covered: set[tuple[str, int]] = set()
     for sc in SCENARIOS:
         if sc.expect is not None and sc.expect.states < 1_000_000:
