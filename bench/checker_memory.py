@@ -41,12 +41,11 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+import callgrind
 from trees import ROOT, worktree
 
 EXAMPLE = "groups=full+sliding+mamba,sliding_window=3,decode_tokens=2,tokens_per_block=2," \
@@ -73,17 +72,12 @@ def one(tree: Path, search: str, threads: int, liveness: bool,
     """One search in a process of its own, in `tree`; under callgrind with `instructions`
     (the result's "instructions": `library_instructions`)."""
     command = [sys.executable, "-c", _ONE, search, str(threads), str(int(liveness))]
-    with tempfile.TemporaryDirectory() as tmp:
-        counts = Path(tmp) / "callgrind.out"
-        if instructions:
-            command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={counts}",
-                       *command]
+    if not instructions:
         out = subprocess.run(command, cwd=tree, check=True, capture_output=True,
                              text=True).stdout
-        r = dict(json.loads(out.splitlines()[-1]))
-        if instructions:
-            r["instructions"] = library_instructions(counts)
-    return r
+        return dict(json.loads(out.splitlines()[-1]))
+    with callgrind.profile(command, tree) as (out, counts):
+        return {**json.loads(out.splitlines()[-1]), "instructions": library_instructions(counts)}
 
 
 def library_instructions(counts: Path) -> int:
@@ -175,8 +169,8 @@ def main() -> None:
         searches = [sc.name for sc in SCENARIOS
                     if sc.expect is not None and sc.expect.states > args.floor]
         searches.append("bounds:" + EXAMPLE)
-    if args.instructions and shutil.which("valgrind") is None:
-        sys.exit("--instructions needs valgrind on the PATH (Debian: apt-get install valgrind)")
+    if args.instructions and callgrind.missing():
+        sys.exit(f"--instructions needs callgrind: {callgrind.missing()}")
     with contextlib.ExitStack() as stack:
         trees = [("this tree", ROOT)]
         if args.against:

@@ -46,9 +46,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import callgrind  # bench/callgrind.py: this script's folder is still first on sys.path
 
 # This file is named like the package it measures: make ``import kernels`` find the package
 # (repository root), not this script (whose folder Python puts first on sys.path).
@@ -592,24 +595,53 @@ def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int
                    us("job"), us("contig"), us("vllm") if ops else None)
 
 
-def fixed_cost_us(reps: int) -> float:
-    """Microseconds per job for the smallest job: one block of a 16-byte page, one tensor,
-    its TransferSpec built, submitted, run and polled (the bytes cost nothing there)."""
+def smallest_jobs() -> Callable[[int], None]:
+    """A run of `n` smallest jobs: one block of a 16-byte page, one tensor, each job's
+    TransferSpec built, submitted, run and polled (the bytes cost nothing there)."""
     layout = KVLayout((16,), 1)
     engine = CopyEngine(allocate_gpu_kv(layout, 8, "cpu"), allocate_cpu_kv(layout, 8, pin=False),
                         1, "cpu")
     counter = itertools.count()
-    batch = 1000
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            engine.submit_store(next(counter), TransferSpec([3], [5]))
+            engine.poll()
+    return run
+
+
+def fixed_cost_us(reps: int) -> float:
+    """Microseconds per job for the smallest job (`smallest_jobs`), median of `reps` samples
+    of 1,000 jobs."""
+    run, batch = smallest_jobs(), 1000
 
     def sample() -> float:
         t0 = time.perf_counter()
-        for _ in range(batch):
-            engine.submit_store(next(counter), TransferSpec([3], [5]))
-            engine.poll()
+        run(batch)
         return (time.perf_counter() - t0) / batch * 1e6
 
     sample()
     return statistics.median(sample() for _ in range(reps))
+
+
+FEW, MANY = 1_000, 3_000
+"""The smallest jobs a process runs under callgrind for `fixed_cost_instructions`."""
+
+
+def fixed_cost_instructions() -> float:
+    """Instructions per smallest job, every thread's, counted by callgrind: two processes run
+    FEW and MANY jobs after the same start (interpreter, torch, engine), and the difference
+    of their counts is divided by the jobs between. The same from run to run, where the
+    wall-clock fixed cost on this VM swings by a factor of two or more."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--smallest-jobs"]
+
+    def count(n: int) -> int:
+        with callgrind.profile([*command, str(n)], _HERE.parent) as (_, counts):
+            return callgrind.total_instructions(counts)
+
+    with ThreadPoolExecutor(2) as pool:
+        few, many = pool.map(count, (FEW, MANY))
+    return (many - few) / (MANY - FEW)
 
 
 def descriptor_cost_us(reps: int) -> dict[str, float]:
@@ -703,7 +735,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the vLLM-shaped jobs and the fixed-cost figure")
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
                         help="all: cpu, and cuda when available")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only the smallest job's fixed cost in instructions, under "
+                        "valgrind's callgrind (a few minutes)")
+    parser.add_argument("--smallest-jobs", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smallest_jobs is not None:  # a process that fixed_cost_instructions counts
+        smallest_jobs()(args.smallest_jobs)
+        return 0
+    if args.instructions:
+        why = callgrind.missing()
+        if why:
+            print(f"--instructions needs callgrind: {why}", file=sys.stderr)
+            return 1
+        per_job = fixed_cost_instructions()
+        print(json.dumps({"fixed_cost_instructions": per_job}) if args.json else
+              f"fixed cost of the smallest job: {per_job / 1000:.1f}k instructions "
+              f"(callgrind, every thread; {MANY:,} jobs against {FEW:,})")
+        return 0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     pages = QUICK_PAGES if args.quick else PAGES
