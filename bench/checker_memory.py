@@ -169,8 +169,8 @@ def main() -> None:
         searches = [sc.name for sc in SCENARIOS
                     if sc.expect is not None and sc.expect.states > args.floor]
         searches.append("bounds:" + EXAMPLE)
-    if args.instructions and callgrind.missing():
-        sys.exit(f"--instructions needs callgrind: {callgrind.missing()}")
+    if args.instructions and (why := callgrind.missing()):
+        sys.exit(f"--instructions needs callgrind: {why}")
     with contextlib.ExitStack() as stack:
         trees = [("this tree", ROOT)]
         if args.against:
