@@ -168,10 +168,12 @@ def fingerprint() -> str:
     is left out: its reasons are read only to report. A syntax tree is written as the
     running Python writes it, so under another minor version of Python the proof does not
     count and the survivors are searched again (the proof is written under CI's 3.11)."""
+    trees = _closure()
     digest = hashlib.sha256()
-    for path in sources():
+    for path in _with_c_sources(trees):
         digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
-        digest.update((_code(path) if path.suffix == ".py" else path.read_bytes()) + b"\0")
+        tree = trees.get(path)
+        digest.update((_code(tree) if tree is not None else path.read_bytes()) + b"\0")
     return digest.hexdigest()
 
 
@@ -183,17 +185,27 @@ def sources() -> list[Path]:
     inside functions; neither spec/ nor the checker imports anything dynamically) within
     spec/ and statemachine/checker, with the packages' `__init__` modules, and every C
     source of the checker."""
-    checker = ROOT / "statemachine" / "checker"
-    found: set[Path] = set()
-    todo = [checker / "mutation.py"]
+    return _with_c_sources(_closure())
+
+
+def _closure() -> dict[Path, ast.Module]:
+    """The Python files of `sources`, each parsed once (its imports are read from the same
+    tree that `fingerprint` hashes)."""
+    trees: dict[Path, ast.Module] = {}
+    todo = [ROOT / "statemachine" / "checker" / "mutation.py"]
     while todo:
         path = todo.pop()
-        if path in found:
+        if path in trees:
             continue
-        found.add(path)
-        todo += _imported(path)
-    found.discard(ROOT / "spec" / "equivalents.py")
-    return sorted([*found, *(p for p in checker.rglob("*") if p.suffix in (".c", ".h"))])
+        trees[path] = tree = ast.parse(path.read_text(), str(path))
+        todo += _imported(path, tree)
+    trees.pop(ROOT / "spec" / "equivalents.py", None)
+    return trees
+
+
+def _with_c_sources(trees: dict[Path, ast.Module]) -> list[Path]:
+    c_sources = (ROOT / "statemachine" / "checker").rglob("*")
+    return sorted([*trees, *(p for p in c_sources if p.suffix in (".c", ".h"))])
 
 
 def _module_file(name: str) -> Path | None:
@@ -207,12 +219,12 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-def _imported(path: Path) -> list[Path]:
-    """The project files `path` imports: each module named, the packages above it, and for
-    `from a import b` the submodule `a.b` where there is one."""
+def _imported(path: Path, tree: ast.Module) -> list[Path]:
+    """The project files `path` (parsed as `tree`) imports: each module named, the packages
+    above it, and for `from a import b` the submodule `a.b` where there is one."""
     package = path.relative_to(ROOT).parts[:-1]  # a/b/c.py and a/b/__init__.py: a.b
     names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -239,10 +251,10 @@ class _Code(ast.NodeTransformer):
         return node
 
 
-def _code(path: Path) -> bytes:
-    """A module as code: its syntax tree without docstrings, positions or comments."""
-    tree = _Code().visit(ast.parse(path.read_text(), str(path)))
-    return ast.dump(tree, include_attributes=False).encode()
+def _code(tree: ast.Module) -> bytes:
+    """A module as code: its syntax tree without docstrings, positions or comments (the
+    tree is changed in place)."""
+    return ast.dump(_Code().visit(tree), include_attributes=False).encode()
 
 
 def proven_survivors(scenarios: Iterable[Scenario]) -> dict[str, int]:
