@@ -126,7 +126,11 @@ def generate(progress: Callable[[str, int], None] | None = None,
     """A witness for every row: each scenario in `search_order` searched, breadth-first, for
     the rows no smaller scenario fired. `covers(bounds)`, if given, names the rows a
     scenario fires (a faster checker's coverage), so that a scenario without any row still
-    wanted is not searched. `progress(scenario, rows found)` after each search."""
+    wanted is not searched. It is only a filter: a scenario is searched for every row still
+    wanted, and a row it does not fire goes on to the next, so `covers` may name too many
+    rows (every row, where the compiled checker cannot run) and the witnesses stay the same.
+    `first_firing` would name each row's scenario only where `covers` is exact.
+    `progress(scenario, rows found)` after each search."""
     from spec.checker import row_witnesses
 
     ids = {v: k for k, v in all_rows().items()}
