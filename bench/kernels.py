@@ -37,6 +37,7 @@ reported here only; tests never look at them.
 from __future__ import annotations
 
 import argparse
+import array
 import functools
 import itertools
 import json
@@ -76,6 +77,7 @@ from kernels import (  # noqa: E402
 )
 from kernels.copy import BATCH_INDEX_BELOW  # noqa: E402
 from kernels.descriptors import DescriptorPlan, Descriptors  # noqa: E402
+from kernels.layout import RowIds  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -595,25 +597,32 @@ def bench_vllm_jobs(shape: str, layers: int, groups: int, chunks: int, jobs: int
                    us("job"), us("contig"), us("vllm") if ops else None)
 
 
-def smallest_jobs() -> Callable[[int], None]:
-    """A run of `n` smallest jobs: one block of a 16-byte page, one tensor, each job's
-    TransferSpec built, submitted, run and polled (the bytes cost nothing there)."""
-    layout = KVLayout((16,), 1)
-    engine = CopyEngine(allocate_gpu_kv(layout, 8, "cpu"), allocate_cpu_kv(layout, 8, pin=False),
-                        1, "cpu")
+def smallest_jobs(blocks_per_chunk: int = 1) -> Callable[[int], None]:
+    """A run of `n` smallest jobs: one chunk of `blocks_per_chunk` blocks (one block by
+    default) of a 16-byte page, one tensor, each job's TransferSpec built, submitted, run and
+    polled (the bytes cost nothing there)."""
+    layout = KVLayout((16,), blocks_per_chunk)
+    engine = CopyEngine(allocate_gpu_kv(layout, 8 + blocks_per_chunk, "cpu"),
+                        allocate_cpu_kv(layout, 8, pin=False), blocks_per_chunk, "cpu")
     counter = itertools.count()
+    blocks = list(range(3, 3 + blocks_per_chunk))
 
     def run(n: int) -> None:
         for _ in range(n):
-            engine.submit_store(next(counter), TransferSpec([3], [5]))
+            engine.submit_store(next(counter), TransferSpec(blocks, [5]))
             engine.poll()
     return run
 
 
-def fixed_cost_us(reps: int) -> float:
-    """Microseconds per job for the smallest job (`smallest_jobs`), median of `reps` samples
-    of 1,000 jobs."""
-    run, batch = smallest_jobs(), 1000
+CHUNK_BLOCKS = 4
+"""The blocks of the one-chunk job whose fixed cost is reported beside the smallest job's
+(vLLM offloads in chunks of several GPU blocks; no target)."""
+
+
+def fixed_cost_us(reps: int, blocks_per_chunk: int = 1) -> float:
+    """Microseconds per job for the smallest job of one chunk (`smallest_jobs`), median of
+    `reps` samples of 1,000 jobs."""
+    run, batch = smallest_jobs(blocks_per_chunk), 1000
 
     def sample() -> float:
         t0 = time.perf_counter()
@@ -647,30 +656,39 @@ def fixed_cost_instructions() -> float:
 def descriptor_cost_us(reps: int) -> dict[str, float]:
     """Microseconds to build a batched job's descriptors (a store of 4 blocks over 64 tensors
     of 32 KiB pages, rows already checked), by the compiled builder and by tensor ops, one
-    per row (vLLM's form) and one per run: the host's share of a batched job on CUDA."""
+    per row (vLLM's form) and one per run: the host's share of a batched job on CUDA. The
+    rows are tensors, and for the compiled builder also arrays, as the engine holds a short
+    job's rows (`kernels.layout.block_row_ids`)."""
     tensors = [torch.empty(64, 32 * KIB, dtype=torch.int8) for _ in range(128)]
     gen = torch.Generator().manual_seed(0)
-    rows = [(torch.randperm(64, generator=gen)[:4], torch.randperm(64, generator=gen)[:4])
-            for _ in range(50)]
+    rows: list[tuple[RowIds, RowIds]] = [
+        (torch.randperm(64, generator=gen)[:4], torch.randperm(64, generator=gen)[:4])
+        for _ in range(50)]
+    held: list[tuple[RowIds, RowIds]] = [
+        (array.array("q", d.tolist()), array.array("q", s.tolist())) for d, s in rows]
     out: dict[str, float] = {}
-    for compiled in (True, False):
+    for compiled, form, pairs in ((True, "", rows), (True, " as arrays", held),
+                                  (False, "", rows)):
         try:
             plan = DescriptorPlan(tensors[:64], tensors[64:], compiled=compiled)
         except KernelSpecError:  # no compiled builder here
             continue
         for merge in (False, True):
-            def sample(plan: DescriptorPlan = plan, merge: bool = merge) -> float:
+            def sample(plan: DescriptorPlan = plan, merge: bool = merge,
+                       pairs: list[tuple[RowIds, RowIds]] = pairs) -> float:
                 t0 = time.perf_counter()
                 for i in range(1000):
-                    plan.descriptors(*rows[i % 50], merge_runs=merge, rows_checked=True)
+                    plan.descriptors(*pairs[i % 50], merge_runs=merge, rows_checked=True)
                 return (time.perf_counter() - t0) / 1000 * 1e6
             sample()
-            key = f"{'compiled' if compiled else 'tensor ops'}, {'runs' if merge else 'rows'}"
+            key = (f"{'compiled' if compiled else 'tensor ops'}, {'runs' if merge else 'rows'}"
+                   f"{form}")
             out[key] = statistics.median(sample() for _ in range(reps))
     return out
 
 
-def print_vllm(rows: list[VllmRow], fixed_us: float | None) -> None:
+def print_vllm(rows: list[VllmRow], fixed_us: float | None,
+               chunk_us: float | None = None) -> None:
     device = rows[0].device if rows else "-"
     print(f"\n== vLLM-shaped store jobs ({device}, blocks_per_chunk 1): time per job, and one "
           "contiguous copy of the same bytes")
@@ -686,6 +704,9 @@ def print_vllm(rows: list[VllmRow], fixed_us: float | None) -> None:
     if fixed_us is not None:
         print(f"fixed cost of the smallest job (1 block of 16 bytes, 1 tensor, spec built, "
               f"submitted, run, polled): {fixed_us:.1f} us")
+    if chunk_us is not None:
+        print(f"fixed cost of a job of one chunk ({CHUNK_BLOCKS} blocks of 16 bytes, "
+              f"blocks_per_chunk {CHUNK_BLOCKS}): {chunk_us:.1f} us")
 
 
 def vllm_gpu_targets(rows: list[VllmRow]) -> list[Target]:
@@ -820,16 +841,17 @@ def main(argv: list[str] | None = None) -> int:
                                      device=device))
         # the CPU targets; on CUDA the targets compare with vLLM's batched op
         fixed = fixed_cost_us(reps) if device.type == "cpu" else None
+        chunk = fixed_cost_us(reps, CHUNK_BLOCKS) if device.type == "cpu" else None
         build = descriptor_cost_us(reps)
         vtargets = vllm_targets(vrows, fixed) if fixed is not None else vllm_gpu_targets(vrows)
         all_targets += vtargets
         vllm_report[device.type] = {
             "rows": [asdict(r) | {"vs_contig": r.vs_contig, "vs_vllm": r.vs_vllm}
                      for r in vrows],
-            "fixed_cost_us": fixed, "descriptor_us": build,
+            "fixed_cost_us": fixed, "chunk_fixed_cost_us": chunk, "descriptor_us": build,
             "targets": [asdict(t) for t in vtargets]}
         if not args.json:
-            print_vllm(vrows, fixed)
+            print_vllm(vrows, fixed, chunk)
             print("descriptors of a batched store of 4 blocks over 64 tensors: "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in build.items()))
             for t in vtargets:

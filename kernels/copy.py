@@ -38,6 +38,7 @@ arithmetic), so any byte pattern, NaN payloads included, round-trips exactly.
 
 from __future__ import annotations
 
+import array
 import enum
 import functools
 from collections.abc import Sequence
@@ -48,7 +49,15 @@ import torch
 
 from kernels import cudriver, native
 from kernels.descriptors import DescriptorPlan, Descriptors
-from kernels.layout import KernelSpecError, KVLayout, TransferSpec, block_rows
+from kernels.layout import (
+    KernelSpecError,
+    KVLayout,
+    RowIds,
+    TransferSpec,
+    block_rows,
+    row_count,
+    row_tensor,
+)
 
 __all__ = [
     "CopyPolicy",
@@ -93,6 +102,13 @@ _PY_ANALYSIS_MAX = 128  # mappings up to this long are analyzed in Python, longe
 _Side = Literal["src", "dst", "pair"]
 
 
+def _span(rows: RowIds, start: int, size: int) -> RowIds:
+    """Rows ``start .. start + size - 1`` (a tensor's are a view, an array's a copy)."""
+    if isinstance(rows, array.array):
+        return rows[start:start + size]
+    return rows.narrow(0, start, size)
+
+
 class RowMapping:
     """``dst[i] <- src[i]`` for every ``i``: two 1-D int64 CPU index tensors, and their runs.
 
@@ -100,10 +116,13 @@ class RowMapping:
     one side (``src``/``dst`` runs) or on both sides at once (pair runs). Run structure is
     computed on first use and cached, so all the KV tensors of a job share it. Short mappings
     are analyzed in Python (cheaper than a few tensor ops), long ones with tensor ops. The
-    index tensors are treated as read-only.
+    index tensors are treated as read-only. A job's mapping (:meth:`of_block_rows`) may hold
+    its rows as arrays (:data:`~kernels.layout.RowIds`): the compiled copy reads them as they
+    are (:attr:`src_ids`, :attr:`dst_ids`), and :attr:`src` and :attr:`dst` make the tensors
+    only when a torch strategy asks.
     """
 
-    __slots__ = ("_breaks", "_device_cache", "_lists", "dst", "src")
+    __slots__ = ("_breaks", "_device_cache", "_lists", "_tensors", "dst_ids", "src_ids")
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.dim() != 1 or src.shape != dst.shape or src.dtype != torch.int64 or \
@@ -113,38 +132,56 @@ class RowMapping:
             raise KernelSpecError("a row mapping needs at least one row")
         self._set(src.contiguous(), dst.contiguous())
 
-    def _set(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.src, self.dst = src, dst
+    def _set(self, src: RowIds, dst: RowIds) -> None:
+        self.src_ids, self.dst_ids = src, dst
+        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lists: tuple[list[int], list[int]] | None = None
-        self._breaks: dict[_Side, list[int]] = {}
-        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._breaks: dict[_Side, list[int]] | None = None
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
-    def of_block_rows(cls, src: torch.Tensor, dst: torch.Tensor) -> RowMapping:
-        """The mapping of two outputs of :func:`~kernels.layout.block_rows` (already 1-D,
+    def of_block_rows(cls, src: RowIds, dst: RowIds) -> RowMapping:
+        """The mapping of two outputs of :func:`~kernels.layout.block_row_ids` (already 1-D,
         int64, CPU, contiguous, non-empty and of equal length: not checked again, since
         this runs once per submitted job)."""
         mapping = cls.__new__(cls)
         mapping._set(src, dst)
         return mapping
 
+    @property
+    def src(self) -> torch.Tensor:
+        """The source rows as a tensor."""
+        return self._as_tensors()[0]
+
+    @property
+    def dst(self) -> torch.Tensor:
+        """The destination rows as a tensor."""
+        return self._as_tensors()[1]
+
+    def _as_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = (row_tensor(self.src_ids), row_tensor(self.dst_ids))
+        return self._tensors
+
     def part(self, start: int, size: int) -> RowMapping:
         """Positions ``start .. start + size - 1`` of this mapping (one KV cache group's rows
-        of a job), sharing its index tensors."""
-        return RowMapping.of_block_rows(self.src.narrow(0, start, size),
-                                        self.dst.narrow(0, start, size))
+        of a job); tensors are shared, arrays copied (a short job's)."""
+        return RowMapping.of_block_rows(_span(self.src_ids, start, size),
+                                        _span(self.dst_ids, start, size))
 
     def __len__(self) -> int:
-        return int(self.src.shape[0])
+        return row_count(self.src_ids)
 
     def lists(self) -> tuple[list[int], list[int]]:
         """``(src, dst)`` as Python lists (cached)."""
         if self._lists is None:
-            self._lists = (self.src.tolist(), self.dst.tolist())
+            self._lists = (self.src_ids.tolist(), self.dst_ids.tolist())
         return self._lists
 
     def breaks(self, side: _Side) -> list[int]:
         """Positions ``i`` where row ``i + 1`` of ``side`` does not follow row ``i`` (cached)."""
+        if self._breaks is None:
+            self._breaks = {}
         found = self._breaks.get(side)
         if found is None:
             n = len(self)
@@ -183,11 +220,11 @@ class RowMapping:
 
     @property
     def first_src(self) -> int:
-        return self.lists()[0][0] if self._lists is not None else int(self.src[0])
+        return self.lists()[0][0] if self._lists is not None else int(self.src_ids[0])
 
     @property
     def first_dst(self) -> int:
-        return self.lists()[1][0] if self._lists is not None else int(self.dst[0])
+        return self.lists()[1][0] if self._lists is not None else int(self.dst_ids[0])
 
     def inverse(self) -> RowMapping:
         """The mapping copying the other way (``src[i] <- dst[i]``)."""
@@ -197,6 +234,8 @@ class RowMapping:
         """``(src, dst)`` on ``device``; uploads are asynchronous on the current stream."""
         if device.type == "cpu":
             return self.src, self.dst
+        if self._device_cache is None:
+            self._device_cache = {}
         cached = self._device_cache.get(device)
         if cached is None:
             both = torch.stack([self.src, self.dst])
@@ -466,7 +505,7 @@ def copy_rows(
     if strategy is Strategy.NATIVE:
         if dst.data.device.type != "cpu" or src.data.device.type != "cpu":
             raise KernelSpecError("the native copy addresses host memory only")
-        native.copy_byte_rows(dst.data, src.data, mapping.dst, mapping.src)
+        native.copy_byte_rows(dst.data, src.data, mapping.dst_ids, mapping.src_ids)
         return strategy
     n = len(mapping)
     s0, d0 = mapping.first_src, mapping.first_dst
@@ -506,7 +545,7 @@ def batch_descriptors(plans: Sequence[DescriptorPlan], mappings: Sequence[RowMap
     """One batch: each group's plan over its part of the job's mapping, in order
     (``rows_checked``: as :meth:`DescriptorPlan.descriptors`)."""
     return Descriptors.concat([
-        plan.descriptors(m.dst, m.src, merge_runs=policy.batch_merge_runs,
+        plan.descriptors(m.dst_ids, m.src_ids, merge_runs=policy.batch_merge_runs,
                          rows_checked=rows_checked)
         for plan, m in zip(plans, mappings, strict=True)])
 

@@ -22,13 +22,14 @@ tensor-major: tensor ``t``'s copies are consecutive, in mapping order.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels import native
-from kernels.layout import KernelSpecError, check_tensor_pairs
+from kernels.layout import KernelSpecError, RowIds, check_tensor_pairs, row_count, row_tensor
 
 __all__ = ["DescriptorPlan", "Descriptors", "check_rows"]
 
@@ -70,6 +71,11 @@ class Descriptors:
                            torch.cat([p.sizes for p in parts]), sum(p.nbytes for p in parts))
 
 
+def _flat_int64(rows: RowIds) -> bool:
+    """Whether the compiled builder reads ``rows`` as they are (an array always can)."""
+    return isinstance(rows, array.array) or (rows.dtype == torch.int64 and rows.is_contiguous())
+
+
 def check_rows(rows: torch.Tensor, num_rows: int, side: str) -> None:
     """Every index of ``rows`` (1-D int64) within ``[0, num_rows)``; else a
     :class:`~kernels.layout.KernelSpecError` naming the first row out of range."""
@@ -106,10 +112,10 @@ class DescriptorPlan:
         use = native.available() if compiled is None else compiled
         self._addresses = native.AddressPlan(dst, src, sizes) if use else None
 
-    def descriptors(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, *,
+    def descriptors(self, dst_rows: RowIds, src_rows: RowIds, *,
                     merge_runs: bool = False, rows_checked: bool = False) -> Descriptors:
         """Every tensor's ``dst[dst_rows[i]] <- src[src_rows[i]]`` as descriptors (1-D int64
-        row index tensors of one length).
+        row index tensors, or arrays, of one length).
 
         ``merge_runs``: one descriptor per pair run and tensor (rows consecutive on both
         sides move as one copy); else one per row and tensor (vLLM's form). Built in one call
@@ -117,15 +123,15 @@ class DescriptorPlan:
         against the tensors first, unless ``rows_checked`` says the caller made them from ids
         already checked against them (:func:`~kernels.layout.block_rows` does, for the
         engine's jobs)."""
-        n = int(dst_rows.shape[0])
-        if n == 0 or int(src_rows.shape[0]) != n:
+        n = row_count(dst_rows)
+        if n == 0 or row_count(src_rows) != n:
             raise KernelSpecError("descriptors need row index tensors of one non-zero length")
-        if self._addresses is not None and dst_rows.is_contiguous() and \
-                src_rows.is_contiguous() and dst_rows.dtype == src_rows.dtype == torch.int64:
-            return self._compiled(dst_rows, src_rows, merge_runs, rows_checked)
-        return self._by_tensor_ops(dst_rows, src_rows, merge_runs, rows_checked)
+        if self._addresses is not None and _flat_int64(dst_rows) and _flat_int64(src_rows):
+            return self._compiled(dst_rows, src_rows, n, merge_runs, rows_checked)
+        return self._by_tensor_ops(row_tensor(dst_rows), row_tensor(src_rows), merge_runs,
+                                   rows_checked)
 
-    def _compiled(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, merge: bool,
+    def _compiled(self, dst_rows: RowIds, src_rows: RowIds, n: int, merge: bool,
                   rows_checked: bool) -> Descriptors:
         """One call of the compiled builder (the runs found in C)."""
         assert self._addresses is not None
@@ -133,10 +139,10 @@ class DescriptorPlan:
             dst, src, sizes = native.descriptors(self._addresses, dst_rows, src_rows, merge,
                                                  not rows_checked)
         except native.NativeCopyError as exc:  # the same message as the tensor-op check
-            check_rows(dst_rows, self.dst_num_rows, "destination")
-            check_rows(src_rows, self.src_num_rows, "source")
+            check_rows(row_tensor(dst_rows), self.dst_num_rows, "destination")
+            check_rows(row_tensor(src_rows), self.src_num_rows, "source")
             raise KernelSpecError(str(exc)) from None
-        return Descriptors(dst, src, sizes, int(dst_rows.shape[0]) * self.pair_bytes)
+        return Descriptors(dst, src, sizes, n * self.pair_bytes)
 
     def _by_tensor_ops(self, dst_rows: torch.Tensor, src_rows: torch.Tensor, merge: bool,
                        rows_checked: bool) -> Descriptors:

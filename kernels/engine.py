@@ -58,7 +58,7 @@ from kernels.copy import (
     run_batch,
 )
 from kernels.descriptors import DescriptorPlan, Descriptors
-from kernels.layout import KernelSpecError, KVLayout, Segment, TransferSpec, block_rows
+from kernels.layout import KernelSpecError, KVLayout, Segment, TransferSpec, block_row_ids
 
 __all__ = ["CopyEngine", "CopyResult", "Direction", "KernelStateError"]
 
@@ -76,7 +76,7 @@ class Direction(enum.StrEnum):
     LOAD = "load"  # CPU chunks -> GPU blocks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CopyResult:
     """A completed job. ``bytes`` counts bytes copied over all KV tensors (0 if it failed);
     ``seconds`` is the copy's duration (device time on CUDA, wall time on CPU; 0.0 if failed).
@@ -88,8 +88,14 @@ class CopyResult:
     seconds: float
     success: bool
 
+    def __init__(self, job_id: int, direction: Direction, bytes: int, seconds: float,
+                 success: bool) -> None:
+        # a frozen value: its fields set once, here (one call, not five: one is made per job)
+        vars(self).update(job_id=job_id, direction=direction, bytes=bytes, seconds=seconds,
+                          success=success)
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class _Job:
     seq: int
     job_id: int
@@ -167,7 +173,7 @@ class _Copier:
     def _run_group(self, direction: Direction, group: int, mapping: RowMapping) -> None:
         plan = self.plans[direction][group]
         if plan is not None:
-            plan.copy(mapping.dst, mapping.src)
+            plan.copy(mapping.dst_ids, mapping.src_ids)
             return
         store = direction is Direction.STORE
         for gpu, cpu in zip(*self.tensors[group], strict=True):
@@ -344,7 +350,7 @@ class CopyEngine:
         if spec.segments[-1].group >= groups:  # segments come in group order
             raise KernelSpecError(f"the job names blocks of KV cache group "
                                   f"{spec.segments[-1].group}; the layout has {groups} groups")
-        gpu_rows, cpu_rows = block_rows(
+        gpu_rows, cpu_rows = block_row_ids(
             spec, self.layout.blocks_per_chunk, self.num_gpu_blocks, self.num_chunks)
         mapping = (RowMapping.of_block_rows(gpu_rows, cpu_rows) if direction is Direction.STORE
                    else RowMapping.of_block_rows(cpu_rows, gpu_rows))
@@ -374,11 +380,14 @@ class CopyEngine:
 
     def _complete_in_order(self, limit: int | None) -> None:
         """Complete in-flight jobs in global submission order until ``limit`` results wait."""
+        stores, loads = self._fifo[Direction.STORE], self._fifo[Direction.LOAD]
         while limit is None or len(self._done) < limit:
-            heads = [(fifo[0].seq, d) for d, fifo in self._fifo.items() if fifo]
-            if not heads:
+            if stores and (not loads or stores[0].seq < loads[0].seq):
+                self._finish_head(Direction.STORE)
+            elif loads:
+                self._finish_head(Direction.LOAD)
+            else:
                 return
-            self._finish_head(min(heads)[1])
 
     def poll(self, limit: int | None = None) -> list[CopyResult]:
         """Report completed jobs (each exactly once), FIFO per direction, at most ``limit``.

@@ -35,19 +35,25 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 
 __all__ = [
     "KVLayout",
     "KernelSpecError",
+    "RowIds",
     "Segment",
     "TransferSpec",
     "allocate_cpu_kv",
     "allocate_gpu_kv",
+    "block_row_ids",
     "block_rows",
     "check_tensor_pairs",
     "default_device",
+    "row_buffer",
+    "row_count",
+    "row_tensor",
 ]
 
 
@@ -107,7 +113,13 @@ class KVLayout:
 
     def group_block_bytes(self, group: int) -> int:
         """Bytes one GPU block of `group` occupies over the group's tensors."""
-        return sum(self.page_bytes[t] for t in self.groups[group])
+        return self._group_block_bytes[group]
+
+    @functools.cached_property
+    def _group_block_bytes(self) -> tuple[int, ...]:
+        """`group_block_bytes` of every group, summed once (a job's bytes are counted per
+        job)."""
+        return tuple(sum(self.page_bytes[t] for t in g) for g in self.groups)
 
     def chunk_bytes(self, tensor: int) -> int:
         """Bytes of one CPU chunk row of KV tensor ``tensor``."""
@@ -121,10 +133,11 @@ class KVLayout:
 
     def job_bytes(self, spec: TransferSpec) -> int:
         """Bytes `spec` moves: each group's blocks over that group's tensors."""
+        per_block = self._group_block_bytes
         if len(spec.segments) == 1:
             seg = spec.segments[0]
-            return seg.size * self.group_block_bytes(seg.group)
-        return sum(seg.size * self.group_block_bytes(seg.group) for seg in spec.segments)
+            return seg.size * per_block[seg.group]
+        return sum(seg.size * per_block[seg.group] for seg in spec.segments)
 
 
 def check_tensor_pairs(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], what: str,
@@ -187,25 +200,51 @@ def allocate_cpu_kv(
 
 
 _PY_IDS_MAX = 64
-"""Id lists up to this long are validated in Python (cheaper than a few tensor ops: a job's
-fixed cost), longer ones with tensor ops (no Python work per id)."""
+"""Id lists up to this long are validated in Python, and a job of up to this many blocks has
+its rows computed in Python (cheaper than a few tensor ops: a job's fixed cost); longer ones
+with tensor ops (no Python work per id)."""
+
+RowIds: TypeAlias = "torch.Tensor | array.array[int]"
+"""A job's row indices: a contiguous 1-D int64 CPU tensor, or an ``array('q')`` (what the
+short jobs keep: no tensor made for a job that the compiled copy runs). :func:`row_tensor`
+gives either as a tensor, :func:`row_buffer` its address and length."""
 
 
-def _id_tensor(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], torch.Tensor, int]:
-    """The ids as a tuple and as a 1-D int64 tensor, and the largest id; rejects non-integers,
-    negatives and duplicates."""
+def row_tensor(rows: RowIds) -> torch.Tensor:
+    """``rows`` as a 1-D int64 tensor (an array's is a view of its buffer, keeping it alive)."""
+    if isinstance(rows, array.array):
+        return torch.frombuffer(rows, dtype=torch.int64)
+    return rows
+
+
+def row_buffer(rows: RowIds) -> tuple[int, int]:
+    """The address of ``rows``' first element and their count (for the compiled copy)."""
+    if isinstance(rows, array.array):
+        return rows.buffer_info()
+    return rows.data_ptr(), int(rows.shape[0])
+
+
+def row_count(rows: RowIds) -> int:
+    """How many rows ``rows`` holds (a tensor's ``len`` is a slow Python method)."""
+    if isinstance(rows, array.array):
+        return len(rows)
+    return int(rows.shape[0])
+
+
+def _id_array(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], array.array[int], int]:
+    """The ids as a tuple and as an ``array('q')``, and the largest id; rejects
+    non-integers, negatives and duplicates."""
+    kind = type(ids)
+    if (kind is list or kind is tuple) and 0 < len(ids) <= _PY_IDS_MAX \
+            and all(type(i) is int for i in ids):  # the usual case, checked in Python
+        as_tuple = tuple(ids)
+        if min(as_tuple) >= 0 and len(set(as_tuple)) == len(as_tuple):
+            return as_tuple, array.array("q", as_tuple), max(as_tuple)
+        # a negative or a duplicate: the tensor path below names them
     if isinstance(ids, torch.Tensor):
         raise KernelSpecError(f"{name} must be a sequence of ints, not a tensor")
     if len(ids) == 0:
         raise KernelSpecError(f"{name} is empty")
-    if len(ids) <= _PY_IDS_MAX and all(type(i) is int for i in ids):
-        as_tuple = tuple(ids)
-        if min(as_tuple) >= 0 and len(set(as_tuple)) == len(as_tuple):
-            # through an int64 array: a third of torch.tensor's cost for a few ids (the
-            # tensor keeps the array alive)
-            ids_tensor = torch.frombuffer(array.array("q", as_tuple), dtype=torch.int64)
-            return as_tuple, ids_tensor, max(as_tuple)
-        # a negative or a duplicate: the tensor path below names them
     try:
         t = torch.tensor(ids)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -219,7 +258,8 @@ def _id_tensor(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], torch.Te
     if t.numel() > 1 and torch.unique(t).numel() != t.numel():
         dups = sorted(i for i, k in Counter(t.tolist()).items() if k > 1)
         raise KernelSpecError(f"{name} contains duplicate ids {dups[:8]}")
-    return tuple(t.tolist()), t, high
+    as_tuple = tuple(t.tolist())
+    return as_tuple, array.array("q", as_tuple), high
 
 
 @dataclass(frozen=True)
@@ -298,8 +338,8 @@ class TransferSpec:
     first_block_index: int
     """The logical index of the job's first GPU block (its first group's)."""
     segments: tuple[Segment, ...]
-    _gpu_ids: torch.Tensor = field(repr=False, compare=False)
-    _cpu_ids: torch.Tensor = field(repr=False, compare=False)
+    _gpu_ids: array.array[int] = field(repr=False, compare=False)
+    _cpu_ids: array.array[int] = field(repr=False, compare=False)
     _max_ids: tuple[int, int] = field(repr=False, compare=False)
 
     def __init__(
@@ -307,8 +347,8 @@ class TransferSpec:
         *, group_sizes: Sequence[int] | None = None, block_indices: Sequence[int] | None = None,
     ) -> None:
         _check_count("first_block_index", first_block_index, 0)
-        gpu_tuple, gpu_ids, gpu_max = _id_tensor("gpu_blocks", gpu_blocks)
-        cpu_tuple, cpu_ids, cpu_max = _id_tensor("cpu_chunks", cpu_chunks)
+        gpu_tuple, gpu_ids, gpu_max = _id_array("gpu_blocks", gpu_blocks)
+        cpu_tuple, cpu_ids, cpu_max = _id_array("cpu_chunks", cpu_chunks)
         segments = _check_group_layout(len(gpu_tuple), first_block_index, group_sizes,
                                        block_indices)
         vars(self).update(  # a frozen value: its fields set once, here (one call, not seven)
@@ -349,10 +389,20 @@ def block_rows(
 
     Both are 1-D int64 CPU tensors of length ``spec.num_blocks``: GPU block ``gpu_rows[i]``
     corresponds to sub-row ``cpu_subrows[i]`` of the CPU tensor viewed as
-    ``(num_chunks * blocks_per_chunk, page_bytes)``. Computed with tensor ops, no per-block loop
-    (one op per KV cache group of the job). The tensors may share memory with ``spec``: treat
-    them as read-only.
+    ``(num_chunks * blocks_per_chunk, page_bytes)``. The tensors may share memory with
+    ``spec``: treat them as read-only. :func:`block_row_ids` gives the same rows without
+    making tensors where the job is short.
     """
+    gpu_rows, cpu_rows = block_row_ids(spec, blocks_per_chunk, num_gpu_blocks, num_chunks)
+    return row_tensor(gpu_rows), row_tensor(cpu_rows)
+
+
+def block_row_ids(
+    spec: TransferSpec, blocks_per_chunk: int, num_gpu_blocks: int, num_chunks: int
+) -> tuple[RowIds, RowIds]:
+    """:func:`block_rows`'s rows as :data:`RowIds`: the spec's own arrays with one block per
+    chunk; computed in Python for a job of up to :data:`_PY_IDS_MAX` blocks, else with
+    tensor ops (one op per KV cache group of the job, no per-block loop)."""
     bpc = _check_count("blocks_per_chunk", blocks_per_chunk, 1)
     want = spec.expected_chunks(bpc)
     if len(spec.cpu_chunks) != want:
@@ -370,14 +420,22 @@ def block_rows(
         raise KernelSpecError(f"cpu_chunks {bad[:8]} out of range [0, {num_chunks})")
     if bpc == 1:
         return spec._gpu_ids, spec._cpu_ids
-    # per group: all sub-rows of its chunks, in order, then drop the skipped head and the
-    # unused tail
-    parts: list[torch.Tensor] = []
+    # per group: the sub-rows of its blocks, from its first chunk's skipped head on
     position = 0
+    if spec.num_blocks <= _PY_IDS_MAX:
+        chunks, rows = spec.cpu_chunks, array.array("q")
+        for seg in spec.segments:
+            skip = seg.skip(bpc)
+            rows.extend(chunks[position + k // bpc] * bpc + k % bpc
+                        for k in range(skip, skip + seg.size))
+            position += seg.num_chunks(bpc)
+        return spec._gpu_ids, rows
+    all_chunks = row_tensor(spec._cpu_ids)
+    parts: list[torch.Tensor] = []
     for seg in spec.segments:
         n = seg.num_chunks(bpc)
-        chunks = spec._cpu_ids if len(spec.segments) == 1 else spec._cpu_ids.narrow(0, position, n)
-        subrows = (chunks.unsqueeze(1) * bpc + _sub_offsets(bpc)).view(-1)
+        chunks_t = all_chunks if len(spec.segments) == 1 else all_chunks.narrow(0, position, n)
+        subrows = (chunks_t.unsqueeze(1) * bpc + _sub_offsets(bpc)).view(-1)
         parts.append(subrows.narrow(0, seg.skip(bpc), seg.size))
         position += n
     return spec._gpu_ids, parts[0] if len(parts) == 1 else torch.cat(parts)

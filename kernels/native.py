@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from kernels import toolchain
-from kernels.layout import check_tensor_pairs
+from kernels.layout import RowIds, check_tensor_pairs, row_buffer
 
 __all__ = [
     "AddressPlan",
@@ -358,18 +358,18 @@ class AddressPlan:
         self.address = ctypes.addressof(self._plan)
 
 
-def descriptors(plan: AddressPlan, dst_rows: torch.Tensor, src_rows: torch.Tensor,
+def descriptors(plan: AddressPlan, dst_rows: RowIds, src_rows: RowIds,
                 merge: bool, check: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A job's descriptors over ``plan`` in one call: ``(dst, src, sizes)``, contiguous int64
-    (see ``kvspec_descriptors``); the row index tensors are contiguous 1-D int64 of one
-    length. Raises :class:`NativeCopyError` naming the first row out of range when ``check``
+    (see ``kvspec_descriptors``); the row indices are contiguous 1-D int64 tensors or arrays
+    of one length. Raises :class:`NativeCopyError` naming the first row out of range when ``check``
     (no descriptor is made)."""
-    n = int(dst_rows.shape[0])
+    dst_address, n = row_buffer(dst_rows)
     most = plan.num_tensors * n
     out = torch.empty(3, most, dtype=torch.int64)
     base = out.data_ptr()
     count = _library().kvspec_descriptors(
-        plan.address, dst_rows.data_ptr(), src_rows.data_ptr(), n, merge, check,
+        plan.address, dst_address, row_buffer(src_rows)[0], n, merge, check,
         base, base + 8 * most, base + 16 * most)
     if count < 0:
         i = -count - 1
@@ -400,19 +400,19 @@ class TensorPairs:
         """Bytes one row pair moves over all tensors."""
         self.dst_num_rows, self.src_num_rows = int(dst[0].shape[0]), int(src[0].shape[0])
 
-    def copy(self, dst_rows: torch.Tensor, src_rows: torch.Tensor,
-             num_threads: int | None = None) -> None:
-        """Every tensor's ``dst[dst_rows[i]] = src[src_rows[i]]`` in one call. The index
-        tensors are contiguous 1-D int64 CPU tensors of equal length (not checked here: the
-        callers build them so); their ranges are checked in C, before any byte moves."""
-        n = int(dst_rows.shape[0])
+    def copy(self, dst_rows: RowIds, src_rows: RowIds, num_threads: int | None = None) -> None:
+        """Every tensor's ``dst[dst_rows[i]] = src[src_rows[i]]`` in one call. The indices
+        are contiguous 1-D int64 CPU tensors or ``array('q')``s of equal length (not checked
+        here: the callers build them so); their ranges are checked in C, before any byte
+        moves."""
+        dst_address, n = row_buffer(dst_rows)
         nbytes = n * self.pair_bytes
         threads = 1
         if nbytes >= PARALLEL_MIN_BYTES:
             threads = num_threads if num_threads is not None else torch.get_num_threads()
         status = _library().kvspec_copy_planned(
-            self._addresses.address, dst_rows.data_ptr(), src_rows.data_ptr(), n, max(1, threads),
-            nbytes >= STREAM_MIN_BYTES)
+            self._addresses.address, dst_address, row_buffer(src_rows)[0], n,
+            max(1, threads), nbytes >= STREAM_MIN_BYTES)
         if status < 0:
             i = -status - 1
             raise NativeCopyError(
@@ -441,11 +441,11 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
     TensorPairs([dst], [src]).copy(dst_rows, src_rows, num_threads)
 
 
-def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: torch.Tensor,
-                   src_rows: torch.Tensor) -> None:
-    """:func:`copy_rows` for callers that already hold valid index tensors (contiguous 1-D
-    int64 of equal length: :mod:`kernels.copy` guarantees this), through a one-pair plan
-    (which checks the tensors); row ranges are checked in C."""
+def copy_byte_rows(dst: torch.Tensor, src: torch.Tensor, dst_rows: RowIds,
+                   src_rows: RowIds) -> None:
+    """:func:`copy_rows` for callers that already hold valid indices (contiguous 1-D int64
+    tensors or arrays of equal length: :mod:`kernels.copy` guarantees this), through a
+    one-pair plan (which checks the tensors); row ranges are checked in C."""
     TensorPairs([dst], [src]).copy(dst_rows, src_rows)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import random
 import struct
 
@@ -522,6 +523,16 @@ def test_run_analysis(pieces: list[tuple[int, int]], rnd: random.Random) -> None
     assert (m.num_src_runs, m.num_dst_runs, m.num_pair_runs) == (
         len(_oracle_runs(src)), len(_oracle_runs(dst)), len(pair_runs))
     assert (m.first_src, m.first_dst) == (src[0], dst[0])
+    # held as arrays (a short job's, by the engine): the same runs, tensors on demand, parts
+    held = RowMapping.of_block_rows(array.array("q", src), array.array("q", dst))
+    assert (held.first_src, held.first_dst, len(held)) == (src[0], dst[0], len(src))
+    assert [held.runs(side) for side in ("src", "dst", "pair")] == \
+        [m.runs(side) for side in ("src", "dst", "pair")]
+    assert held.src.tolist() == src and held.dst.tolist() == dst
+    start = rnd.randrange(len(src))
+    part = held.part(start, len(src) - start)
+    assert (part.src_ids.tolist(), part.dst_ids.tolist()) == (src[start:], dst[start:])
+    assert part.runs("pair") == m.part(start, len(src) - start).runs("pair")
 
 
 def test_index_kernels_need_a_shared_address_space() -> None:

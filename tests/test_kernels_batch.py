@@ -11,6 +11,7 @@ the same descriptors run through the compiled loop (``POLICIES`` in ``test_kerne
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 from pathlib import Path
@@ -94,6 +95,10 @@ def test_descriptors_match_the_oracle(case: tuple[list[int], list[int], list[int
                     strict=True)) == want
     assert got.nbytes == sum(got.sizes.tolist()) == len(src) * sum(pages)
     assert got.count == len(runs) * len(pages)
+    # rows held as arrays (a short job's, by the engine) give the same descriptors
+    held = plan.descriptors(array.array("q", dst), array.array("q", src), merge_runs=merge)
+    assert [t.tolist() for t in (held.dst, held.src, held.sizes)] == \
+        [t.tolist() for t in (got.dst, got.src, got.sizes)]
 
 
 def test_vllm_form_is_one_descriptor_per_block_and_tensor() -> None:
@@ -118,6 +123,8 @@ def test_rows_out_of_range_make_no_descriptor(compiled: bool) -> None:
         plan.descriptors(torch.tensor([0, 1]), torch.tensor([2, 6]))
     with pytest.raises(KernelSpecError, match=r"destination row -1 at position 0"):
         plan.descriptors(torch.tensor([-1]), torch.tensor([0]))
+    with pytest.raises(KernelSpecError, match=r"source row 6 at position 1 is out of range"):
+        plan.descriptors(array.array("q", [0, 1]), array.array("q", [2, 6]))
     with pytest.raises(KernelSpecError, match="one non-zero length"):
         plan.descriptors(torch.tensor([0, 1]), torch.tensor([0]))
 

@@ -20,6 +20,7 @@ from kernels import (
     copy_blocks_to_chunks,
     copy_chunks_to_blocks,
 )
+from kernels.layout import _PY_IDS_MAX, block_row_ids
 from tests.kernel_oracle import group_positions, oracle_load, oracle_store, sub_block
 from tests.test_kernels import POLICIES, assert_equal_all, random_kv
 
@@ -181,3 +182,45 @@ def test_grouped_round_trip_matches_the_oracle(
     assert_equal_all(cpu2, expected_cpu)
     assert_equal_all(gpu2, expected_gpu)
     engine.shutdown()
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_block_rows_follow_the_oracle_for_short_and_long_jobs(data: st.DataObject) -> None:
+    """A job's rows, computed in Python up to `_PY_IDS_MAX` blocks and with tensor ops
+    above it, are the oracle's (group, block, chunk, sub-block) positions: each group from
+    its own first chunk at its own skip. The engine's arrays and the public tensors agree."""
+    bpc = data.draw(st.integers(1, 5), label="bpc")
+    sizes = data.draw(st.lists(st.integers(0, 60), min_size=1, max_size=3)
+                      .filter(lambda s: sum(s) > 0), label="sizes")
+    starts = data.draw(st.lists(st.integers(0, 3 * bpc), min_size=len(sizes),
+                                max_size=len(sizes)), label="starts")
+    n = sum(sizes)
+    chunks = sum(-(-(size + start % bpc) // bpc) for size, start in zip(sizes, starts,
+                                                                      strict=True) if size)
+    gpu = data.draw(st.permutations(range(n + 4)))[:n]
+    cpu = data.draw(st.permutations(range(chunks + 4)))[:chunks]
+    spec = TransferSpec(gpu, cpu, group_sizes=sizes, block_indices=starts)
+    expected = [(b, chunk * bpc + sub) for _, b, chunk, sub in group_positions(spec, bpc)]
+    gpu_rows, cpu_rows = block_rows(spec, bpc, n + 4, chunks + 4)
+    assert list(zip(gpu_rows.tolist(), cpu_rows.tolist(), strict=True)) == expected
+    gpu_ids, cpu_ids = block_row_ids(spec, bpc, n + 4, chunks + 4)
+    assert list(zip(gpu_ids.tolist(), cpu_ids.tolist(), strict=True)) == expected
+    # a short job keeps arrays (no tensor made), a long one with chunks of several blocks
+    # tensors
+    assert isinstance(cpu_ids, torch.Tensor) == (bpc > 1 and n > _PY_IDS_MAX)
+
+
+def test_a_long_and_a_short_grouped_job_move_the_oracles_bytes() -> None:
+    """Both ways of computing a job's rows, through the engine and every policy."""
+    for sizes in ((2, 3), (_PY_IDS_MAX, 9)):  # 5 blocks; 73 blocks
+        n = sum(sizes)
+        spec = _grouped(sizes, (4, 5), list(range(n)), list(range(sum(
+            -(-(size + start % 4) // 4) for size, start in zip(sizes, (4, 5), strict=True)))))
+        for policy in POLICIES.values():
+            gpu, cpu = random_kv(LAYOUT, n, 40, seed=n)
+            expected = oracle_store(gpu, cpu, spec, 4, LAYOUT.groups)
+            with CopyEngine(gpu, cpu, 4, policy=policy, groups=LAYOUT.groups) as engine:
+                engine.submit_store(1, spec)
+                assert [r.success for r in engine.poll()] == [True]
+            assert_equal_all(cpu, expected)
