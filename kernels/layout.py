@@ -15,7 +15,9 @@ logical index of its first GPU block inside the request. The first
 ``skip = first_block_index % bpc`` sub-blocks of the first chunk are not part of the job; the
 ``i``-th GPU block maps to chunk ``cpu_chunks[(skip + i) // bpc]``, sub-block
 ``(skip + i) % bpc``. :func:`block_rows` validates a spec against a layout and returns the two
-row-index tensors (GPU rows, CPU sub-rows) that every copy of the job uses.
+row-index tensors (GPU rows, CPU sub-rows) that every copy of the job uses;
+:func:`block_row_ids` gives the same rows as the engine keeps them (int64 arrays for a short
+job: no tensor is made where the compiled copy runs it).
 
 KV cache groups (a hybrid model: full attention beside sliding-window layers). A layout names
 the KV tensors of each group (:attr:`KVLayout.groups`); a job of several groups lists its GPU
