@@ -121,7 +121,7 @@ class DescriptorPlan:
         sides move as one copy); else one per row and tensor (vLLM's form). Built in one call
         of the compiled builder where the plan has it, else with tensor ops. Rows are checked
         against the tensors first, unless ``rows_checked`` says the caller made them from ids
-        already checked against them (:func:`~kernels.layout.block_rows` does, for the
+        already checked against them (:func:`~kernels.layout.block_row_ids` does, for the
         engine's jobs)."""
         n = row_count(dst_rows)
         if n == 0 or row_count(src_rows) != n:
