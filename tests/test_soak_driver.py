@@ -19,6 +19,7 @@ from statemachine.mutants import MUTANTS
 from statemachine.mutants import by_name as mutant_by_name
 from statemachine.testing import (
     AsyncLoadDataPlaneStateMachine,
+    DefaultRetentionHybridDataPlaneStateMachine,
     OffloadingStateMachine,
     WindowDataPlaneStateMachine,
 )
@@ -151,6 +152,21 @@ def test_the_default_retention_machines_store_tails_alone_and_load_from_inside_c
         assert paths["loaded_blocks_verified"] > 0 and paths["loads_inside_a_chunk"] > 0, paths
         stored[machine.retention_interval] = paths["stored_blocks_verified"]
     assert 0 < stored[0] < stored[None], stored
+
+
+@pytest.mark.parametrize("window", [3, 5, 13])
+def test_the_default_retention_machines_hold_at_other_windows(window: int) -> None:
+    """The default-retention machines take a window of 10 tokens (2.5 blocks of 4); their
+    programs hold at other windows too (no violation, every block the byte oracle checks
+    intact): under a block (3), a block and a quarter (5), more than a chunk and a half
+    (13), each tail meeting the chunk edges otherwise."""
+    for base in (WindowDataPlaneStateMachine, DefaultRetentionHybridDataPlaneStateMachine):
+        machine = type(f"{base.__name__}Window{window}", (base,), {"sliding_window": window})
+        rng, paths = random.Random(window), Counter[str]()
+        for _ in range(12):
+            _, exc = soak._run_actions((), rng, 40, machine, paths)
+            assert exc is None, exc
+        assert paths["loaded_blocks_verified"] > 0, paths
 
 
 @pytest.mark.parametrize("name, seed, error, says, shrunk_to", [
