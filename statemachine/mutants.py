@@ -418,7 +418,8 @@ MUTANTS: tuple[Mutant, ...] = (
            _patch_in("kernels.layout", "Segment", "skip", _ignore_first_chunk_skip),
            data_plane_models=("hybrid",),
            data_plane_soak=("WindowDataPlaneStateMachine",
-                            "DefaultRetentionHybridDataPlaneStateMachine")),
+                            "DefaultRetentionHybridDataPlaneStateMachine",
+                            "NarrowWindowDataPlaneStateMachine")),
     Mutant("kernel-copies-into-first-group", "kernels", "GW:597-669 (per-group refs)",
            "the copy kernels copy every KV cache group's blocks in the first group's tensors: "
            "a sliding-window group's pages land in (and are read from) the full-attention "

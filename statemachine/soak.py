@@ -45,6 +45,7 @@ from statemachine.testing import (
     DefaultRetentionMambaDataPlaneStateMachine,
     HybridDataPlaneStateMachine,
     MambaDataPlaneStateMachine,
+    NarrowWindowDataPlaneStateMachine,
     OffloadingStateMachine,
     Release034AsyncLoadDataPlaneStateMachine,
     Release034DataPlaneStateMachine,
@@ -316,13 +317,13 @@ DATA_PLANE_MACHINES: tuple[type[DataPlaneStateMachine], ...] = (
     Release034DataPlaneStateMachine, AsyncLoadDataPlaneStateMachine,
     Release034AsyncLoadDataPlaneStateMachine, TightDataPlaneStateMachine,
     WindowDataPlaneStateMachine, DefaultRetentionHybridDataPlaneStateMachine,
-    DefaultRetentionMambaDataPlaneStateMachine)
+    DefaultRetentionMambaDataPlaneStateMachine, NarrowWindowDataPlaneStateMachine)
 """The data-plane soak takes its programs in turn over these (one KV cache group, full
 attention beside a sliding window, full attention beside a Mamba group, one group under
 vLLM 0.34.0's rules, one group whose hits all load asynchronously, under each release's
 rules, and the same over 10 GPU blocks, where the core preempts for room; then, at vLLM's
-default retention (0), a sliding window on every layer, and the window and Mamba groups
-beside full attention)."""
+default retention (0), a sliding window on every layer, the window and Mamba groups beside
+full attention, and a window on every layer narrower than a block)."""
 
 PATHS = ("loads_inside_a_chunk", "async_loads_scheduled", "loads_promoted",
          "async_loads_orphaned_by_reset", "stale_loads_failed", "failed_recving_recomputes",

@@ -906,6 +906,14 @@ class WindowDataPlaneStateMachine(DataPlaneStateMachine):
     program_weights: ClassVar[Mapping[str, int]] = {"new_request": 3, "step": 4}
 
 
+class NarrowWindowDataPlaneStateMachine(WindowDataPlaneStateMachine):
+    """`WindowDataPlaneStateMachine` with a window of 3 tokens, under one block: a tail is
+    one block, or two where the window straddles a block edge, so hits often load from
+    inside a chunk, at other offsets than the 10-token window's."""
+
+    sliding_window = 3
+
+
 class DefaultRetentionHybridDataPlaneStateMachine(WindowDataPlaneStateMachine):
     """Full attention beside `WindowDataPlaneStateMachine`'s window, at vLLM's default
     retention (0): full attention stores every chunk, the window group only the tail at

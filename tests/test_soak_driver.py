@@ -99,17 +99,19 @@ def test_a_seeded_fault_is_found_shrunk_and_named_by_its_first_violation() -> No
 def test_the_data_plane_soak_takes_turns_over_the_models_and_finds_group_faults() -> None:
     """The data-plane programs take turns over one group, a sliding window beside full
     attention, a Mamba group beside it, one group under vLLM 0.34.0's rules, the async-load
-    and tight machines, and, at vLLM's default retention (0), a window on every layer and
-    the window and Mamba groups beside full attention: a fault of the per-group copy is
-    found in a program of two groups, by the bytes, and named with that machine."""
+    and tight machines, and, at vLLM's default retention (0), a window on every layer, the
+    window and Mamba groups beside full attention, and a window narrower than a block on
+    every layer: a fault of the per-group copy is found in a program of two groups, by the
+    bytes, and named with that machine."""
     assert [(m.kv_model, m.retention_interval, str(m.connector_rules),
-             m.sync_load_budget_bytes, m.num_gpu_blocks)
+             m.sync_load_budget_bytes, m.num_gpu_blocks, m.sliding_window)
             for m in soak.DATA_PLANE_MACHINES] == [
-        ("full", None, "0.33", None, None), ("hybrid", None, "0.33", None, None),
-        ("mamba", None, "0.33", None, None), ("full", None, str(VLLM_0_34), None, None),
-        ("full", None, "0.33", 0, None), ("full", None, str(VLLM_0_34), 0, None),
-        ("full", None, "0.33", 0, 10), ("window", 0, "0.33", None, None),
-        ("hybrid", 0, "0.33", None, None), ("mamba", 0, "0.33", None, None)]
+        ("full", None, "0.33", None, None, 6), ("hybrid", None, "0.33", None, None, 6),
+        ("mamba", None, "0.33", None, None, 6), ("full", None, str(VLLM_0_34), None, None, 6),
+        ("full", None, "0.33", 0, None, 6), ("full", None, str(VLLM_0_34), 0, None, 6),
+        ("full", None, "0.33", 0, 10, 6), ("window", 0, "0.33", None, None, 10),
+        ("hybrid", 0, "0.33", None, None, 10), ("mamba", 0, "0.33", None, None, 10),
+        ("window", 0, "0.33", None, None, 3)]
     r = soak.soak_data_plane(0, 400, shrink_seconds=10, mutant="kernel-copies-into-first-group")
     [f] = r.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
@@ -191,7 +193,8 @@ def test_the_data_plane_soak_catches_the_mutants_that_say_so(
                                        "DefaultRetentionMambaDataPlaneStateMachine"),
         "stale-recving-promotes": ("AsyncLoadDataPlaneStateMachine",),
         "kernel-ignores-first-chunk-skip": ("WindowDataPlaneStateMachine",
-                                            "DefaultRetentionHybridDataPlaneStateMachine")}
+                                            "DefaultRetentionHybridDataPlaneStateMachine",
+                                            "NarrowWindowDataPlaneStateMachine")}
     m = soak.soak_data_plane(seed, 20_000, shrink_seconds=10, mutant=name)
     [f] = m.failures
     machine = soak.DATA_PLANE_MACHINES[f.program % len(soak.DATA_PLANE_MACHINES)]
