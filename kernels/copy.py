@@ -38,7 +38,6 @@ arithmetic), so any byte pattern, NaN payloads included, round-trips exactly.
 
 from __future__ import annotations
 
-import array
 import enum
 import functools
 from collections.abc import Sequence
@@ -56,6 +55,7 @@ from kernels.layout import (
     TransferSpec,
     block_rows,
     row_count,
+    row_span,
     row_tensor,
 )
 
@@ -100,13 +100,6 @@ class Strategy(enum.Enum):
 _PY_ANALYSIS_MAX = 128  # mappings up to this long are analyzed in Python, longer ones in torch
 
 _Side = Literal["src", "dst", "pair"]
-
-
-def _span(rows: RowIds, start: int, size: int) -> RowIds:
-    """Rows ``start .. start + size - 1`` (a tensor's are a view, an array's a copy)."""
-    if isinstance(rows, array.array):
-        return rows[start:start + size]
-    return rows.narrow(0, start, size)
 
 
 class RowMapping:
@@ -166,8 +159,8 @@ class RowMapping:
     def part(self, start: int, size: int) -> RowMapping:
         """Positions ``start .. start + size - 1`` of this mapping (one KV cache group's rows
         of a job); tensors are shared, arrays copied (a short job's)."""
-        return RowMapping.of_block_rows(_span(self.src_ids, start, size),
-                                        _span(self.dst_ids, start, size))
+        return RowMapping.of_block_rows(row_span(self.src_ids, start, size),
+                                        row_span(self.dst_ids, start, size))
 
     def __len__(self) -> int:
         return row_count(self.src_ids)

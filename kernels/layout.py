@@ -55,6 +55,7 @@ __all__ = [
     "default_device",
     "row_buffer",
     "row_count",
+    "row_span",
     "row_tensor",
 ]
 
@@ -231,6 +232,13 @@ def row_count(rows: RowIds) -> int:
     if isinstance(rows, array.array):
         return len(rows)
     return int(rows.shape[0])
+
+
+def row_span(rows: RowIds, start: int, size: int) -> RowIds:
+    """Rows ``start .. start + size - 1`` (a tensor's are a view, an array's a copy)."""
+    if isinstance(rows, array.array):
+        return rows[start:start + size]
+    return rows.narrow(0, start, size)
 
 
 def _id_array(name: str, ids: Sequence[int]) -> tuple[tuple[int, ...], array.array[int], int]:
